@@ -1,0 +1,33 @@
+# The two commands a newcomer needs: `make run` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+MODEL ?= models/tiny-qwen3
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install model test run bench-engine clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+model: install
+	@test -f $(MODEL)/config.json || $(BIN)/python scripts/make_tiny_model.py --arch qwen3 --size tiny --out $(MODEL)
+
+test: install model
+	$(BIN)/python -m pytest -q -x --durations=15
+
+run: install model
+	$(BIN)/serve run deployments/app.yaml
+
+bench-engine: install
+	@test -f models/bench-qwen3/config.json || $(BIN)/python scripts/make_tiny_model.py --arch qwen3 --size bench --dtype bfloat16 --out models/bench-qwen3
+	$(BIN)/python scripts/bench_engine.py --model models/bench-qwen3
+
+clean:
+	rm -rf $(VENV) models

@@ -1,0 +1,67 @@
+"""Validated configuration objects, one per concern. Units are in the names."""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _from_dict(cls, d: dict | None):
+    d = dict(d or {})
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError(f"{cls.__name__}: unknown keys {unknown}; known: {sorted(known)}")
+    return cls(**d)
+
+
+@dataclass
+class EngineConfig:
+    """One engine (one replica): model, device and KV budget."""
+
+    model: str
+    dtype: str = "auto"  # auto (the checkpoint's own), float32, bfloat16, float16
+    device: str = "cpu"  # cpu, cuda, cuda:N, auto
+    max_num_seqs: int = 32  # KV slots: the most sequences decoding at once
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    kv_block_size: int = 16
+    num_kv_blocks: int | None = None  # default: enough for every slot at max_model_len
+    max_waiting: int = 256  # bounded waiting queue
+    max_prefill_tokens: int = 4096  # prefill tokens admitted per step (at least one request)
+    num_threads: int | None = None  # torch intra-op threads
+    kv_export_layout: str = "LHTD"
+
+    def __post_init__(self):
+        if not self.model:
+            raise ConfigError("EngineConfig.model is required")
+        for name in ("max_num_seqs", "kv_block_size", "max_waiting", "max_prefill_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"EngineConfig.{name} must be an integer >= 1, got {v!r}")
+        for name in ("max_model_len", "num_kv_blocks", "num_threads"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ConfigError(f"EngineConfig.{name} must be None or an integer >= 1, got {v!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"EngineConfig.dtype must be auto/float32/bfloat16/float16, got {self.dtype!r}")
+        if self.kv_export_layout not in ("LHTD", "LTHD"):
+            raise ConfigError(f"EngineConfig.kv_export_layout must be LHTD or LTHD, got {self.kv_export_layout!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineConfig":
+        return _from_dict(cls, d)
+
+    def replace(self, **kw) -> "EngineConfig":
+        return EngineConfig(**{**asdict(self), **kw})
+
+
+def env_model(default: str) -> str:
+    """KEYACC_MODEL overrides the configured model (a local path or a hub id)."""
+    return os.environ.get("KEYACC_MODEL") or default
+
+
+def env_dtype(default: str) -> str:
+    return os.environ.get("KEYACC_DTYPE") or default

@@ -1,0 +1,41 @@
+"""KV block accounting. No torch: a replica's KV budget is a number of fixed-size token blocks.
+
+A sequence reserves blocks for its prompt plus every token it may generate when it is admitted,
+so it can never run out mid-decode: running out is a `False` at admission (the request waits),
+never an out-of-memory error. The same figure answers the offload policies' memory check.
+"""
+from __future__ import annotations
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        assert num_blocks > 0 and block_size > 0, f"bad block budget {num_blocks=} {block_size=}"
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._tables: dict[str, list[int]] = {}
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self.blocks_for(num_tokens) <= len(self._free)
+
+    def allocate(self, seq_id: str, num_tokens: int) -> bool:
+        """Reserve blocks for `num_tokens`; False (and nothing changed) if they do not fit."""
+        assert seq_id not in self._tables, f"{seq_id} already holds blocks"
+        n = self.blocks_for(num_tokens)
+        if n > len(self._free):
+            return False
+        self._tables[seq_id] = [self._free.pop() for _ in range(n)]
+        return True
+
+    def free(self, seq_id: str) -> None:
+        self._free.extend(reversed(self._tables.pop(seq_id, [])))
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return list(self._tables.get(seq_id, []))

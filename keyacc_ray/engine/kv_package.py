@@ -1,0 +1,85 @@
+"""A sequence's portable state: the KV hand-off between engines, devices and processes.
+
+A `KVPackage` is numpy arrays plus small metadata, so `ray.put` stores it in shared memory
+without pickling tensors and `ray.get` in another process is a zero-copy view. bfloat16 travels
+as a uint16 view (numpy has no bf16). `to_engine_tensors` is the explicit "reshape" step: it
+converts layout (head-major or token-major), dtype and device to what the importing engine
+uses, so decoding continues exactly where it stopped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+LAYOUTS = ("LHTD", "LTHD")  # [layers, kv_heads, tokens, head_dim] / [layers, tokens, kv_heads, head_dim]
+_WIRE = {torch.float32: (np.float32, None), torch.float16: (np.float16, None),
+         torch.bfloat16: (np.uint16, torch.uint16)}
+_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_FROM_NAME = {v: k for k, v in _NAMES.items()}
+
+
+@dataclass
+class KVMeta:
+    model_id: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name of the cached values
+    layout: str  # one of LAYOUTS
+    num_kv_tokens: int  # tokens of `token_ids` whose K/V the package holds
+    block_size: int  # the exporting engine's KV block size (informational)
+    source: str = ""  # device / replica that exported it
+
+
+@dataclass
+class KVPackage:
+    meta: KVMeta
+    keys: np.ndarray
+    values: np.ndarray
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: dict
+    rng_state: np.ndarray | None = None
+    emitted_text_chars: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.keys.nbytes + self.values.nbytes)
+
+
+def to_wire(t: torch.Tensor, layout: str) -> np.ndarray:
+    """[L, H, T, D] tensor on the CPU -> numpy in `layout`, bf16 as uint16."""
+    assert layout in LAYOUTS, f"unknown KV layout {layout!r}; known: {LAYOUTS}"
+    if layout == "LTHD":
+        t = t.permute(0, 2, 1, 3).contiguous()
+    _, view = _WIRE[t.dtype]
+    return (t.view(view) if view is not None else t).numpy()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _NAMES[dtype]
+
+
+def to_engine_tensors(pkg: KVPackage, dtype: torch.dtype, device: torch.device,
+                      expect: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Package arrays -> [L, H, T, D] tensors in the importer's dtype, on its device."""
+    m = pkg.meta
+    got = (m.num_layers, m.num_kv_heads, m.head_dim)
+    if got != expect:
+        raise ValueError(f"KV package shape (layers, kv_heads, head_dim)={got} does not match "
+                         f"this engine's model {expect}")
+    src_dtype = _FROM_NAME[m.dtype]
+
+    def convert(a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)  # shares memory with the (possibly read-only) object-store view
+        if src_dtype == torch.bfloat16:
+            t = t.view(torch.bfloat16)
+        if m.layout == "LTHD":
+            t = t.permute(0, 2, 1, 3)
+        return t.to(device=device, dtype=dtype)
+
+    return convert(pkg.keys), convert(pkg.values)

@@ -1,0 +1,250 @@
+"""The engine loop: schedule, run, postprocess. Synchronous and Ray-free; a Serve replica
+drives it from a background thread (see `keyacc_ray/serve/engine_loop.py`)."""
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+
+from keyacc_ray.config import EngineConfig
+from keyacc_ray.engine.blocks import BlockManager
+from keyacc_ray.engine.detok import IncrementalDetokenizer
+from keyacc_ray.engine.kv_package import KVMeta, KVPackage, dtype_name, to_engine_tensors, to_wire
+from keyacc_ray.engine.request import SamplingParams, Sequence, SeqStatus
+from keyacc_ray.engine.runner import ModelRunner
+from keyacc_ray.engine.sampling import Sampler
+from keyacc_ray.engine.scheduler import Scheduler
+from keyacc_ray.errors import InvalidRequest, ModelLoadError, Overloaded
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # new text, never a broken UTF-8 sequence
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    max_num_seqs: int
+    tokens_generated: int
+    device: str
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer=None):
+        from transformers import AutoTokenizer
+
+        self.config = config
+        try:
+            self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.model)
+        except Exception as e:  # noqa: BLE001
+            raise ModelLoadError(f"cannot load tokenizer for {config.model!r}: {e}", param="model") from e
+        self.runner = ModelRunner(config.model, config.dtype, config.device, config.max_num_seqs,
+                                  config.max_model_len, config.num_threads)
+        self.max_model_len = self.runner.max_model_len
+        num_blocks = config.num_kv_blocks or -(-config.max_num_seqs * self.max_model_len // config.kv_block_size)
+        self.blocks = BlockManager(num_blocks, config.kv_block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_waiting,
+                                   config.max_prefill_tokens)
+        self.sampler = Sampler()
+        self.seqs: dict[str, Sequence] = {}
+        self.detok: dict[str, IncrementalDetokenizer] = {}
+        eos = self.runner.hf_config.eos_token_id
+        gen_eos = getattr(getattr(self.runner.model, "generation_config", None), "eos_token_id", None)
+        self.eos_ids = {e for x in (eos, gen_eos, self.tokenizer.eos_token_id) if x is not None
+                        for e in (x if isinstance(x, (list, tuple)) else [x])}
+        self.tokens_generated = 0
+
+    # ---- requests ----------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        return list(prompt)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if any(not isinstance(t, int) or t < 0 or t >= self.runner.vocab_size for t in prompt_ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.runner.vocab_size})", param="prompt")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
+                                 f"{self.max_model_len} tokens", param="prompt", code="context_length_exceeded")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                                 f"exceeds the context of {self.max_model_len} tokens",
+                                 param="max_tokens", code="context_length_exceeded")
+        need = self.blocks.blocks_for(len(prompt_ids) + params.max_tokens)
+        if need > self.blocks.num_blocks:
+            raise InvalidRequest(f"the request needs {need} KV blocks; this replica has "
+                                 f"{self.blocks.num_blocks} in all", param="max_tokens")
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        if request_id in self.seqs:
+            raise InvalidRequest(f"duplicate request id {request_id!r}")
+        prompt_ids = self.tokenize(prompt)
+        self.validate(prompt_ids, params)
+        seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params)
+        self._enqueue(seq, rng_state=None)
+        return seq
+
+    def _enqueue(self, seq: Sequence, rng_state) -> None:
+        if not self.scheduler.add(seq):
+            raise Overloaded(f"the engine's waiting queue is full ({self.config.max_waiting})")
+        self.seqs[seq.request_id] = seq
+        self.sampler.add(seq.request_id, seq.params, rng_state)
+        self.detok[seq.request_id] = IncrementalDetokenizer(
+            self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], seq.params.stop,
+            seq.output_token_ids, seq.emitted_text_chars)
+
+    def abort(self, request_id: str) -> None:
+        seq = self.seqs.get(request_id)
+        if seq is not None:
+            self._finish(seq, SeqStatus.FINISHED_ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    # ---- the step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        new_tokens: list[tuple[Sequence, int]] = []
+        if sched.decode:
+            rows = sorted(sched.decode, key=lambda s: self.runner.slot_of(s.request_id))
+            logits = self.runner.decode([s.token_ids[-1] for s in rows], [s.num_cached for s in rows])
+            ids = self.sampler.sample(logits, [s.request_id for s in rows], [s.params for s in rows])
+            for s, t in zip(rows, ids):
+                s.num_cached += 1
+                new_tokens.append((s, t))
+        for s in sched.admitted:
+            self.runner.alloc_slot(s.request_id)
+            if s.imported is not None:
+                self._write_imported(s)
+            logits = self.runner.extend(s.request_id, s.token_ids[s.num_cached:], s.num_cached)
+            s.num_cached = s.num_tokens
+            new_tokens.append((s, self.sampler.sample(logits[None], [s.request_id], [s.params])[0]))
+        return [self._postprocess(s, t) for s, t in new_tokens]
+
+    def _postprocess(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.token_ids.append(token)
+        self.tokens_generated += 1
+        p = seq.params
+        status = None
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            status = SeqStatus.FINISHED_STOPPED
+        elif self.detok[seq.request_id].step(token):
+            status = SeqStatus.FINISHED_STOPPED
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            status = SeqStatus.FINISHED_LENGTH
+        text = self.detok[seq.request_id].take(final=status is not None)
+        out = RequestOutput(seq.request_id, [token], text, status is not None,
+                            status.finish_reason if status else None,
+                            seq.num_prompt_tokens, seq.num_output_tokens)
+        if status is not None:
+            self._finish(seq, status)
+        return out
+
+    def _finish(self, seq: Sequence, status: SeqStatus) -> None:
+        if seq.status == SeqStatus.RUNNING:
+            self.runner.free_slot(seq.request_id)
+        self.scheduler.finish(seq, status)
+        self.seqs.pop(seq.request_id, None)
+        self.sampler.remove(seq.request_id)
+        self.detok.pop(seq.request_id, None)
+
+    # ---- hand-off ----------------------------------------------------------------------
+    def export_request(self, request_id: str, layout: str | None = None, source: str = "") -> KVPackage:
+        """Remove a sequence from this engine and return its full state as a KVPackage."""
+        seq = self.seqs[request_id]
+        layout = layout or self.config.kv_export_layout
+        if seq.status == SeqStatus.RUNNING or seq.imported is None:
+            s = self.runner.kv_shape
+            n = seq.num_cached if seq.status == SeqStatus.RUNNING else 0
+            k, v = self.runner.read_kv(request_id, n)
+            meta = KVMeta(self.config.model, s.num_layers, s.num_kv_heads, s.head_dim, dtype_name(s.dtype),
+                          layout, n, self.config.kv_block_size, source or str(self.runner.device))
+            keys, values = to_wire(k, layout), to_wire(v, layout)
+        else:  # still waiting with an imported package: pass its arrays on untouched
+            meta, keys, values = seq.imported.meta, seq.imported.keys, seq.imported.values
+        pkg = KVPackage(meta, keys, values, request_id, list(seq.token_ids), seq.num_prompt_tokens,
+                        seq.params.to_dict(), self.sampler.state(request_id), self.detok[request_id].emitted)
+        self._finish(seq, SeqStatus.FINISHED_EXPORTED)
+        return pkg
+
+    def _kv_dims(self) -> tuple[int, int, int]:
+        s = self.runner.kv_shape
+        return (s.num_layers, s.num_kv_heads, s.head_dim)
+
+    def import_request(self, pkg: KVPackage, request_id: str | None = None,
+                       params: SamplingParams | None = None) -> Sequence:
+        """Queue a sequence exported by another engine; it continues exactly where it stopped.
+        `params` may replace the sampling parameters (e.g. a smaller max_tokens for one period)."""
+        rid = request_id or pkg.request_id
+        if rid in self.seqs:
+            raise InvalidRequest(f"duplicate request id {rid!r}")
+        dims = self._kv_dims()
+        got = (pkg.meta.num_layers, pkg.meta.num_kv_heads, pkg.meta.head_dim)
+        if got != dims:
+            raise InvalidRequest(f"KV package for {got} (layers, kv_heads, head_dim) cannot continue "
+                                 f"on this engine's model {dims}")
+        params = params or SamplingParams(**pkg.params)
+        seq = Sequence(rid, list(pkg.token_ids), pkg.num_prompt_tokens, params,
+                       emitted_text_chars=pkg.emitted_text_chars)
+        seq.imported = pkg if pkg.meta.num_kv_tokens > 0 else None
+        if seq.num_output_tokens >= params.max_tokens:
+            raise InvalidRequest("the imported sequence has no tokens left to generate", param="max_tokens")
+        self.validate(seq.token_ids[:seq.num_prompt_tokens], params)
+        self._enqueue(seq, rng_state=pkg.rng_state)
+        return seq
+
+    def _write_imported(self, seq: Sequence) -> None:
+        pkg = seq.imported
+        with warnings.catch_warnings():  # object-store views are read-only; we only read them
+            warnings.simplefilter("ignore", UserWarning)
+            k, v = to_engine_tensors(pkg, self.runner.dtype, self.runner.device, self._kv_dims())
+        self.runner.write_kv(seq.request_id, k, v)
+        seq.num_cached = pkg.meta.num_kv_tokens
+        seq.imported = None
+
+    # ---- introspection -----------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting,
+                           self.blocks.num_free_blocks, self.blocks.num_blocks, self.blocks.block_size,
+                           self.config.max_num_seqs, self.tokens_generated, self.runner.device_label())
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Would a sequence of `num_tokens` (prompt + remaining) get its blocks right now?"""
+        return (self.blocks.can_allocate(num_tokens)
+                and self.scheduler.num_running + self.scheduler.num_waiting < self.config.max_num_seqs)
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],
+                 timeout_s: float = 600.0) -> list[list[int]]:
+        """Convenience: run prompts to completion; returns each request's output token ids."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        outs: dict[str, list[int]] = {i: [] for i in ids}
+        for i, p, sp in zip(ids, prompts, plist):
+            self.add_request(i, p, sp)
+        deadline = time.monotonic() + timeout_s
+        while any(i in self.seqs for i in ids):
+            assert time.monotonic() < deadline, "generate() timed out"
+            for o in self.step():
+                if o.request_id in outs:
+                    outs[o.request_id].extend(o.new_token_ids)
+        return [outs[i] for i in ids]

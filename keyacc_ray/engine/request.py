@@ -1,0 +1,121 @@
+"""Request state: sampling parameters, the ordered status enum, and a running sequence."""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from keyacc_ray.errors import InvalidRequest
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_SEED = 2**63 - 1
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters. `temperature == 0` means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> "SamplingParams":
+        def bad(msg: str, param: str) -> InvalidRequest:
+            return InvalidRequest(msg, param=param)
+
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
+        for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(f"{name} must be a number, got {v!r}", name)
+        if not 0.0 <= self.temperature <= 2.0:
+            raise bad(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad(f"top_k must be an integer >= -1, got {self.top_k!r}", "top_k")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -MAX_SEED <= self.seed <= MAX_SEED):
+            raise bad(f"seed must be an integer in [-2^63+1, 2^63-1], got {self.seed!r}", "seed")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop must be a non-empty string or a list of non-empty strings", "stop")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise bad(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_CHARS} "
+                      "characters each", "stop")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids must be non-negative integers", "stop_token_ids")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class SeqStatus(enum.IntEnum):
+    """Ordered: everything >= FINISHED_STOPPED is finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_STOPPED = 2
+    FINISHED_LENGTH = 3
+    FINISHED_ABORTED = 4
+    FINISHED_EXPORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= SeqStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {SeqStatus.FINISHED_STOPPED: "stop", SeqStatus.FINISHED_LENGTH: "length",
+                SeqStatus.FINISHED_ABORTED: "abort", SeqStatus.FINISHED_EXPORTED: "migrated"}.get(self)
+
+
+@dataclass
+class Sequence:
+    """One request inside an engine. `num_cached` tokens of `token_ids` have KV in the cache;
+    the rest (at least one while running) are fed by the next forward."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    status: SeqStatus = SeqStatus.WAITING
+    num_cached: int = 0
+    imported: Any = None  # a KVPackage waiting to be written into a slot on admission
+    # Tokens this engine produced, and where the output text stands (for hand-offs).
+    emitted_text_chars: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Prompt plus every token it may still generate: what admission reserves."""
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.token_ids) - self.num_cached

@@ -1,0 +1,208 @@
+"""The model forward on one device: every torch / CUDA detail of the engine lives here.
+
+Any transformers decoder-only model runs unmodified. Its attention layers only call
+`cache.update(key, value, layer_idx)` and attend over what it returns, so `SlotKVCache` hands
+them views of a preallocated buffer per layer, `[slots, kv_heads, max_len, head_dim]`, and we
+pass a ready 4D additive mask (transformers uses a prepared 4D mask as it is) plus explicit
+per-row positions. Running sequences occupy slots 0..n-1 (a freed slot is refilled by moving
+the last one), so the batched decode attends over plain views: no gather copy, no `torch.cat`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from keyacc_ray.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+@dataclass(frozen=True)
+class KVShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+class SlotKVCache:
+    """Duck-typed transformers cache over preallocated per-layer slot buffers."""
+
+    is_compileable = False
+
+    def __init__(self, shape: KVShape, num_slots: int, max_len: int, device: torch.device):
+        dims = (num_slots, shape.num_kv_heads, max_len, shape.head_dim)
+        self.k = [torch.zeros(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+        self.v = [torch.zeros(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+        self._mode = None
+
+    # Set by the runner before each forward.
+    def bind_decode(self, rows: int, positions: torch.Tensor, kv_len: int) -> None:
+        self._mode = ("decode", rows, positions, torch.arange(rows, device=positions.device), kv_len)
+
+    def bind_extend(self, slot: int, start: int, kv_len: int) -> None:
+        self._mode = ("extend", slot, start, None, kv_len)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        kind, a, b, rows_idx, kv_len = self._mode
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        if kind == "decode":  # a = rows, b = positions [rows]
+            k[rows_idx, :, b, :] = key_states[:, :, 0, :]
+            v[rows_idx, :, b, :] = value_states[:, :, 0, :]
+            return k[:a, :, :kv_len], v[:a, :, :kv_len]
+        t = key_states.shape[2]  # extend: a = slot, b = start position
+        k[a, :, b:b + t] = key_states[0]
+        v[a, :, b:b + t] = value_states[0]
+        return k[a:a + 1, :, :kv_len], v[a:a + 1, :, :kv_len]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+class ModelRunner:
+    def __init__(self, model: str, dtype: str, device: str, num_slots: int, max_model_len: int | None,
+                 num_threads: int | None = None):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.device = resolve_device(device)
+        try:
+            hf_config = AutoConfig.from_pretrained(model)
+        except Exception as e:  # noqa: BLE001 - any loader failure is the user's path/id
+            raise ModelLoadError(f"cannot load model {model!r}: {e}", param="model") from e
+        if dtype == "auto":
+            torch_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+            torch_dtype = DTYPES.get(str(torch_dtype).replace("torch.", ""), torch.float32)
+        else:
+            torch_dtype = DTYPES[dtype]
+        if self.device.type == "cpu" and torch_dtype == torch.float16:
+            log.warning("float16 on CPU is slow; consider bfloat16")
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model, dtype=torch_dtype, attn_implementation="sdpa").to(self.device).eval()
+        cfg = self.model.config
+        self.hf_config = cfg
+        self.dtype = torch_dtype
+        self.vocab_size = cfg.vocab_size
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.kv_shape = KVShape(cfg.num_hidden_layers, n_kv, head_dim, torch_dtype)
+        limit = getattr(cfg, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(max_model_len or limit, limit)
+        self.layer_types = getattr(cfg, "layer_types", None)
+        self.sliding_window = getattr(cfg, "sliding_window", None)
+        self.num_slots = num_slots
+        self.cache = SlotKVCache(self.kv_shape, num_slots, self.max_model_len, self.device)
+        self._slot_of: dict[str, int] = {}
+        self._owner: list[str | None] = [None] * num_slots
+        self._min = torch.finfo(torch_dtype).min
+
+    # ---- slots -------------------------------------------------------------------------
+    @property
+    def num_used_slots(self) -> int:
+        return len(self._slot_of)
+
+    def slot_of(self, request_id: str) -> int:
+        return self._slot_of[request_id]
+
+    def alloc_slot(self, request_id: str) -> int:
+        slot = len(self._slot_of)
+        assert slot < self.num_slots, "no free KV slot: the scheduler admitted too many"
+        self._slot_of[request_id] = slot
+        self._owner[slot] = request_id
+        return slot
+
+    def free_slot(self, request_id: str) -> None:
+        slot = self._slot_of.pop(request_id)
+        last = len(self._slot_of)  # index of the last used slot before the pop
+        if slot != last:
+            moved = self._owner[last]
+            for buf in (*self.cache.k, *self.cache.v):
+                buf[slot].copy_(buf[last])
+            self._slot_of[moved] = slot
+            self._owner[slot] = moved
+        self._owner[last] = None
+
+    def read_kv(self, request_id: str, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one sequence as [layers, kv_heads, tokens, head_dim] on the CPU."""
+        if num_tokens == 0:
+            shape = self.kv_shape
+            empty = torch.empty((shape.num_layers, shape.num_kv_heads, 0, shape.head_dim), dtype=shape.dtype)
+            return empty, empty.clone()
+        s = self._slot_of[request_id]
+        k = torch.stack([b[s, :, :num_tokens] for b in self.cache.k]).cpu()
+        v = torch.stack([b[s, :, :num_tokens] for b in self.cache.v]).cpu()
+        return k, v
+
+    def write_kv(self, request_id: str, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [layers, kv_heads, tokens, head_dim] in this cache's dtype, any device."""
+        s = self._slot_of[request_id]
+        n = k.shape[2]
+        for layer, (kb, vb) in enumerate(zip(self.cache.k, self.cache.v)):
+            kb[s, :, :n].copy_(k[layer], non_blocking=True)
+            vb[s, :, :n].copy_(v[layer], non_blocking=True)
+
+    # ---- forward -----------------------------------------------------------------------
+    def _masks(self, q_pos: torch.Tensor, kv_len: int):
+        """Additive masks [rows, 1, q, kv_len] for query positions q_pos [rows, q]."""
+        j = torch.arange(kv_len, device=self.device)
+        allowed = j[None, None, :] <= q_pos[:, :, None]
+
+        def to_mask(ok):
+            m = torch.zeros(ok.shape, dtype=self.dtype, device=self.device)
+            return m.masked_fill_(~ok, self._min)[:, None]
+
+        full = to_mask(allowed)
+        if self.layer_types and "sliding_attention" in self.layer_types:
+            window = allowed & (j[None, None, :] > q_pos[:, :, None] - self.sliding_window)
+            return {"full_attention": full, "sliding_attention": to_mask(window)}
+        if self.layer_types is None and self.sliding_window:
+            return to_mask(allowed & (j[None, None, :] > q_pos[:, :, None] - self.sliding_window))
+        return full
+
+    @torch.inference_mode()
+    def extend(self, request_id: str, token_ids: list[int], start: int) -> torch.Tensor:
+        """Feed `token_ids` at positions start.. into the sequence's slot; logits of the last."""
+        slot = self._slot_of[request_id]
+        t = len(token_ids)
+        pos = torch.arange(start, start + t, device=self.device)[None]
+        self.cache.bind_extend(slot, start, start + t)
+        out = self.model(input_ids=torch.tensor([token_ids], device=self.device), position_ids=pos,
+                         attention_mask=self._masks(pos, start + t), cache=self.cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1]
+
+    @torch.inference_mode()
+    def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """One batched step for slots 0..len-1 (in slot order); logits [rows, vocab]."""
+        rows = len(token_ids)
+        assert rows <= self.num_used_slots
+        pos = torch.tensor(positions, device=self.device)
+        kv_len = max(positions) + 1
+        self.cache.bind_decode(rows, pos, kv_len)
+        out = self.model(input_ids=torch.tensor(token_ids, device=self.device)[:, None],
+                         position_ids=pos[:, None], attention_mask=self._masks(pos[:, None], kv_len),
+                         cache=self.cache, use_cache=True)
+        return out.logits[:, -1]
+
+    # ---- device facts ------------------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        s = self.kv_shape
+        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.finfo(s.dtype).bits // 8
+
+    def device_label(self) -> str:
+        if self.device.type == "cuda":
+            return f"cuda:{torch.cuda.get_device_name(self.device)}"
+        return f"cpu ({os.cpu_count()} cores visible, torch threads {torch.get_num_threads()})"

@@ -1,0 +1,54 @@
+"""Token sampling. Greedy rows take a batched argmax; sampled rows each use their own CPU
+generator, so a seeded request draws the same tokens whatever else is in the batch and on
+whichever device its logits were computed; the generator state travels in a KV package."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from keyacc_ray.engine.request import SamplingParams
+
+
+class Sampler:
+    def __init__(self):
+        self._gens: dict[str, torch.Generator] = {}
+
+    def add(self, request_id: str, params: SamplingParams, state: np.ndarray | None = None) -> None:
+        g = torch.Generator(device="cpu")
+        if state is not None:
+            g.set_state(torch.from_numpy(np.ascontiguousarray(state, dtype=np.uint8)))
+        else:
+            seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(63)
+            g.manual_seed(seed % 2**64)
+        self._gens[request_id] = g
+
+    def remove(self, request_id: str) -> None:
+        self._gens.pop(request_id, None)
+
+    def state(self, request_id: str) -> np.ndarray:
+        return self._gens[request_id].get_state().numpy().copy()
+
+    def sample(self, logits: torch.Tensor, request_ids: list[str],
+               params: list[SamplingParams]) -> list[int]:
+        """logits: [B, vocab] on any device; returns one token id per row."""
+        out = logits.argmax(dim=-1).tolist()
+        for i, p in enumerate(params):
+            if not p.greedy:
+                out[i] = self._sample_row(logits[i].float().cpu(), p, self._gens[request_ids[i]])
+        return out
+
+    @staticmethod
+    def _sample_row(row: torch.Tensor, p: SamplingParams, g: torch.Generator) -> int:
+        row = row / p.temperature
+        if p.top_k and p.top_k > 0 and p.top_k < row.numel():
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, idx = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < p.top_p
+            keep[0] = True
+            probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
+        return int(torch.multinomial(probs, 1, generator=g).item())
