@@ -20,6 +20,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text = ""
         self.emitted = 0
+        self.stopped = False
         for t in output_ids:  # rebuild the state of a sequence imported mid-decode
             self._append(t)
         self.emitted = emitted_chars
@@ -45,11 +46,17 @@ class IncrementalDetokenizer:
             hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
             if hits:
                 self.text = self.text[:min(hits)]
+                self.stopped = True
                 return True
         return False
 
     def take(self, final: bool) -> str:
-        """The text not yet emitted; while not final, keep the stop-string holdback."""
+        """The text not yet emitted; while not final, keep the stop-string holdback. The
+        final take also flushes undecodable trailing bytes (as U+FFFD, as `decode` would)."""
+        if final and not self.stopped and self.read_offset < len(self.ids):
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            self.text += self._decode(self.ids[self.prefix_offset:])[len(prefix):]
+            self.read_offset = len(self.ids)
         end = len(self.text) if final else max(self.emitted, len(self.text) - self.holdback)
         delta = self.text[self.emitted:end]
         self.emitted = end

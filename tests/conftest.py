@@ -1,0 +1,28 @@
+"""Shared fixtures: tiny models made by scripts/make_tiny_model.py (no downloads)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_model(arch: str) -> str:
+    out = ROOT / "models" / f"tiny-{arch}"
+    if not (out / "config.json").exists():
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), "--arch", arch,
+                        "--size", "tiny", "--out", str(out)], check=True, timeout=300)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def qwen3_path() -> str:
+    return tiny_model("qwen3")
+
+
+@pytest.fixture(scope="session")
+def llama_path() -> str:
+    return tiny_model("llama")
