@@ -89,6 +89,8 @@ def main() -> None:
     hidden, inter, layers, heads, kv_heads, head_dim, vocab, max_pos = SIZES[args.size]
     tokenizer = build_tokenizer(vocab, max_pos)
     cls_name, extra = ARCHS[args.arch]
+    if args.size == "bench" and args.arch in ("qwen3", "qwen2"):
+        extra = {**extra, "tie_word_embeddings": True}  # as the small Qwen checkpoints ship
     config = getattr(transformers, cls_name)(
         vocab_size=vocab,
         hidden_size=hidden,

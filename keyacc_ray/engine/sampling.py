@@ -18,7 +18,7 @@ class Sampler:
     def add(self, request_id: str, params: SamplingParams, state: np.ndarray | None = None) -> None:
         g = torch.Generator(device="cpu")
         if state is not None:
-            g.set_state(torch.from_numpy(np.ascontiguousarray(state, dtype=np.uint8)))
+            g.set_state(torch.tensor(np.asarray(state, dtype=np.uint8)))  # a copy: object-store views are read-only
         else:
             seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(63)
             g.manual_seed(seed % 2**64)

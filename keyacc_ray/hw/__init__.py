@@ -1,0 +1,1 @@
+"""Hardware facts: NUMA topology, GPUs (pynvml), CPU load (psutil)."""

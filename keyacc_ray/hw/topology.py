@@ -1,0 +1,80 @@
+"""NUMA nodes from /sys (falling back to one node), GPUs by pynvml where present."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+NODE_ROOT = Path("/sys/devices/system/node")
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11]"""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+@dataclass
+class NumaNode:
+    node_id: int
+    cpus: list[int]
+    mem_total_bytes: int | None
+
+
+def numa_nodes(root: Path = NODE_ROOT) -> list[NumaNode]:
+    nodes = []
+    for d in sorted(root.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
+        try:
+            cpus = parse_cpulist((d / "cpulist").read_text())
+        except OSError:
+            continue
+        mem = None
+        try:
+            for line in (d / "meminfo").read_text().splitlines():
+                if "MemTotal" in line:
+                    mem = int(line.split()[-2]) * 1024
+        except OSError:
+            pass
+        if cpus:
+            nodes.append(NumaNode(int(d.name[4:]), cpus, mem))
+    if not nodes:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        nodes = [NumaNode(0, cpus, None)]
+    return nodes
+
+
+def gpu_info() -> dict:
+    """GPU utilisation and memory by pynvml; `available: False` (with the reason) where none."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as e:  # noqa: BLE001 - no driver, no library, no device
+        return {"available": False, "reason": f"pynvml: {e.__class__.__name__}: {e}"}
+    try:
+        gpus = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            util = pynvml.nvmlDeviceGetUtilizationRates(h)
+            gpus.append({"index": i, "name": str(pynvml.nvmlDeviceGetName(h)), "util_pct": util.gpu,
+                         "mem_used_bytes": mem.used, "mem_free_bytes": mem.free, "mem_total_bytes": mem.total})
+        return {"available": bool(gpus), "gpus": gpus}
+    except Exception as e:  # noqa: BLE001
+        return {"available": False, "reason": f"pynvml: {e}"}
+
+
+def cpu_load_per_numa(nodes: list[NumaNode] | None = None) -> list[dict]:
+    import psutil
+
+    per_cpu = psutil.cpu_percent(percpu=True)
+    out = []
+    for n in nodes or numa_nodes():
+        vals = [per_cpu[c] for c in n.cpus if c < len(per_cpu)]
+        out.append({"node": n.node_id, "cpus": len(n.cpus), "util_pct": sum(vals) / max(1, len(vals))})
+    return out

@@ -1,0 +1,133 @@
+"""The app builder: validates the config and binds the Serve graph
+
+    Ingress -> Router -> {GpuPrefill, GpuDecode, CpuDecode}   (+ the LoadMonitor actor)
+
+`deployments/app.yaml` names `keyacc_ray.serve.app:build_app` in its import_path.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from keyacc_ray.config import ConfigError, EngineConfig, _from_dict, env_dtype, env_model
+
+log = logging.getLogger("ray.serve")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class PoolConfig:
+    """One pool's engines and Serve resources."""
+
+    device: str = "cpu"
+    replicas: int = 1
+    max_num_seqs: int = 16
+    kv_block_size: int = 16
+    num_kv_blocks: int | None = None
+    num_threads: int | None = 1
+    num_cpus: float = 0.5
+    num_gpus: float | None = None  # None: 0.5 per GPU replica when the cluster has GPUs
+    max_ongoing_requests: int = 512
+    max_queued_requests: int = 1024
+    max_waiting: int = 256
+    emulate_if_no_cuda: bool = True
+
+    def __post_init__(self):
+        if self.replicas < 1 or self.max_num_seqs < 1 or self.num_cpus < 0:
+            raise ConfigError(f"PoolConfig: replicas/max_num_seqs must be >= 1 and num_cpus >= 0, got {self}")
+
+
+@dataclass
+class AppConfig:
+    model: str = "models/tiny-qwen3"
+    dtype: str = "auto"
+    served_model_name: str | None = None
+    max_model_len: int | None = 1024
+    policy: str = "gpu_only"
+    policy_options: dict = field(default_factory=dict)
+    allow_route_pinning: bool = True
+    max_body_bytes: int = 1 << 20
+    gpu: PoolConfig = field(default_factory=lambda: PoolConfig(device="auto", max_num_seqs=8, num_kv_blocks=48))
+    cpu: PoolConfig = field(default_factory=PoolConfig)
+    router_num_cpus: float = 0.1
+    ingress_num_cpus: float = 0.1
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "AppConfig":
+        d = dict(d or {})
+        pools = {k: _from_dict(PoolConfig, d.pop(k)) for k in ("gpu", "cpu") if k in d}
+        cfg = _from_dict(cls, d)
+        for k, v in pools.items():
+            setattr(cfg, k, v)
+        cfg.model = resolve_model(env_model(cfg.model))
+        cfg.dtype = env_dtype(cfg.dtype)
+        cfg.served_model_name = cfg.served_model_name or os.path.basename(cfg.model.rstrip("/")) or cfg.model
+        from keyacc_ray.policies import make_policy
+
+        make_policy(cfg.policy, cfg.policy_options)  # fails here, with the known names, if wrong
+        return cfg
+
+    def engine(self, pool: PoolConfig) -> dict:
+        return asdict(EngineConfig(model=self.model, dtype=self.dtype, device=pool.device,
+                                   max_num_seqs=pool.max_num_seqs, max_model_len=self.max_model_len,
+                                   kv_block_size=pool.kv_block_size, num_kv_blocks=pool.num_kv_blocks,
+                                   max_waiting=pool.max_waiting, num_threads=pool.num_threads))
+
+
+def resolve_model(model: str) -> str:
+    """A relative local path is resolved against the working directory, then the repo root, so
+    replicas (whose working directory differs) find it; anything else is a hub id."""
+    p = Path(model).expanduser()
+    if p.is_absolute():
+        return str(p)
+    for base in (Path.cwd(), REPO_ROOT):
+        if (base / p).exists():
+            return str((base / p).resolve())
+    return model
+
+
+def _max_model_len(cfg: AppConfig) -> int:
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(cfg.model)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"cannot load model {cfg.model!r}: {e}") from e
+    limit = getattr(hf, "max_position_embeddings", None) or 2048
+    return min(cfg.max_model_len or limit, limit)
+
+
+def build_app(args: dict | None = None):
+    import ray
+    from ray import serve
+
+    from keyacc_ray.serve.ingress import Ingress
+    from keyacc_ray.serve.pools import CpuDecode, GpuDecode, GpuPrefill
+    from keyacc_ray.serve.router import Router
+
+    cfg = AppConfig.from_dict(args)
+    max_len = _max_model_len(cfg)
+    has_gpu = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+    gpu_gpus = cfg.gpu.num_gpus if cfg.gpu.num_gpus is not None else (0.5 if has_gpu else 0)
+    if not has_gpu:
+        log.warning("keyacc: no GPU in the cluster: the GPU pools run on CPU cores with an emulated "
+                    "KV budget (%s blocks)", cfg.gpu.num_kv_blocks)
+
+    def pool(cls, name: str, p: PoolConfig, num_gpus: float):
+        return serve.deployment(cls, name=name).options(
+            num_replicas=p.replicas, max_ongoing_requests=p.max_ongoing_requests,
+            max_queued_requests=p.max_queued_requests, health_check_period_s=5,
+            ray_actor_options={"num_cpus": p.num_cpus, "num_gpus": num_gpus},
+        ).bind(cfg.engine(p), name, p.emulate_if_no_cuda)
+
+    gpu_prefill = pool(GpuPrefill, "GpuPrefill", cfg.gpu, gpu_gpus)
+    gpu_decode = pool(GpuDecode, "GpuDecode", cfg.gpu, gpu_gpus)
+    cpu_decode = pool(CpuDecode, "CpuDecode", cfg.cpu, 0)
+    router = serve.deployment(Router, name="Router").options(
+        max_ongoing_requests=4096, ray_actor_options={"num_cpus": cfg.router_num_cpus},
+    ).bind(gpu_prefill, gpu_decode, cpu_decode, cfg.policy, cfg.policy_options, cfg.allow_route_pinning)
+    return serve.deployment(Ingress, name="Ingress").options(
+        max_ongoing_requests=4096, ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
+    ).bind(router, cfg.model, cfg.served_model_name, max_len, cfg.allow_route_pinning, cfg.max_body_bytes)

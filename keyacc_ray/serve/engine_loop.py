@@ -1,0 +1,171 @@
+"""Drive an LLMEngine from a background thread and stream its outputs to asyncio callers.
+
+The thread owns the engine: it takes commands from an inbox between steps (add, import, abort),
+runs `engine.step()` while there is work (torch releases the GIL, so the replica's event loop
+stays responsive), and hands each step's outputs to the waiting streams. A caller reads a
+batch of everything produced since its last read, so a slow reader gets bigger chunks instead
+of one round trip per token. A sequence with `export_after=N` is exported right after its Nth
+token on this engine and its stream ends with the hand-off. No Ray here: the pool injects
+`on_export` to place the package in the object store.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from keyacc_ray.engine.kv_package import KVPackage
+from keyacc_ray.engine.llm_engine import LLMEngine
+from keyacc_ray.engine.request import SamplingParams
+from keyacc_ray.errors import KeyaccError
+from keyacc_ray.serve.messages import ErrorItem, TokenChunk
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    q: asyncio.Queue
+    export_after: int | None
+    produced: int = 0
+
+    def push(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.q.put_nowait, item)
+
+
+_END = object()
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_export: Callable[[KVPackage], object]):
+        self.engine = engine
+        self.on_export = on_export
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = False
+        self.error: BaseException | None = None
+        self._tps_window: list[tuple[float, int]] = []
+        self._thread = threading.Thread(target=self._run, name="keyacc-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (event loop) ------------------------------------------------------
+    async def generate(self, request_id: str, *, prompt_ids: list[int] | None = None,
+                       params: SamplingParams, package: KVPackage | None = None,
+                       export_after: int | None = None) -> AsyncIterator[list]:
+        """Yields lists of TokenChunk / ErrorItem / hand-off objects until the sequence ends."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), export_after)
+        self._inbox.put(("add", request_id, prompt_ids, params, package, stream))
+        self._wake.set()
+        done = False
+        try:
+            while not done:
+                items = [await stream.q.get()]
+                while not stream.q.empty():
+                    items.append(stream.q.get_nowait())
+                if _END in items:
+                    done = True
+                    items = [i for i in items if i is not _END]
+                if items:
+                    yield items
+        finally:
+            if not done:  # the client went away: free the sequence and its blocks now
+                self._inbox.put(("abort", request_id))
+                self._wake.set()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop
+
+    def tokens_per_s(self, window_s: float = 2.0) -> float:
+        now = time.monotonic()
+        pts = [(t, n) for t, n in list(self._tps_window) if now - t <= window_s]
+        return sum(n for _, n in pts) / window_s
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+
+    # ---- engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop:
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - a bug must not hang every stream
+                log.exception("engine step failed")
+                self.error = e
+                self._fail_all(f"engine step failed: {e}")
+                continue
+            now = time.monotonic()
+            self._tps_window = [(t, n) for t, n in self._tps_window if now - t <= 5.0]
+            self._tps_window.append((now, len(outputs)))
+            for o in outputs:
+                s = self._streams.get(o.request_id)
+                if s is None:
+                    continue
+                s.produced += len(o.new_token_ids)
+                s.push(TokenChunk(o.new_token_ids, o.text, o.finish_reason, o.num_prompt_tokens,
+                                  o.num_output_tokens))
+                if o.finished:
+                    self._close(o.request_id)
+                elif s.export_after is not None and s.produced >= s.export_after:
+                    self._export(o.request_id, s)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "abort":
+                self._streams.pop(cmd[1], None)
+                self.engine.abort(cmd[1])
+                continue
+            _, rid, prompt_ids, params, package, stream = cmd
+            try:
+                if package is not None:
+                    self.engine.import_request(package, rid, params)
+                else:
+                    self.engine.add_request(rid, prompt_ids, params)
+            except KeyaccError as e:
+                stream.push(ErrorItem(e.status_code, e.to_dict()))
+                stream.push(_END)
+                continue
+            except Exception as e:  # noqa: BLE001
+                log.exception("could not add request %s", rid)
+                stream.push(ErrorItem(500, {"error": {"message": f"internal error: {e}", "type": "internal_error",
+                                                      "param": None, "code": None}}))
+                stream.push(_END)
+                continue
+            self._streams[rid] = stream
+
+    def _export(self, rid: str, s: _Stream) -> None:
+        try:
+            s.push(self.on_export(self.engine.export_request(rid)))
+        except Exception as e:  # noqa: BLE001
+            log.exception("export of %s failed", rid)
+            s.push(ErrorItem(500, {"error": {"message": f"KV export failed: {e}", "type": "internal_error",
+                                             "param": None, "code": None}}))
+            self.engine.abort(rid)
+        self._close(rid)
+
+    def _close(self, rid: str) -> None:
+        s = self._streams.pop(rid, None)
+        if s is not None:
+            s.push(_END)
+
+    def _fail_all(self, msg: str) -> None:
+        for rid in list(self._streams):
+            self._streams[rid].push(ErrorItem(500, {"error": {"message": msg, "type": "internal_error",
+                                                              "param": None, "code": None}}))
+            self.engine.abort(rid)
+            self._close(rid)

@@ -1,0 +1,173 @@
+"""The OpenAI-compatible HTTP ingress (FastAPI): parses and validates, tokenizes, streams
+server-sent events, formats errors in OpenAI's shape, and serves /v1/models, /health and
+/metrics. KV never passes through here: only token chunks and the final trace."""
+
+import json
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from ray import serve
+
+from keyacc_ray.errors import InvalidRequest, KeyaccError
+from keyacc_ray.serve import metrics as prom
+from keyacc_ray.serve import protocol
+from keyacc_ray.serve.messages import ErrorItem, TokenChunk, Trace
+
+log = logging.getLogger("ray.serve")
+app = FastAPI(title="keyacc-ray", docs_url=None, redoc_url=None)
+
+
+def error_response(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+@serve.ingress(app)  # FastAPI routing only; serve.deployment(...) is applied in app.py
+class Ingress:
+    def __init__(self, router, model: str, served_model_name: str, max_model_len: int,
+                 allow_route_pinning: bool = True, max_body_bytes: int = 1 << 20):
+        from transformers import AutoTokenizer
+
+        self.router = router
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.allow_pinning = allow_route_pinning
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+        self.counts: dict[str, int] = {}
+
+    def _count(self, key: str) -> None:
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    # ---- endpoints ---------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self):
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "keyacc-ray", "max_model_len": self.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics(self):
+        snap = await self.router.snapshot_dict.remote()
+        return PlainTextResponse(prom.render(snap, self.counts), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._handle(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(self, request: Request):
+        return await self._handle(request, "chat")
+
+    # ---- the request path --------------------------------------------------------------
+    async def _handle(self, request: Request, kind: str):
+        self._count(f"{kind}_requests")
+        try:
+            body = await request.body()
+            data = protocol.load_json(body, self.max_body_bytes)
+            p = protocol.parse(data, kind, tokenizer=self.tokenizer, served_names={self.model_name},
+                               max_model_len=self.max_model_len, allow_pinning=self.allow_pinning)
+        except KeyaccError as e:
+            self._count(f"errors_{e.status_code}")
+            return error_response(e.status_code, e.to_dict())
+        except (TypeError, ValueError, OverflowError) as e:
+            err = InvalidRequest(f"invalid request: {e}")
+            return error_response(400, err.to_dict())
+        stream = self.router.options(stream=True).generate.remote(p.request)
+        it = stream.__aiter__()
+        # Wait for the first tokens before answering, so an error found downstream still gets
+        # a proper status code instead of a 200 stream.
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            first = []
+        except Exception as e:  # noqa: BLE001
+            log.exception("router failed for %s", p.request.request_id)
+            return error_response(503, {"error": {"message": f"service unavailable: {e.__class__.__name__}",
+                                                  "type": "unavailable", "param": None, "code": None}},
+                                  {"Retry-After": "1"})
+        errs = [i for i in first if isinstance(i, ErrorItem)]
+        if errs and not any(isinstance(i, TokenChunk) for i in first):
+            self._count(f"errors_{errs[0].status_code}")
+            headers = {"Retry-After": "1"} if errs[0].status_code in (429, 503) else None
+            return error_response(errs[0].status_code, errs[0].body, headers)
+        if p.stream:
+            return StreamingResponse(self._sse_stream(p, first, it), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._collect(p, first, it)
+
+    async def _items(self, first, it):
+        for i in first:
+            yield i
+        async for batch in it:
+            for i in batch:
+                yield i
+
+    async def _collect(self, p, first, it):
+        text, reason, n_prompt, n_out, trace = [], None, len(p.request.prompt_token_ids), 0, {}
+        ids: list[int] = []
+        async for i in self._items(first, it):
+            if isinstance(i, TokenChunk):
+                text.append(i.text)
+                ids.extend(i.token_ids)
+                n_out = i.num_output_tokens or n_out
+                reason = i.finish_reason or reason
+            elif isinstance(i, ErrorItem):
+                return error_response(i.status_code, i.body)
+            elif isinstance(i, Trace):
+                trace = i.to_dict()
+        return protocol.full_body(p, "".join(text), reason, n_prompt, n_out, trace, ids)
+
+    async def _sse_stream(self, p, first, it):
+        created = int(time.time())
+        n_prompt, n_out, reason = len(p.request.prompt_token_ids), 0, None
+        if p.kind == "chat":
+            head = protocol.chunk_body(p, created, "", None)
+            head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            yield _sse(head)
+        pending = None  # hold the last chunk back so the trace can ride on it
+        async for i in self._items(first, it):
+            if isinstance(i, TokenChunk):
+                n_out = i.num_output_tokens or n_out
+                if pending is not None:
+                    yield _sse(pending)
+                reason = i.finish_reason or reason
+                pending = protocol.chunk_body(p, created, i.text, i.finish_reason, i.token_ids)
+            elif isinstance(i, ErrorItem):
+                if pending is not None:
+                    yield _sse(pending)
+                yield _sse(i.body)
+                yield "data: [DONE]\n\n"
+                return
+            elif isinstance(i, Trace):
+                if pending is None:
+                    pending = protocol.chunk_body(p, created, "", reason, [])
+                pending["keyacc"] = i.to_dict()
+        if pending is not None:
+            if p.include_usage:
+                pending["usage"] = None
+            yield _sse(pending)
+        if p.include_usage:
+            body = protocol.chunk_body(p, created, "", None)
+            body["choices"] = []
+            body["usage"] = protocol.usage(n_prompt, n_out)
+            yield _sse(body)
+        yield "data: [DONE]\n\n"
+
+
+from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    return error_response(exc.status_code, {"error": {"message": str(exc.detail), "type": "invalid_request_error",
+                                                      "param": None, "code": None}})

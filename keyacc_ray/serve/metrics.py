@@ -1,0 +1,50 @@
+"""Prometheus text for GET /metrics, rendered from the monitor's snapshot and counters."""
+from __future__ import annotations
+
+
+def _esc(v) -> str:
+    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
+
+
+def _labels(d: dict) -> str:
+    return "{" + ",".join(f'{k}="{_esc(v)}"' for k, v in d.items()) + "}" if d else ""
+
+
+REPLICA_GAUGES = {
+    "num_waiting": "keyacc_queue_depth", "num_running": "keyacc_running_sequences",
+    "num_free_blocks": "keyacc_free_kv_blocks", "num_total_blocks": "keyacc_total_kv_blocks",
+    "tokens_per_s": "keyacc_tokens_per_second",
+}
+
+
+def render(snap_info: dict, ingress_counts: dict) -> str:
+    families: dict[str, list[str]] = {}  # a family's samples must stay together
+
+    def emit(name, kind, labels, value, help_=""):
+        if name not in families:
+            families[name] = [f"# HELP {name} {help_ or name}", f"# TYPE {name} {kind}"]
+        families[name].append(f"{name}{_labels(labels)} {float(value)}")
+
+    snap = (snap_info or {}).get("snapshot") or {}
+    emit("keyacc_monitor_snapshot_age_seconds", "gauge", {}, min(snap_info.get("snapshot_age_s", 0), 1e9),
+         "age of the router's load snapshot")
+    for r in snap.get("replicas", []):
+        labels = {"deployment": r["deployment"], "pool": r["pool"], "replica": r["replica"],
+                  "emulated": "1" if r["emulated"] else "0"}
+        for field, name in REPLICA_GAUGES.items():
+            emit(name, "gauge", labels, r[field], f"per replica: {field}")
+        emit("keyacc_tokens_generated_total", "counter", labels, r["tokens_generated"])
+    gpu = snap.get("gpu") or {}
+    emit("keyacc_gpu_available", "gauge", {}, 1 if gpu.get("available") else 0, "1 if pynvml sees a GPU")
+    for g in gpu.get("gpus", []):
+        emit("keyacc_gpu_utilization_percent", "gauge", {"gpu": g["index"]}, g["util_pct"])
+        emit("keyacc_gpu_memory_free_bytes", "gauge", {"gpu": g["index"]}, g["mem_free_bytes"])
+    for n in snap.get("cpu_numa", []):
+        emit("keyacc_cpu_utilization_percent", "gauge", {"numa_node": n["node"]}, n["util_pct"])
+    for key, v in sorted((snap.get("counters") or {}).items()):
+        name, _, lab = key.partition("|")
+        labels = dict(kv.split("=", 1) for kv in lab.split(",") if kv)
+        emit(f"keyacc_{name}", "counter", labels, v)
+    for key, v in sorted(ingress_counts.items()):
+        emit("keyacc_http_requests_total", "counter", {"kind": key}, v)
+    return "\n".join(line for fam in families.values() for line in fam) + "\n"

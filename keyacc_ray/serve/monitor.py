@@ -1,0 +1,134 @@
+"""The load monitor: a live picture of every pool for the router and for /metrics.
+
+`LoadState` is plain Python: replicas push reports (queue depth, running sequences, free KV
+blocks, tokens/s); `snapshot()` aggregates them per pool, drops stale replicas, and adds GPU
+(pynvml) and per-NUMA-node CPU (psutil) figures. `LoadMonitor` is the thin Ray actor shell.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+STALE_AFTER_S = 5.0
+SYSTEM_EVERY_S = 1.0
+
+
+@dataclass
+class ReplicaReport:
+    deployment: str  # e.g. "GpuDecode"
+    pool: str  # "gpu" or "cpu"
+    role: str  # "prefill", "decode" or "whole"
+    replica: str
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    max_num_seqs: int
+    tokens_per_s: float
+    tokens_generated: int
+    emulated: bool  # a "GPU" replica running on CPU cores with an emulated KV budget
+    device: str
+    time_s: float = 0.0
+
+
+@dataclass
+class DeploymentView:
+    deployment: str
+    pool: str
+    replicas: int = 0
+    num_waiting: int = 0
+    num_running: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    block_size: int = 16
+    max_num_seqs: int = 0
+    max_free_blocks: int = 0  # the most free blocks on one replica: what one request can get
+    tokens_per_s: float = 0.0
+    emulated: bool = False
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_num_seqs - self.num_running - self.num_waiting
+
+
+@dataclass
+class Snapshot:
+    time_s: float
+    deployments: dict[str, DeploymentView] = field(default_factory=dict)
+    replicas: list[dict] = field(default_factory=list)
+    gpu: dict = field(default_factory=dict)
+    cpu_numa: list[dict] = field(default_factory=list)
+    counters: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        return d
+
+
+class LoadState:
+    def __init__(self, clock=time.monotonic, system_probe=None):
+        self.clock = clock
+        self.reports: dict[str, ReplicaReport] = {}
+        self.counters: dict[str, float] = {}
+        self._system_probe = system_probe
+        self._system: tuple[float, dict, list] = (-1e9, {}, [])
+
+    def report(self, r: ReplicaReport) -> None:
+        r.time_s = self.clock()
+        self.reports[r.replica] = r
+
+    def add_counters(self, deltas: dict[str, float]) -> None:
+        for k, v in deltas.items():
+            self.counters[k] = self.counters.get(k, 0) + v
+
+    def _system_view(self) -> tuple[dict, list]:
+        now = self.clock()
+        if self._system_probe and now - self._system[0] > SYSTEM_EVERY_S:
+            gpu, cpu = self._system_probe()
+            self._system = (now, gpu, cpu)
+        return self._system[1], self._system[2]
+
+    def snapshot(self) -> Snapshot:
+        now = self.clock()
+        for rid in [k for k, r in self.reports.items() if now - r.time_s > STALE_AFTER_S]:
+            del self.reports[rid]
+        views: dict[str, DeploymentView] = {}
+        for r in self.reports.values():
+            v = views.setdefault(r.deployment, DeploymentView(r.deployment, r.pool, block_size=r.block_size,
+                                                              emulated=r.emulated))
+            v.replicas += 1
+            v.num_waiting += r.num_waiting
+            v.num_running += r.num_running
+            v.num_free_blocks += r.num_free_blocks
+            v.num_total_blocks += r.num_total_blocks
+            v.max_num_seqs += r.max_num_seqs
+            v.max_free_blocks = max(v.max_free_blocks, r.num_free_blocks)
+            v.tokens_per_s += r.tokens_per_s
+        gpu, cpu = self._system_view()
+        return Snapshot(now, views, [asdict(r) for r in self.reports.values()], gpu, cpu, dict(self.counters))
+
+
+def _system_probe():
+    from keyacc_ray.hw.topology import cpu_load_per_numa, gpu_info
+
+    return gpu_info(), cpu_load_per_numa()
+
+
+class LoadMonitor:
+    """Ray actor shell over LoadState (wrapped with ray.remote by the router)."""
+
+    def __init__(self):
+        self.state = LoadState(system_probe=_system_probe)
+
+    def report(self, r: ReplicaReport) -> None:
+        self.state.report(r)
+
+    def add_counters(self, deltas: dict) -> None:
+        self.state.add_counters(deltas)
+
+    def snapshot(self) -> Snapshot:
+        return self.state.snapshot()
+
+    def ping(self) -> str:
+        return "ok"

@@ -1,0 +1,148 @@
+"""Engine pools: GpuPrefill, GpuDecode and CpuDecode replicas, each running the engine.
+
+Plain classes; `app.py` wraps them with `serve.deployment`. One method, `generate`, serves every
+role: a whole request (prompt in, tokens out), a prefill (`export_after=1`: the first token, then
+a hand-off) or a decode (a hand-off in, tokens out, and with `export_after=N` a hand-off out
+after N tokens: one period of the elastic pipeline).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+
+import ray
+from ray import serve
+
+from keyacc_ray.config import EngineConfig
+from keyacc_ray.engine.kv_package import KVPackage
+from keyacc_ray.engine.llm_engine import LLMEngine
+from keyacc_ray.engine.request import SamplingParams
+from keyacc_ray.errors import KeyaccError
+from keyacc_ray.serve.engine_loop import AsyncEngine
+from keyacc_ray.serve.messages import ErrorItem, GenerateRequest, Handoff, SegmentStart
+from keyacc_ray.serve.monitor import ReplicaReport
+
+log = logging.getLogger("ray.serve")
+MONITOR_NAME = "keyacc_load_monitor"
+MONITOR_NAMESPACE = "keyacc"
+REPORT_EVERY_S = 0.2
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside Serve (unit tests)
+        return f"local-{uuid.uuid4().hex[:8]}"
+
+
+class EnginePool:
+    pool = "cpu"
+    role = "whole"
+
+    def __init__(self, engine: dict, deployment: str | None = None, emulated_gpu: bool = False):
+        self.deployment = deployment or type(self).__name__
+        cfg = EngineConfig.from_dict(engine)
+        if cfg.num_threads:
+            os.environ["OMP_NUM_THREADS"] = str(cfg.num_threads)
+        self.engine = LLMEngine(cfg)
+        self.emulated = self.pool == "gpu" and self.engine.runner.device.type != "cuda"
+        if self.pool == "gpu" and self.emulated and not emulated_gpu:
+            raise RuntimeError(f"{self.deployment}: no CUDA device and emulation is off (gpu.emulate_if_no_cuda)")
+        self.replica = _replica_id()
+        self.loop = AsyncEngine(self.engine, on_export=self._to_handoff)
+        label = ("EMULATED GPU: runs on CPU cores with an emulated KV budget of "
+                 f"{self.engine.blocks.num_blocks} blocks x {self.engine.blocks.block_size} tokens"
+                 if self.emulated else self.engine.runner.device_label())
+        log.info("keyacc %s replica %s ready: model=%s dtype=%s %s", self.deployment, self.replica,
+                 cfg.model, self.engine.runner.dtype, label)
+        self._reporter = threading.Thread(target=self._report_loop, name="keyacc-report", daemon=True)
+        self._reporter.start()
+
+    # ---- requests ----------------------------------------------------------------------
+    async def generate(self, req: GenerateRequest, handoff: Handoff | None = None,
+                       export_after: int | None = None):
+        phase = "prefill" if export_after == 1 and handoff is None and self.pool == "gpu" else (
+            "decode" if handoff is not None or self.role == "decode" else "whole")
+        yield [SegmentStart(self.pool, phase, self.replica, self.deployment)]
+        try:
+            params = SamplingParams(**req.params)
+            package = await self._receive(handoff) if handoff is not None else None
+        except KeyaccError as e:
+            yield [ErrorItem(e.status_code, e.to_dict())]
+            return
+        async for items in self.loop.generate(req.request_id, prompt_ids=req.prompt_token_ids, params=params,
+                                              package=package, export_after=export_after):
+            yield items
+
+    async def _receive(self, h: Handoff) -> KVPackage:
+        """Fetch the KV arrays (a zero-copy view when on this node). If their owner died before
+        we read them, continue from prompt + tokens so far with no KV: a prefill, not a failure."""
+        keys = values = None
+        meta = h.meta
+        if h.kv_ref:
+            try:
+                keys, values = await h.kv_ref[0]
+            except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError,
+                    ray.exceptions.ObjectFetchTimedOutError) as e:
+                log.warning("KV of %s lost (%s); prefilling %d tokens again", h.request_id,
+                            e.__class__.__name__, len(h.token_ids) - 1)
+        if keys is None:
+            import numpy as np
+            from dataclasses import replace
+
+            meta = replace(meta, num_kv_tokens=0)
+            keys = values = np.zeros((0,), dtype=np.float32)
+        return KVPackage(meta, keys, values, h.request_id, list(h.token_ids), h.num_prompt_tokens, dict(h.params),
+                         h.rng_state, h.emitted_text_chars)
+
+    def _to_handoff(self, pkg: KVPackage) -> Handoff:
+        """Runs on the engine thread: put the K/V arrays into the object store (no pickling of
+        tensors: numpy buffers, zero-copy for the reader on this node)."""
+        ref = [ray.put((pkg.keys, pkg.values))] if pkg.meta.num_kv_tokens > 0 else []
+        return Handoff(pkg.request_id, pkg.meta, ref, pkg.token_ids, pkg.num_prompt_tokens, pkg.params,
+                       pkg.rng_state, pkg.emitted_text_chars, pkg.nbytes)
+
+    # ---- load reports ------------------------------------------------------------------
+    def report(self) -> ReplicaReport:
+        s = self.engine.stats()
+        return ReplicaReport(self.deployment, self.pool, self.role, self.replica, s.num_waiting, s.num_running,
+                             s.num_free_blocks, s.num_total_blocks, s.block_size, s.max_num_seqs,
+                             self.loop.tokens_per_s(), s.tokens_generated, self.emulated, s.device)
+
+    def _report_loop(self) -> None:
+        monitor = None
+        while self.loop.alive():
+            try:
+                if monitor is None:
+                    monitor = ray.get_actor(MONITOR_NAME, namespace=MONITOR_NAMESPACE)
+                monitor.report.remote(self.report())
+            except Exception:  # noqa: BLE001 - the monitor may be (re)starting; keep serving
+                monitor = None
+            time.sleep(REPORT_EVERY_S)
+
+    async def stats(self) -> ReplicaReport:
+        return self.report()
+
+    def check_health(self) -> None:
+        if not self.loop.alive() or self.loop.error is not None:
+            raise RuntimeError(f"engine loop is down: {self.loop.error!r}")
+
+    def __del__(self):
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.shutdown()
+
+
+class GpuPrefill(EnginePool):
+    pool, role = "gpu", "prefill"
+
+
+class GpuDecode(EnginePool):
+    pool, role = "gpu", "decode"
+
+
+class CpuDecode(EnginePool):
+    pool, role = "cpu", "decode"

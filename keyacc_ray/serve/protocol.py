@@ -1,0 +1,224 @@
+"""OpenAI request parsing and response shapes. Plain Python: JSON in, typed request out, and a
+clear `InvalidRequest` (400) naming the offending parameter for anything malformed."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from keyacc_ray.engine.request import SamplingParams
+from keyacc_ray.errors import InvalidRequest, ModelNotFound
+from keyacc_ray.serve.messages import GenerateRequest
+
+# Accepted only at their neutral values; anything else is refused rather than silently ignored.
+NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False, 0),
+           "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+           "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+           "suffix": (None, ""), "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,)}
+
+
+@dataclass
+class ParsedRequest:
+    kind: str  # "completion" or "chat"
+    request: GenerateRequest
+    stream: bool
+    include_usage: bool
+    model: str
+    return_token_ids: bool = False
+
+
+def _type(v, types, name, what):
+    if isinstance(v, bool) and bool not in types or not isinstance(v, types):
+        raise InvalidRequest(f"'{name}' must be {what}, got {type(v).__name__}", param=name)
+    return v
+
+
+def load_json(body: bytes, max_bytes: int) -> dict:
+    if len(body) > max_bytes:
+        raise InvalidRequest(f"request body of {len(body)} bytes exceeds the limit of {max_bytes}", code="body_too_large")
+    try:
+        data = json.loads(body.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise InvalidRequest("request body is not valid UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"request body is not valid JSON: {e.msg} at position {e.pos}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return data
+
+
+def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model_len: int,
+          allow_pinning: bool = True) -> ParsedRequest:
+    model = data.get("model")
+    if model is None:
+        raise InvalidRequest("'model' is required", param="model")
+    _type(model, (str,), "model", "a string")
+    if model not in served_names:
+        raise ModelNotFound(f"the model '{model}' does not exist; this server serves {sorted(served_names)}",
+                            param="model", code="model_not_found")
+    for k, ok in NEUTRAL.items():
+        if k in data and data[k] not in ok:
+            raise InvalidRequest(f"'{k}'={data[k]!r} is not supported by this server", param=k,
+                                 code="unsupported_parameter")
+
+    if kind == "chat":
+        prompt_ids = _chat_prompt(data, tokenizer)
+    else:
+        prompt_ids = _completion_prompt(data, tokenizer)
+    if not prompt_ids:
+        raise InvalidRequest("the prompt is empty", param="messages" if kind == "chat" else "prompt")
+    if len(prompt_ids) >= max_model_len:
+        raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; this model's context is {max_model_len}",
+                             param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
+    vocab = len(tokenizer)
+    if any(t < 0 or t >= vocab for t in prompt_ids):
+        raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+
+    max_tokens = data.get("max_completion_tokens", data.get("max_tokens")) if kind == "chat" else data.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = 16 if kind == "completion" else max_model_len - len(prompt_ids)
+    _type(max_tokens, (int,), "max_tokens", "an integer")
+    if max_tokens < 1:
+        raise InvalidRequest(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
+    if len(prompt_ids) + max_tokens > max_model_len:
+        raise InvalidRequest(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                             f"of {max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
+
+    temperature = data.get("temperature", 1.0)
+    top_p = data.get("top_p", 1.0)
+    temperature = 1.0 if temperature is None else _type(temperature, (int, float), "temperature", "a number")
+    top_p = 1.0 if top_p is None else _type(top_p, (int, float), "top_p", "a number")
+    top_k = data.get("top_k", 0)
+    top_k = 0 if top_k is None else _type(top_k, (int,), "top_k", "an integer")
+    seed = data.get("seed")
+    if seed is not None:
+        _type(seed, (int,), "seed", "an integer")
+    stop = data.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    _type(stop, (list,), "stop", "a string or a list of strings")
+    stop_token_ids = data.get("stop_token_ids") or []
+    _type(stop_token_ids, (list,), "stop_token_ids", "a list of integers")
+    ignore_eos = data.get("ignore_eos", False)
+    _type(ignore_eos, (bool,), "ignore_eos", "a boolean")
+    params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                            top_k=top_k, seed=seed, stop=list(stop), stop_token_ids=list(stop_token_ids),
+                            ignore_eos=ignore_eos).validate()
+
+    stream = data.get("stream", False)
+    _type(stream, (bool,), "stream", "a boolean")
+    opts = data.get("stream_options") or {}
+    _type(opts, (dict,), "stream_options", "an object")
+    include_usage = opts.get("include_usage", False)
+    _type(include_usage, (bool,), "stream_options.include_usage", "a boolean")
+
+    return_ids = data.get("return_token_ids", False)
+    _type(return_ids, (bool,), "return_token_ids", "a boolean")
+    route, back = _keyacc_ext(data.get("keyacc"), allow_pinning)
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    req = GenerateRequest(f"{prefix}-{uuid.uuid4().hex}", list(prompt_ids), params.to_dict(), route, back)
+    return ParsedRequest(kind, req, stream, include_usage, model, return_ids)
+
+
+def _completion_prompt(data: dict, tokenizer) -> list[int]:
+    if "prompt" not in data:
+        raise InvalidRequest("'prompt' is required", param="prompt")
+    p = data["prompt"]
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one
+    if isinstance(p, str):
+        return tokenizer(p, add_special_tokens=True)["input_ids"]
+    if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return list(p)
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        raise InvalidRequest("batched prompts are not supported: send one prompt per request", param="prompt")
+    raise InvalidRequest("'prompt' must be a string or a list of token ids", param="prompt")
+
+
+def _chat_prompt(data: dict, tokenizer) -> list[int]:
+    msgs = data.get("messages")
+    if msgs is None:
+        raise InvalidRequest("'messages' is required", param="messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise InvalidRequest("'messages' must be a non-empty list", param="messages")
+    clean = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidRequest(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
+        if m["role"] not in ("system", "user", "assistant", "developer"):
+            raise InvalidRequest(f"messages[{i}].role {m['role']!r} is not supported", param=f"messages[{i}].role")
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}]
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidRequest(f"messages[{i}].content: only text parts are supported",
+                                         param=f"messages[{i}].content")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise InvalidRequest(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
+        clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InvalidRequest("this model has no chat template; use /v1/completions", param="messages")
+    text = tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _keyacc_ext(ext, allow_pinning: bool) -> tuple[str | None, int | None]:
+    if ext is None:
+        return None, None
+    _type(ext, (dict,), "keyacc", "an object")
+    route, back = ext.get("route"), ext.get("migrate_back_after")
+    if route is None and back is None:
+        return None, None
+    if not allow_pinning:
+        raise InvalidRequest("route pinning ('keyacc.route') is turned off on this server", param="keyacc.route")
+    if route not in ("gpu", "cpu", "stage"):
+        raise InvalidRequest("'keyacc.route' must be one of gpu, cpu, stage", param="keyacc.route")
+    if back is not None:
+        _type(back, (int,), "keyacc.migrate_back_after", "an integer")
+        if back < 1:
+            raise InvalidRequest("'keyacc.migrate_back_after' must be >= 1", param="keyacc.migrate_back_after")
+        if route == "gpu":
+            raise InvalidRequest("'keyacc.migrate_back_after' needs route cpu or stage",
+                                 param="keyacc.migrate_back_after")
+    return route, back
+
+
+# ---- responses ---------------------------------------------------------------------------
+def usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def chunk_body(p: ParsedRequest, created: int, text: str, finish_reason, token_ids: list[int] | None = None) -> dict:
+    rid = p.request.request_id
+    if p.kind == "chat":
+        choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
+                  "finish_reason": finish_reason}
+        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": p.model,
+                "choices": [choice]}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        body = {"id": rid, "object": "text_completion", "created": created, "model": p.model, "choices": [choice]}
+    if p.return_token_ids and token_ids is not None:
+        choice["token_ids"] = token_ids
+    return body
+
+
+def full_body(p: ParsedRequest, text: str, finish_reason, n_prompt: int, n_out: int, trace: dict,
+              token_ids: list[int]) -> dict:
+    created = int(time.time())
+    rid = p.request.request_id
+    if p.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    if p.return_token_ids:
+        choice["token_ids"] = token_ids
+    return {"id": rid, "object": obj, "created": created, "model": p.model, "choices": [choice],
+            "usage": usage(n_prompt, n_out), "keyacc": trace}
