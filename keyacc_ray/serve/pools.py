@@ -64,8 +64,10 @@ class EnginePool:
     # ---- requests ----------------------------------------------------------------------
     async def generate(self, req: GenerateRequest, handoff: Handoff | None = None,
                        export_after: int | None = None):
-        phase = "prefill" if export_after == 1 and handoff is None and self.pool == "gpu" else (
-            "decode" if handoff is not None or self.role == "decode" else "whole")
+        if handoff is not None:
+            phase = "decode"
+        else:
+            phase = "prefill" if export_after == 1 and self.role == "prefill" else "whole"
         yield [SegmentStart(self.pool, phase, self.replica, self.deployment)]
         try:
             params = SamplingParams(**req.params)

@@ -1,0 +1,69 @@
+"""One real Ray cluster + Serve app (the default graph on the tiny model) for the e2e tests."""
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import tiny_model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_app(args: dict, port: int):
+    import ray
+    from ray import serve
+
+    from keyacc_ray.serve.app import build_app
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(args), name="keyacc", route_prefix="/", blocking=False)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/v1/models", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    else:
+        raise TimeoutError("the Serve app did not come up in 180 s")
+    wait_for_monitor(base)
+    return base
+
+
+def wait_for_monitor(base: str, timeout_s: float = 60) -> None:
+    """Until every pool has reported to the load monitor."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+        if all(f'deployment="{d}"' in text for d in ("GpuPrefill", "GpuDecode", "CpuDecode")):
+            return
+        time.sleep(0.3)
+    raise TimeoutError("pools did not report to the load monitor")
+
+
+def stop_app():
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def app_url():
+    base = start_app({"model": tiny_model("qwen3"), "max_model_len": 512}, free_port())
+    yield base
+    stop_app()

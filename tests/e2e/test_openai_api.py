@@ -1,0 +1,203 @@
+"""The default graph through real HTTP with the official openai client: outputs equal
+transformers' generate(), pinned routes, streaming, stops, usage and errors."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import tiny_model
+from tests.helpers import PROMPTS, hf_greedy, hf_model
+
+MODEL = "tiny-qwen3"
+
+
+@pytest.fixture(scope="module")
+def client(app_url):
+    return openai.OpenAI(base_url=f"{app_url}/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+def ref_ids(prompt: str, n: int) -> list[int]:
+    path = tiny_model("qwen3")
+    _, tok = hf_model(path)
+    return hf_greedy(path, tok(prompt)["input_ids"], n)
+
+
+def chat_ref(messages, n):
+    path = tiny_model("qwen3")
+    _, tok = hf_model(path)
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return hf_greedy(path, tok(text, add_special_tokens=False)["input_ids"], n, stop_at_eos=True)
+
+
+def test_models_and_health(app_url, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{app_url}/health").json() == {"status": "ok"}
+
+
+def test_completion_matches_generate(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=20, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = r.choices[0]
+    assert choice.token_ids == ref_ids(PROMPTS[3], 20)
+    _, tok = hf_model(tiny_model("qwen3"))
+    assert choice.text == tok.decode(choice.token_ids, skip_special_tokens=True)
+    assert choice.finish_reason == "length"
+    assert r.usage.completion_tokens == 20 and r.usage.prompt_tokens == len(tok(PROMPTS[3])["input_ids"])
+    segs = r.model_extra["keyacc"]["segments"]
+    assert [(s["pool"], s["phase"]) for s in segs] == [("gpu", "prefill"), ("gpu", "decode")]
+    assert sum(s["tokens"] for s in segs) == 20
+
+
+def test_streaming_completion_matches(client):
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[8], max_tokens=24, temperature=0, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids, text, usage, reasons, trace = [], "", None, [], None
+    for ch in stream:
+        if ch.usage:
+            usage = ch.usage
+        for c in ch.choices:
+            ids += c.model_extra.get("token_ids", [])
+            text += c.text
+            reasons.append(c.finish_reason)
+        trace = (ch.model_extra or {}).get("keyacc") or trace
+    assert ids == ref_ids(PROMPTS[8], 24)
+    assert reasons[-1] == "length" and usage.completion_tokens == 24
+    assert trace and sum(s["tokens"] for s in trace["segments"]) == 24
+
+
+def test_chat_streaming_and_not(client):
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello, world!"}]
+    want = chat_ref(msgs, 30)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=30, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == want
+    assert r.choices[0].message.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=30, temperature=0, stream=True) if ch.choices)
+    assert text == r.choices[0].message.content
+
+
+@pytest.mark.parametrize("route, expect", [
+    ("gpu", [("gpu", "prefill"), ("gpu", "decode")]),
+    ("cpu", [("cpu", "whole")]),
+    ("stage", [("gpu", "prefill"), ("cpu", "decode")]),
+])
+def test_pinned_routes(client, route, expect):
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True,
+                                              "keyacc": {"route": route}})
+    assert r.choices[0].token_ids == ref_ids(PROMPTS[1], 16)
+    segs = r.model_extra["keyacc"]["segments"]
+    assert [(s["pool"], s["phase"]) for s in segs] == expect
+    assert sum(s["tokens"] for s in segs) == 16
+
+
+@pytest.mark.parametrize("route", ["stage", "cpu"])
+def test_migrate_back_streams_without_gap_or_repeat(client, route):
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPTS[6], max_tokens=30, temperature=0, stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True,
+                    "keyacc": {"route": route, "migrate_back_after": 7}})
+    ids, trace = [], None
+    for ch in stream:
+        for c in ch.choices:
+            ids += c.model_extra.get("token_ids", [])
+        trace = (ch.model_extra or {}).get("keyacc") or trace
+    assert ids == ref_ids(PROMPTS[6], 30)
+    pools = [(s["pool"], s["tokens"]) for s in trace["segments"]]
+    if route == "stage":
+        assert pools == [("gpu", 1), ("cpu", 7), ("gpu", 22)]
+    else:
+        assert pools == [("cpu", 7), ("gpu", 23)]
+    assert trace["moves"] == len(pools) - 1
+
+
+def test_sixteen_concurrent_requests(client):
+    jobs = [(PROMPTS[i % len(PROMPTS)], 8 + i % 9, ["gpu", "cpu", "stage", None][i % 4]) for i in range(16)]
+
+    def one(job):
+        prompt, n, route = job
+        extra = {"ignore_eos": True, "return_token_ids": True}
+        if route:
+            extra["keyacc"] = {"route": route}
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
+                                         extra_body=extra).choices[0].token_ids
+
+    with cf.ThreadPoolExecutor(16) as ex:
+        outs = list(ex.map(one, jobs))
+    for (prompt, n, _), got in zip(jobs, outs):
+        assert got == ref_ids(prompt, n)
+
+
+def test_stop_strings_and_seed(client):
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    text = full.choices[0].text
+    clean = [i for i in range(8, len(text) - 3) if "\ufffd" not in text[i:i + 3] and text[i:i + 3] not in text[:i]]
+    assert clean, text
+    stop = text[clean[0]:clean[0] + 3]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[:text.index(stop)]
+    a = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=1.0, seed=3,
+                                  extra_body={"return_token_ids": True, "keyacc": {"route": "gpu"}})
+    b = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=1.0, seed=3,
+                                  extra_body={"return_token_ids": True, "keyacc": {"route": "stage"}})
+    assert a.choices[0].token_ids == b.choices[0].token_ids  # the RNG state travels with the KV
+
+
+BAD = [
+    (b"{not json", 400, None),
+    (json.dumps({"prompt": "hi"}).encode(), 400, "model"),
+    (json.dumps({"model": MODEL}).encode(), 400, "prompt"),
+    (json.dumps({"model": "gpt-5", "prompt": "hi"}).encode(), 404, "model"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": -1}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 100000}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": "word " * 2000}).encode(), 400, "prompt"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "temperature": -1}).encode(), 400, "temperature"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "top_p": 7}).encode(), 400, "top_p"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "n": 3}).encode(), 400, "n"),
+    (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "prompt"),
+    (json.dumps({"model": MODEL, "prompt": 5}).encode(), 400, "prompt"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "keyacc": {"route": "moon"}}).encode(), 400, "keyacc.route"),
+]
+
+
+@pytest.mark.parametrize("body, status, param", BAD)
+def test_bad_requests_get_openai_errors(app_url, body, status, param):
+    r = httpx.post(f"{app_url}/v1/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param
+
+
+def test_chat_errors_and_good_requests_alongside(app_url, client):
+    bad = [{"model": MODEL}, {"model": MODEL, "messages": []}, {"model": MODEL, "messages": [{"role": "user"}]},
+           {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}]
+    with cf.ThreadPoolExecutor(8) as ex:
+        good = [ex.submit(client.completions.create, model=MODEL, prompt=PROMPTS[2], max_tokens=10, temperature=0,
+                          extra_body={"ignore_eos": True, "return_token_ids": True}) for _ in range(3)]
+        errs = [ex.submit(httpx.post, f"{app_url}/v1/chat/completions", json=b, timeout=30) for b in bad]
+        for f in errs:
+            assert f.result().status_code == 400 and "error" in f.result().json()
+        for f in good:
+            assert f.result().choices[0].token_ids == ref_ids(PROMPTS[2], 10)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def test_metrics_show_pools_and_emulation(app_url):
+    text = httpx.get(f"{app_url}/metrics", timeout=10).text
+    assert 'keyacc_free_kv_blocks{deployment="GpuDecode",pool="gpu"' in text
+    assert 'emulated="1"' in text  # no CUDA here: the GPU role is emulated, and says so
+    assert "keyacc_requests_started_total" in text
+    assert "keyacc_gpu_available 0.0" in text or "keyacc_gpu_available 1.0" in text
