@@ -42,8 +42,10 @@ _END = object()
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_export: Callable[[KVPackage], object]):
+    def __init__(self, engine: LLMEngine, on_export: Callable[[KVPackage], object],
+                 stream_interval_s: float = 0.005):
         self.engine = engine
+        self.stream_interval_s = stream_interval_s
         self.on_export = on_export
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -63,9 +65,16 @@ class AsyncEngine:
         self._inbox.put(("add", request_id, prompt_ids, params, package, stream))
         self._wake.set()
         done = False
+        last = 0.0
         try:
             while not done:
                 items = [await stream.q.get()]
+                # Coalesce: at most one chunk per stream interval, so each Serve hop costs per
+                # chunk, not per token, when the engine outpaces the hops.
+                wait = self.stream_interval_s - (time.monotonic() - last)
+                if wait > 0 and items[0] is not _END:
+                    await asyncio.sleep(wait)
+                last = time.monotonic()
                 while not stream.q.empty():
                     items.append(stream.q.get_nowait())
                 if _END in items:
