@@ -26,3 +26,13 @@ def qwen3_path() -> str:
 @pytest.fixture(scope="session")
 def llama_path() -> str:
     return tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def qwen2_path() -> str:
+    return tiny_model("qwen2")
+
+
+@pytest.fixture(scope="session")
+def mistral_path() -> str:
+    return tiny_model("mistral")

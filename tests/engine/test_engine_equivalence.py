@@ -8,7 +8,7 @@ from keyacc_ray.engine.request import SamplingParams
 from tests.helpers import PROMPTS, hf_greedy
 
 
-@pytest.mark.parametrize("arch_fixture", ["qwen3_path", "llama_path"])
+@pytest.mark.parametrize("arch_fixture", ["qwen3_path", "llama_path", "qwen2_path", "mistral_path"])
 def test_continuous_batch_matches_generate(arch_fixture, request):
     path = request.getfixturevalue(arch_fixture)
     eng = LLMEngine(EngineConfig(model=path, max_num_seqs=8, dtype="float32"))
