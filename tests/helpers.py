@@ -14,13 +14,18 @@ def hf_model(path: str, dtype: str = "float32"):
 
 
 def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = False) -> list[int]:
+    return list(_hf_greedy(path, tuple(prompt_ids), max_new_tokens, stop_at_eos))
+
+
+@functools.lru_cache(maxsize=1024)
+def _hf_greedy(path: str, prompt_ids: tuple, max_new_tokens: int, stop_at_eos: bool) -> tuple:
     model, tok = hf_model(path)
     ids = torch.tensor([prompt_ids])
     kw = {} if stop_at_eos else {"eos_token_id": None, "min_new_tokens": max_new_tokens}
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=tok.pad_token_id, **kw)
-    return out[0, ids.shape[1]:].tolist()
+    return tuple(out[0, ids.shape[1]:].tolist())
 
 
 PROMPTS = [

@@ -1,9 +1,10 @@
-"""The policy contract. A policy sees the load monitor's snapshot and one request, and says
-where it runs: `route()` for the first hop, `after_period()` after each CPU decode period."""
+"""The policy contract. A policy sees a `LoadView` (the monitor's snapshot plus the router's own
+in-flight counts) and one request, and says where it runs: `route()` for the first hop,
+`after_period()` after each CPU decode period."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ROUTES = ("gpu", "cpu", "stage")
 
@@ -22,7 +23,35 @@ class RequestView:
 
     @property
     def total_tokens(self) -> int:
+        """What a replica reserves to take this request: prompt + every token it may generate."""
         return self.num_prompt_tokens + self.max_tokens
+
+
+@dataclass
+class PoolLoad:
+    """One deployment's load as the router sees it."""
+
+    queue: int = 0  # requests waiting for admission (monitor), or beyond the slots (router count)
+    running: int = 0
+    free_blocks: int = 0  # the most free KV blocks on one replica
+    total_blocks: int = 0
+    block_size: int = 16
+    known: bool = False  # False until the monitor has heard from it
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+@dataclass
+class LoadView:
+    gpu_prefill: PoolLoad = field(default_factory=PoolLoad)
+    gpu_decode: PoolLoad = field(default_factory=PoolLoad)
+    cpu: PoolLoad = field(default_factory=PoolLoad)
+    gpu_mem_free_bytes: int | None = None  # pynvml, where a GPU exists
+
+    @property
+    def gpu_queue(self) -> int:
+        return self.gpu_prefill.queue + self.gpu_decode.queue
 
 
 class Policy:
@@ -34,23 +63,31 @@ class Policy:
         if unknown:
             raise ValueError(f"policy {self.name}: unknown options {sorted(unknown)}; known: {sorted(self.defaults())}")
         self.options = {**self.defaults(), **options}
+        self.counters: dict[str, int] = {}
 
     @classmethod
     def defaults(cls) -> dict:
         return {}
 
-    def observe(self, snapshot) -> None:
-        """Called with every new monitor snapshot (even with no request in flight)."""
+    def count(self, key: str) -> None:
+        self.counters[key] = self.counters.get(key, 0) + 1
 
-    def route(self, req: RequestView, snapshot) -> str:
+    def observe(self, load: LoadView) -> None:
+        """Called with every new load view (even with no request in flight)."""
+
+    def route(self, req: RequestView, load: LoadView) -> str:
         """The first hop: "gpu" (prefill + decode on the GPU pool), "cpu" (whole request on the
         CPU pool) or "stage" (prefill on the GPU pool, decode on the CPU pool)."""
         raise NotImplementedError
 
+    def after_prefill(self, req: RequestView, load: LoadView) -> str:
+        """After a GPU prefill (of a request routed "gpu"): where its decode runs, "gpu" or "cpu"."""
+        return "gpu"
+
     def decode_period_tokens(self) -> int | None:
-        """Tokens per CPU decode period for staged requests (None: no periods, no return)."""
+        """Tokens per CPU decode period (None: no periods, the decode never moves back)."""
         return None
 
-    def after_period(self, req: RequestView, snapshot) -> str:
+    def after_period(self, req: RequestView, load: LoadView) -> str:
         """After a CPU decode period: "gpu" to move the decode back, "cpu" to go on."""
         return "cpu"

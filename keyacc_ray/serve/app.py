@@ -125,9 +125,11 @@ def build_app(args: dict | None = None):
     gpu_prefill = pool(GpuPrefill, "GpuPrefill", cfg.gpu, gpu_gpus)
     gpu_decode = pool(GpuDecode, "GpuDecode", cfg.gpu, gpu_gpus)
     cpu_decode = pool(CpuDecode, "CpuDecode", cfg.cpu, 0)
+    # The policy travels as user_config: switching it reconfigures the router in place.
     router = serve.deployment(Router, name="Router").options(
         max_ongoing_requests=4096, ray_actor_options={"num_cpus": cfg.router_num_cpus},
-    ).bind(gpu_prefill, gpu_decode, cpu_decode, cfg.policy, cfg.policy_options, cfg.allow_route_pinning)
+        user_config={"policy": cfg.policy, "policy_options": cfg.policy_options},
+    ).bind(gpu_prefill, gpu_decode, cpu_decode, allow_route_pinning=cfg.allow_route_pinning)
     return serve.deployment(Ingress, name="Ingress").options(
         max_ongoing_requests=4096, ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
     ).bind(router, cfg.model, cfg.served_model_name, max_len, cfg.allow_route_pinning, cfg.max_body_bytes)

@@ -73,8 +73,12 @@ class Trace:
     segments: list[dict] = field(default_factory=list)
 
     def start(self, s: SegmentStart) -> None:
+        last = self.segments[-1] if self.segments else None
+        if last and s.phase == "decode" and (last["replica"], last["deployment"]) == (s.replica, s.deployment):
+            last["periods"] += 1  # the next decode period on the same replica: not a move
+            return
         self.segments.append({"pool": s.pool, "phase": s.phase, "replica": s.replica,
-                              "deployment": s.deployment, "tokens": 0})
+                              "deployment": s.deployment, "tokens": 0, "periods": 1})
 
     def add_tokens(self, n: int) -> None:
         if self.segments:

@@ -7,6 +7,8 @@ after N tokens: one period of the elastic pipeline).
 """
 from __future__ import annotations
 
+import asyncio
+import collections
 import logging
 import os
 import threading
@@ -26,6 +28,8 @@ from keyacc_ray.serve.messages import ErrorItem, GenerateRequest, Handoff, Segme
 from keyacc_ray.serve.monitor import ReplicaReport
 
 log = logging.getLogger("ray.serve")
+KV_FETCH_TIMEOUT_S = 20.0
+KV_HOLD_S = 60.0
 MONITOR_NAME = "keyacc_load_monitor"
 MONITOR_NAMESPACE = "keyacc"
 REPORT_EVERY_S = 0.2
@@ -52,6 +56,8 @@ class EnginePool:
         if self.pool == "gpu" and self.emulated and not emulated_gpu:
             raise RuntimeError(f"{self.deployment}: no CUDA device and emulation is off (gpu.emulate_if_no_cuda)")
         self.replica = _replica_id()
+        self._calls = 0
+        self._held: collections.deque = collections.deque()
         self.loop = AsyncEngine(self.engine, on_export=self._to_handoff)
         label = ("EMULATED GPU: runs on CPU cores with an emulated KV budget of "
                  f"{self.engine.blocks.num_blocks} blocks x {self.engine.blocks.block_size} tokens"
@@ -75,7 +81,11 @@ class EnginePool:
         except KeyaccError as e:
             yield [ErrorItem(e.status_code, e.to_dict())]
             return
-        async for items in self.loop.generate(req.request_id, prompt_ids=req.prompt_token_ids, params=params,
+        # A fresh engine-level id per call: a late abort from an earlier hop of the same request
+        # (the same request comes back here for its next decode period) can never hit this one.
+        self._calls += 1
+        rid = f"{req.request_id}/{self._calls}"
+        async for items in self.loop.generate(rid, prompt_ids=req.prompt_token_ids, params=params,
                                               package=package, export_after=export_after):
             yield items
 
@@ -86,9 +96,9 @@ class EnginePool:
         meta = h.meta
         if h.kv_ref:
             try:
-                keys, values = await h.kv_ref[0]
+                keys, values = await asyncio.wait_for(h.kv_ref[0], KV_FETCH_TIMEOUT_S)
             except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError,
-                    ray.exceptions.ObjectFetchTimedOutError) as e:
+                    ray.exceptions.ObjectFetchTimedOutError, asyncio.TimeoutError) as e:
                 log.warning("KV of %s lost (%s); prefilling %d tokens again", h.request_id,
                             e.__class__.__name__, len(h.token_ids) - 1)
         if keys is None:
@@ -104,6 +114,12 @@ class EnginePool:
         """Runs on the engine thread: put the K/V arrays into the object store (no pickling of
         tensors: numpy buffers, zero-copy for the reader on this node)."""
         ref = [ray.put((pkg.keys, pkg.values))] if pkg.meta.num_kv_tokens > 0 else []
+        # Hold our own reference for a while: a ref nested in a streamed item can otherwise be
+        # freed before the receiver has registered as a borrower (seen here in Ray 2.60).
+        now = time.monotonic()
+        self._held.extend((now, r) for r in ref)
+        while self._held and now - self._held[0][0] > KV_HOLD_S:
+            self._held.popleft()
         return Handoff(pkg.request_id, pkg.meta, ref, pkg.token_ids, pkg.num_prompt_tokens, pkg.params,
                        pkg.rng_state, pkg.emitted_text_chars, pkg.nbytes)
 

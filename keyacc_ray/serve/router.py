@@ -15,7 +15,7 @@ import time
 import ray
 from ray import serve
 
-from keyacc_ray.policies import RequestView, make_policy
+from keyacc_ray.policies import LoadView, PoolLoad, RequestView, make_policy
 from keyacc_ray.serve.messages import ErrorItem, GenerateRequest, Handoff, SegmentStart, TokenChunk, Trace
 from keyacc_ray.serve.monitor import LoadMonitor
 from keyacc_ray.serve.pools import MONITOR_NAME, MONITOR_NAMESPACE
@@ -32,8 +32,12 @@ class Router:
     def __init__(self, gpu_prefill, gpu_decode, cpu_decode, policy: str = "gpu_only",
                  policy_options: dict | None = None, allow_route_pinning: bool = True):
         self.hops = {"gpu_prefill": gpu_prefill, "gpu_decode": gpu_decode, "cpu_decode": cpu_decode}
+        self.deployment_of = {"gpu_prefill": "GpuPrefill", "gpu_decode": "GpuDecode", "cpu_decode": "CpuDecode"}
         self.policy = make_policy(policy, policy_options)
         self.allow_pinning = allow_route_pinning
+        self.inflight = {h: 0 for h in self.hops}  # this router's requests on each hop, right now
+        self._pending_blocks = {h: 0 for h in self.hops}  # blocks sent there since the last snapshot
+        self._policy_counted: dict[str, int] = {}
         self.snapshot = None
         self.snapshot_age_s = float("inf")
         self._counters: dict[str, float] = {}
@@ -53,7 +57,9 @@ class Router:
             try:
                 snap = await asyncio.wait_for(self.monitor.snapshot.remote(), timeout=2.0)
                 self.snapshot, last_ok = snap, time.monotonic()
-                self.policy.observe(snap)
+                self._pending_blocks = {h: 0 for h in self.hops}
+                self.policy.observe(self.load_view())
+                self._collect_policy_counters()
                 if self._counters:
                     deltas, self._counters = self._counters, {}
                     self.monitor.add_counters.remote(deltas)
@@ -65,6 +71,47 @@ class Router:
             self.snapshot_age_s = time.monotonic() - last_ok
             await asyncio.sleep(REFRESH_EVERY_S)
 
+    def reconfigure(self, user_config: dict) -> None:
+        """Serve user_config: switch the policy without restarting anything."""
+        if user_config and "policy" in user_config:
+            self.policy = make_policy(user_config["policy"], user_config.get("policy_options") or {})
+            self._policy_counted = {}
+            log.info("keyacc router: policy is now %s %s", self.policy.name, self.policy.options)
+
+    def load_view(self) -> LoadView:
+        """The monitor's snapshot, corrected by what this router knows right now: its requests
+        in flight beyond a pool's slots count as queued, and blocks it just sent as taken."""
+        views = self.snapshot.deployments if self.snapshot is not None else {}
+        gpu = (self.snapshot.gpu or {}) if self.snapshot is not None else {}
+        loads = {}
+        for hop, dep in self.deployment_of.items():
+            v = views.get(dep)
+            if v is None:
+                loads[hop] = PoolLoad(queue=self.inflight[hop], known=False)
+                continue
+            loads[hop] = PoolLoad(queue=max(v.num_waiting, self.inflight[hop] - v.max_num_seqs),
+                                  running=v.num_running,
+                                  free_blocks=max(0, v.max_free_blocks - self._pending_blocks[hop]),
+                                  total_blocks=v.num_total_blocks, block_size=v.block_size, known=True)
+        free = None
+        if gpu.get("available"):
+            free = min(g["mem_free_bytes"] for g in gpu["gpus"])
+        return LoadView(loads["gpu_prefill"], loads["gpu_decode"], loads["cpu_decode"], free)
+
+    def _collect_policy_counters(self) -> None:
+        now = dict(self.policy.counters)
+        for attr in ("gpu", "cpu", "decode", "prefill"):
+            gate = getattr(self.policy, attr, None)
+            if gate is not None and hasattr(gate, "flag"):
+                now[f"offload_decisions_suppressed_total|gate={attr}"] = gate.flag.suppressed
+                now[f"offload_switches_total|gate={attr}"] = gate.flag.flips
+        for k, v in now.items():
+            d = v - self._policy_counted.get(k, 0)
+            if d:
+                name = k if "|" in k else f"policy_{k}_total"
+                self._count(name, d)
+        self._policy_counted = now
+
     def _count(self, key: str, n: float = 1) -> None:
         self._counters[key] = self._counters.get(key, 0) + n
 
@@ -74,7 +121,7 @@ class Router:
             if not self.allow_pinning:
                 raise PermissionError("route pinning is turned off on this server")
             return req.route, "pinned"
-        return self.policy.route(view, self.snapshot), "policy"
+        return self.policy.route(view, self.load_view()), "policy"
 
     async def generate(self, req: GenerateRequest):
         self._ensure_refresher()
@@ -96,6 +143,7 @@ class Router:
             started = time.monotonic()
             handle = self.hops[hop]
             next_handoff = None
+            self.inflight[hop] += 1
             try:
                 stream = handle.options(stream=True).generate.remote(req, handoff, export_after)
                 async for items in stream:
@@ -117,18 +165,22 @@ class Router:
                 log.exception("hop %s of %s failed", hop, req.request_id)
                 yield [_err(503, f"the {hop} replica failed mid-request: {e.__class__.__name__}", "unavailable")]
                 return
+            finally:
+                self.inflight[hop] -= 1
             pool = "gpu" if hop.startswith("gpu") else "cpu"
             self._count(f"pool_seconds_total|pool={pool}", time.monotonic() - started)
             if next_handoff is None:
                 break  # finished
             handoff = next_handoff
             view = RequestView(handoff.num_prompt_tokens, handoff.num_output_tokens, max_tokens)
+            prev = hop
             hop, export_after = self._next_hop(req, hop, view, route)
-            src = "gpu" if handle is not self.hops["cpu_decode"] else "cpu"
-            dst = "gpu" if hop.startswith("gpu") else "cpu"
-            if src != dst or hop == "gpu_decode":
-                self._count(f"moves_total|from={src},to={dst},reason="
-                            f"{'pinned' if req.route else 'policy'}")
+            if hop == "gpu_decode":
+                self._pending_blocks[hop] += self.load_view().gpu_decode.blocks_for(view.total_tokens)
+            src, dst = ("cpu" if prev == "cpu_decode" else "gpu"), ("cpu" if hop == "cpu_decode" else "gpu")
+            if src != dst:
+                reason = "pinned" if req.route else ("offload" if dst == "cpu" else "return")
+                self._count(f"moves_total|from={src},to={dst},reason={reason}")
         yield [trace]
 
     def _cpu_period(self, req: GenerateRequest) -> int | None:
@@ -137,14 +189,14 @@ class Router:
         return self.policy.decode_period_tokens()
 
     def _next_hop(self, req: GenerateRequest, prev: str, view: RequestView, route: str) -> tuple[str, int | None]:
-        if prev == "gpu_prefill":  # after prefill: decode on the GPU, or on the CPU for "stage"
-            if route == "stage":
+        if prev == "gpu_prefill":  # the hand-off: decode on the GPU, or on the CPU
+            if route == "stage" or (req.route is None and self.policy.after_prefill(view, self.load_view()) == "cpu"):
                 return "cpu_decode", self._cpu_period(req)
             return "gpu_decode", None
         if prev == "cpu_decode":  # end of a CPU period
             if req.route is not None:  # pinned: migrate_back_after moves it back once
                 return "gpu_decode", None
-            if self.policy.after_period(view, self.snapshot) == "gpu":
+            if self.policy.after_period(view, self.load_view()) == "gpu":
                 return "gpu_decode", None
             return "cpu_decode", self.policy.decode_period_tokens()
         raise AssertionError(f"no hop after {prev}")

@@ -1,6 +1,7 @@
 """One real Ray cluster + Serve app (the default graph on the tiny model) for the e2e tests."""
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -22,7 +23,7 @@ def start_app(args: dict, port: int):
 
     from keyacc_ray.serve.app import build_app
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=bool(os.environ.get("KEYACC_TEST_LOGS")),
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(args), name="keyacc", route_prefix="/", blocking=False)
@@ -62,8 +63,11 @@ def stop_app():
         ray.shutdown()
 
 
+APP_ARGS = {"model": tiny_model("qwen3"), "max_model_len": 512}
+
+
 @pytest.fixture(scope="session")
 def app_url():
-    base = start_app({"model": tiny_model("qwen3"), "max_model_len": 512}, free_port())
+    base = start_app(APP_ARGS, free_port())
     yield base
     stop_app()

@@ -1,0 +1,59 @@
+"""Both mechanisms together. While the GPU accepts, requests run there. When the GPU decode
+pool is overloaded but prefill keeps up, only the decode moves to the CPU at the hand-off
+(stage offload, also when its KV would not fit the GPU decode pool now);
+when the whole GPU is queued (prefill too), whole requests go to the CPU (full offload). CPU
+decodes run in periods and move back after the memory check, as in both modes."""
+from keyacc_ray.policies import register
+from keyacc_ray.policies.base import LoadView, Policy, RequestView
+from keyacc_ray.policies.hysteresis import PoolGate, fits
+from keyacc_ray.policies.stage_offload import decode_placement
+
+DEFAULTS = {
+    "gpu_queue_high": 2, "gpu_queue_safe": 1, "prefill_queue_high": 2, "prefill_queue_safe": 1,
+    "cpu_queue_high": 4, "cpu_queue_safe": 1, "trigger_window_s": 0.5, "return_window_s": 2.0,
+    "decode_period_tokens": 16, "min_gpu_free_bytes": 1 << 30,
+}
+
+
+@register
+class Auto(Policy):
+    name = "auto"
+
+    @classmethod
+    def defaults(cls) -> dict:
+        return dict(DEFAULTS)
+
+    def __init__(self, options: dict, clock=None):
+        super().__init__(options, clock)
+        o = self.options
+        w = (o["trigger_window_s"], o["return_window_s"])
+        self.gpu = PoolGate(o["gpu_queue_high"], o["gpu_queue_safe"], *w)
+        self.prefill = PoolGate(o["prefill_queue_high"], o["prefill_queue_safe"], *w)
+        self.cpu = PoolGate(o["cpu_queue_high"], o["cpu_queue_safe"], *w)
+
+    def observe(self, load: LoadView) -> None:
+        now = self.clock()
+        self.gpu.update(load.gpu_queue, now)
+        self.prefill.update(load.gpu_prefill.queue, now)
+        self.cpu.update(load.cpu.queue, now)
+
+    def route(self, req: RequestView, load: LoadView) -> str:
+        self.observe(load)
+        if self.gpu.overloaded and self.prefill.overloaded and not self.cpu.overloaded:
+            return "cpu"  # the whole GPU is queued: whole-request offload
+        return "gpu"  # prefill on the GPU; the decode is placed at the hand-off
+
+    def after_prefill(self, req: RequestView, load: LoadView) -> str:
+        return decode_placement(self, self.gpu, req, load)
+
+    def decode_period_tokens(self) -> int | None:
+        return self.options["decode_period_tokens"]
+
+    def after_period(self, req: RequestView, load: LoadView) -> str:
+        self.observe(load)
+        if self.gpu.overloaded:
+            return "cpu"
+        if not fits(req, load.gpu_decode, load, self.options["min_gpu_free_bytes"]):
+            self.count("moves_refused_memory")
+            return "cpu"
+        return "gpu"

@@ -1,0 +1,56 @@
+"""Whole-request offload (mode 1, light models and bursty load).
+
+New requests go to the CPU pool while the GPU queue stays above `gpu_queue_high`; the GPU gets
+new requests again only after its queue has stayed below `gpu_queue_safe` for `return_window_s`.
+The CPU pool is gated the same way (when both are overloaded, requests queue on the GPU).
+Requests running on the CPU decode in periods of `decode_period_tokens`; after each, the decode
+moves back to the GPU if the GPU is accepting again and the memory check passes, otherwise it
+keeps running on the CPU.
+"""
+from keyacc_ray.policies import register
+from keyacc_ray.policies.base import LoadView, Policy, RequestView
+from keyacc_ray.policies.hysteresis import PoolGate, fits
+
+DEFAULTS = {
+    "gpu_queue_high": 2, "gpu_queue_safe": 1, "cpu_queue_high": 4, "cpu_queue_safe": 1,
+    "trigger_window_s": 0.5, "return_window_s": 2.0, "decode_period_tokens": 16,
+    "min_gpu_free_bytes": 1 << 30,
+}
+
+
+@register
+class FullOffload(Policy):
+    name = "full_offload"
+
+    @classmethod
+    def defaults(cls) -> dict:
+        return dict(DEFAULTS)
+
+    def __init__(self, options: dict, clock=None):
+        super().__init__(options, clock)
+        o = self.options
+        self.gpu = PoolGate(o["gpu_queue_high"], o["gpu_queue_safe"], o["trigger_window_s"], o["return_window_s"])
+        self.cpu = PoolGate(o["cpu_queue_high"], o["cpu_queue_safe"], o["trigger_window_s"], o["return_window_s"])
+
+    def observe(self, load: LoadView) -> None:
+        now = self.clock()
+        self.gpu.update(load.gpu_queue, now)
+        self.cpu.update(load.cpu.queue, now)
+
+    def route(self, req: RequestView, load: LoadView) -> str:
+        self.observe(load)
+        if self.gpu.overloaded and not self.cpu.overloaded:
+            return "cpu"
+        return "gpu"
+
+    def decode_period_tokens(self) -> int | None:
+        return self.options["decode_period_tokens"]
+
+    def after_period(self, req: RequestView, load: LoadView) -> str:
+        self.observe(load)
+        if self.gpu.overloaded:
+            return "cpu"
+        if not fits(req, load.gpu_decode, load, self.options["min_gpu_free_bytes"]):
+            self.count("moves_refused_memory")
+            return "cpu"
+        return "gpu"

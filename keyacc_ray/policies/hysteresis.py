@@ -1,0 +1,61 @@
+"""Debounced thresholds and the memory check shared by the offload policies.
+
+A `Debounced` flag flips only after its condition has held for a whole window: a load that
+crosses a threshold and falls back within the window (a square wave shorter than the window)
+never flips it, and each such aborted episode is counted as a suppressed decision.
+"""
+from __future__ import annotations
+
+from keyacc_ray.policies.base import LoadView, PoolLoad, RequestView
+
+
+class Debounced:
+    def __init__(self, on_window_s: float, off_window_s: float, state: bool = False):
+        self.on_window_s = on_window_s
+        self.off_window_s = off_window_s
+        self.state = state
+        self._since: float | None = None
+        self.flips = 0
+        self.suppressed = 0
+
+    def update(self, want_on: bool, want_off: bool, now: float) -> bool:
+        """want_on: the condition to switch on holds now; want_off: the one to switch off."""
+        pending = want_off if self.state else want_on
+        window = self.off_window_s if self.state else self.on_window_s
+        if not pending:
+            if self._since is not None:
+                self.suppressed += 1
+            self._since = None
+            return self.state
+        if self._since is None:
+            self._since = now
+        if now - self._since >= window:
+            self.state = not self.state
+            self._since = None
+            self.flips += 1
+        return self.state
+
+
+class PoolGate:
+    """'Overloaded' state of one pool from its queue depth: on above `high` for `trigger_window_s`,
+    off again only after below `safe` for `return_window_s`."""
+
+    def __init__(self, high: int, safe: int, trigger_window_s: float, return_window_s: float):
+        assert safe <= high, f"safe threshold {safe} must not exceed the high threshold {high}"
+        self.high, self.safe = high, safe
+        self.flag = Debounced(trigger_window_s, return_window_s)
+
+    def update(self, queue: int, now: float) -> bool:
+        return self.flag.update(queue > self.high, queue < self.safe, now)
+
+    @property
+    def overloaded(self) -> bool:
+        return self.flag.state
+
+
+def fits(req: RequestView, pool: PoolLoad, load: LoadView, min_gpu_free_bytes: int) -> bool:
+    """The memory check before work moves onto a GPU replica: free KV blocks for the request's
+    prompt plus all it may still generate, and (where pynvml sees a GPU) free device memory."""
+    if not pool.known or pool.free_blocks < pool.blocks_for(req.total_tokens):
+        return False
+    return load.gpu_mem_free_bytes is None or load.gpu_mem_free_bytes >= min_gpu_free_bytes

@@ -1,0 +1,65 @@
+"""Decode-stage offload (mode 2, high concurrency and long sequences).
+
+Prefill always runs on the GPU pool. At the hand-off after prefill, the decode goes to the CPU
+pool while the GPU decode pool is overloaded (its queue above `gpu_queue_high` for
+`trigger_window_s`; back below `gpu_queue_safe` for `return_window_s`) or when the request's KV
+would not fit there now (the memory check, not debounced: it is a fact, not a trend). Elastic pipeline: CPU decode runs in periods of `decode_period_tokens`; after
+each, the decode moves back to the GPU if the pool accepts again and the memory check passes.
+"""
+from keyacc_ray.policies import register
+from keyacc_ray.policies.base import LoadView, Policy, RequestView
+from keyacc_ray.policies.hysteresis import PoolGate, fits
+
+def decode_placement(policy: Policy, gate: PoolGate, req: RequestView, load: LoadView) -> str:
+    policy.observe(load)
+    if load.cpu.queue > policy.options["cpu_queue_high"]:
+        return "gpu"  # the CPU pool is full too: queue on the GPU
+    if gate.overloaded:
+        policy.count("decode_offloaded_load")
+        return "cpu"
+    if load.gpu_decode.known and not fits(req, load.gpu_decode, load, policy.options["min_gpu_free_bytes"]):
+        policy.count("decode_offloaded_memory")
+        return "cpu"
+    return "gpu"
+
+
+DEFAULTS = {
+    "gpu_queue_high": 1, "gpu_queue_safe": 1, "trigger_window_s": 0.5, "return_window_s": 2.0,
+    "decode_period_tokens": 16, "min_gpu_free_bytes": 1 << 30, "cpu_queue_high": 4,
+}
+
+
+@register
+class StageOffload(Policy):
+    name = "stage_offload"
+
+    @classmethod
+    def defaults(cls) -> dict:
+        return dict(DEFAULTS)
+
+    def __init__(self, options: dict, clock=None):
+        super().__init__(options, clock)
+        o = self.options
+        self.decode = PoolGate(o["gpu_queue_high"], o["gpu_queue_safe"], o["trigger_window_s"], o["return_window_s"])
+
+    def observe(self, load: LoadView) -> None:
+        self.decode.update(load.gpu_decode.queue, self.clock())
+
+    def route(self, req: RequestView, load: LoadView) -> str:
+        self.observe(load)
+        return "gpu"  # prefill on the GPU; the decode is placed at the hand-off
+
+    def after_prefill(self, req: RequestView, load: LoadView) -> str:
+        return decode_placement(self, self.decode, req, load)
+
+    def decode_period_tokens(self) -> int | None:
+        return self.options["decode_period_tokens"]
+
+    def after_period(self, req: RequestView, load: LoadView) -> str:
+        self.observe(load)
+        if self.decode.overloaded:
+            return "cpu"
+        if not fits(req, load.gpu_decode, load, self.options["min_gpu_free_bytes"]):
+            self.count("moves_refused_memory")
+            return "cpu"
+        return "gpu"

@@ -1,0 +1,136 @@
+"""Offload policies with a fake clock and hand-built load views: no Ray, no model."""
+import pytest
+
+from keyacc_ray.policies import LoadView, PoolLoad, RequestView, make_policy
+from keyacc_ray.policies.hysteresis import Debounced
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def view(gpu_queue=0, cpu_queue=0, prefill_queue=0, free_blocks=100, gpu_mem=None):
+    return LoadView(gpu_prefill=PoolLoad(queue=prefill_queue, free_blocks=100, known=True),
+                    gpu_decode=PoolLoad(queue=gpu_queue, free_blocks=free_blocks, total_blocks=100, known=True),
+                    cpu=PoolLoad(queue=cpu_queue, free_blocks=100, known=True), gpu_mem_free_bytes=gpu_mem)
+
+
+REQ = RequestView(num_prompt_tokens=20, num_output_tokens=0, max_tokens=40)  # 60 tokens: 4 blocks of 16
+
+
+def drive(policy, clock, load_fn, seconds, dt=0.05):
+    """Advance the clock, observing load_fn(t) at each tick; returns the routes chosen."""
+    routes = []
+    end = clock.t + seconds
+    while clock.t < end:
+        routes.append(policy.route(REQ, load_fn(clock.t)))
+        clock.t += dt
+    return routes
+
+
+@pytest.mark.parametrize("name", ["full_offload", "stage_offload", "auto"])
+def test_square_wave_shorter_than_window_never_switches(name):
+    clock = Clock()
+    p = make_policy(name, {"trigger_window_s": 1.0, "return_window_s": 2.0}, clock=clock)
+    # overload for 0.4 s, calm for 0.4 s, repeated for 10 s: every burst ends before the window
+    wave = lambda t: view(gpu_queue=10 if (t % 0.8) < 0.4 else 0, prefill_queue=10 if (t % 0.8) < 0.4 else 0)  # noqa
+    routes = drive(p, clock, wave, 10)
+    assert set(routes) == {"gpu"}
+    assert p.after_prefill(REQ, wave(0.1)) == "gpu"
+    gates = [g for g in (getattr(p, a, None) for a in ("gpu", "decode")) if g is not None]
+    assert gates[0].flag.flips == 0 and gates[0].flag.suppressed >= 10
+
+
+def test_full_offload_sustained_overload_switches_within_one_window_and_returns():
+    clock = Clock()
+    p = make_policy("full_offload", {"trigger_window_s": 1.0, "return_window_s": 2.0}, clock=clock)
+    routes = drive(p, clock, lambda t: view(gpu_queue=10), 1.2)
+    first_cpu = routes.index("cpu")
+    assert 0.9 <= first_cpu * 0.05 <= 1.05  # within one window of the overload starting
+    # a momentary dip does not bring requests back
+    routes = drive(p, clock, lambda t: view(gpu_queue=0), 0.5) + drive(p, clock, lambda t: view(gpu_queue=10), 0.5)
+    assert set(routes) == {"cpu"}
+    # sustained calm: back to the GPU after the return window
+    routes = drive(p, clock, lambda t: view(gpu_queue=0), 2.5)
+    back = routes.index("gpu")
+    assert 1.9 <= back * 0.05 <= 2.1 and set(routes[back:]) == {"gpu"}
+
+
+def test_full_offload_cpu_gate_keeps_requests_on_gpu_when_cpu_is_full():
+    clock = Clock()
+    p = make_policy("full_offload", {"trigger_window_s": 0.2, "return_window_s": 1.0}, clock=clock)
+    routes = drive(p, clock, lambda t: view(gpu_queue=10, cpu_queue=10), 1.0)
+    assert routes[-1] == "gpu"
+
+
+def test_return_blocked_by_memory_check_waits_then_happens():
+    clock = Clock()
+    p = make_policy("full_offload", {"trigger_window_s": 0.2, "return_window_s": 0.5}, clock=clock)
+    mid = RequestView(20, 16, 40)  # reserves 60 tokens = 4 blocks on the GPU
+    drive(p, clock, lambda t: view(gpu_queue=10), 0.5)
+    assert p.after_period(mid, view(gpu_queue=10)) == "cpu"  # still overloaded
+    drive(p, clock, lambda t: view(gpu_queue=0, free_blocks=3), 1.0)  # calm, but only 3 free blocks
+    assert not p.gpu.overloaded
+    assert p.after_period(mid, view(gpu_queue=0, free_blocks=3)) == "cpu"
+    assert p.counters["moves_refused_memory"] == 1
+    assert p.after_period(mid, view(gpu_queue=0, free_blocks=4, gpu_mem=100)) == "cpu"  # pynvml: no room
+    assert p.after_period(mid, view(gpu_queue=0, free_blocks=4, gpu_mem=8 << 30)) == "gpu"
+    assert p.after_period(mid, view(gpu_queue=0, free_blocks=4)) == "gpu"  # no GPU: blocks decide
+
+
+def drive_handoff(policy, clock, load_fn, seconds, dt=0.05):
+    out = []
+    end = clock.t + seconds
+    while clock.t < end:
+        assert policy.route(REQ, load_fn(clock.t)) == "gpu"  # prefill always on the GPU
+        out.append(policy.after_prefill(RequestView(20, 1, 40), load_fn(clock.t)))
+        clock.t += dt
+    return out
+
+
+def test_stage_offload_periods_and_migration_back():
+    clock = Clock()
+    p = make_policy("stage_offload", {"trigger_window_s": 0.3, "return_window_s": 1.0,
+                                      "decode_period_tokens": 8}, clock=clock)
+    assert p.decode_period_tokens() == 8
+    assert drive_handoff(p, clock, lambda t: view(gpu_queue=0), 0.5)[-1] == "gpu"
+    places = drive_handoff(p, clock, lambda t: view(gpu_queue=5), 0.5)
+    assert places[-1] == "cpu" and places[0] == "gpu"  # switched within the window, not at once
+    req = RequestView(20, 8, 40)
+    assert p.after_period(req, view(gpu_queue=5)) == "cpu"
+    drive(p, clock, lambda t: view(gpu_queue=0), 1.1)
+    assert p.after_period(req, view(gpu_queue=0)) == "gpu"
+    # a request whose KV cannot fit on the GPU decode pool now decodes on the CPU, no queue needed
+    assert p.after_prefill(RequestView(20, 1, 400), view(gpu_queue=0, free_blocks=10)) == "cpu"
+    assert p.counters["decode_offloaded_memory"] == 1
+
+
+def test_auto_picks_stage_or_whole_request_by_prefill_load():
+    clock = Clock()
+    p = make_policy("auto", {"trigger_window_s": 0.2, "return_window_s": 1.0}, clock=clock)
+    decode_busy = lambda t: view(gpu_queue=5, prefill_queue=0)  # noqa: E731
+    assert drive(p, clock, decode_busy, 0.4)[-1] == "gpu"  # prefill keeps up: prefill on the GPU ...
+    assert p.after_prefill(RequestView(20, 1, 40), decode_busy(0)) == "cpu"  # ... decode on the CPU
+    assert drive(p, clock, lambda t: view(gpu_queue=8, prefill_queue=5), 0.4)[-1] == "cpu"  # whole request
+    assert drive(p, clock, lambda t: view(gpu_queue=0, prefill_queue=0), 1.3)[-1] == "gpu"
+    assert p.after_prefill(RequestView(20, 1, 40), view()) == "gpu"
+
+
+def test_gpu_only_and_unknown_policy():
+    assert make_policy("gpu_only").route(REQ, view(gpu_queue=100)) == "gpu"
+    with pytest.raises(ValueError, match="known"):
+        make_policy("nope")
+    with pytest.raises(ValueError, match="unknown options"):
+        make_policy("full_offload", {"gpu_queue_hi": 3})
+
+
+def test_debounced_counts_suppressed_episodes():
+    d = Debounced(1.0, 1.0)
+    d.update(True, False, 0.0)
+    d.update(False, False, 0.5)
+    d.update(True, False, 0.6)
+    assert d.update(True, False, 1.7) and d.suppressed == 1 and d.flips == 1
