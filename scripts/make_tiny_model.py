@@ -28,6 +28,8 @@ CHAT_TEMPLATE = (
 SIZES = {
     "tiny": (64, 128, 2, 4, 2, 16, 512, 1024),
     "small": (256, 768, 4, 8, 4, 32, 2048, 2048),
+    # ~33M parameters: compute per step large enough that Serve overhead is amortised (offload bench)
+    "medium": (512, 1536, 8, 8, 4, 64, 8192, 2048),
     # The ~0.4B "bench" model of the CPU-kernel issue: 24 layers, hidden 1024, vocab 32000.
     "bench": (1024, 3072, 24, 16, 8, 128, 32000, 4096),
 }

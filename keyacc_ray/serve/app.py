@@ -33,6 +33,7 @@ class PoolConfig:
     max_queued_requests: int = 1024
     max_waiting: int = 256
     emulate_if_no_cuda: bool = True
+    cpu_affinity: list[int] | None = None  # pin every thread of the pool's replicas to these CPUs
 
     def __post_init__(self):
         if self.replicas < 1 or self.max_num_seqs < 1 or self.num_cpus < 0:
@@ -120,7 +121,7 @@ def build_app(args: dict | None = None):
             num_replicas=p.replicas, max_ongoing_requests=p.max_ongoing_requests,
             max_queued_requests=p.max_queued_requests, health_check_period_s=5,
             ray_actor_options={"num_cpus": p.num_cpus, "num_gpus": num_gpus},
-        ).bind(cfg.engine(p), name, p.emulate_if_no_cuda)
+        ).bind(cfg.engine(p), name, p.emulate_if_no_cuda, p.cpu_affinity)
 
     gpu_prefill = pool(GpuPrefill, "GpuPrefill", cfg.gpu, gpu_gpus)
     gpu_decode = pool(GpuDecode, "GpuDecode", cfg.gpu, gpu_gpus)

@@ -134,14 +134,16 @@ class Ingress:
             head = protocol.chunk_body(p, created, "", None)
             head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             yield _sse(head)
-        pending = None  # hold the last chunk back so the trace can ride on it
+        pending = None  # only the finishing chunk waits, so the trace can ride on it
         async for i in self._items(first, it):
             if isinstance(i, TokenChunk):
                 n_out = i.num_output_tokens or n_out
-                if pending is not None:
-                    yield _sse(pending)
                 reason = i.finish_reason or reason
-                pending = protocol.chunk_body(p, created, i.text, i.finish_reason, i.token_ids)
+                body = protocol.chunk_body(p, created, i.text, i.finish_reason, i.token_ids)
+                if i.finish_reason is None:
+                    yield _sse(body)
+                else:
+                    pending = body
             elif isinstance(i, ErrorItem):
                 if pending is not None:
                     yield _sse(pending)

@@ -23,6 +23,7 @@ from keyacc_ray.engine.kv_package import KVPackage
 from keyacc_ray.engine.llm_engine import LLMEngine
 from keyacc_ray.engine.request import SamplingParams
 from keyacc_ray.errors import KeyaccError
+from keyacc_ray.hw.pinning import pin_process
 from keyacc_ray.serve.engine_loop import AsyncEngine
 from keyacc_ray.serve.messages import ErrorItem, GenerateRequest, Handoff, SegmentStart
 from keyacc_ray.serve.monitor import ReplicaReport
@@ -46,9 +47,11 @@ class EnginePool:
     pool = "cpu"
     role = "whole"
 
-    def __init__(self, engine: dict, deployment: str | None = None, emulated_gpu: bool = False):
+    def __init__(self, engine: dict, deployment: str | None = None, emulated_gpu: bool = False,
+                 cpu_affinity: list[int] | None = None):
         self.deployment = deployment or type(self).__name__
         cfg = EngineConfig.from_dict(engine)
+        self.cpus = pin_process(cpu_affinity) if cpu_affinity else None
         if cfg.num_threads:
             os.environ["OMP_NUM_THREADS"] = str(cfg.num_threads)
         self.engine = LLMEngine(cfg)
@@ -62,8 +65,8 @@ class EnginePool:
         label = ("EMULATED GPU: runs on CPU cores with an emulated KV budget of "
                  f"{self.engine.blocks.num_blocks} blocks x {self.engine.blocks.block_size} tokens"
                  if self.emulated else self.engine.runner.device_label())
-        log.info("keyacc %s replica %s ready: model=%s dtype=%s %s", self.deployment, self.replica,
-                 cfg.model, self.engine.runner.dtype, label)
+        log.info("keyacc %s replica %s ready: model=%s dtype=%s %s; pinned to CPUs %s", self.deployment,
+                 self.replica, cfg.model, self.engine.runner.dtype, label, self.cpus or "(none)")
         self._reporter = threading.Thread(target=self._report_loop, name="keyacc-report", daemon=True)
         self._reporter.start()
 

@@ -1,0 +1,1 @@
+"""Load generation and figures for any OpenAI-compatible endpoint."""
