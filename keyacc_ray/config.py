@@ -33,6 +33,8 @@ class EngineConfig:
     max_prefill_tokens: int = 4096  # prefill tokens admitted per step (at least one request)
     num_threads: int | None = None  # torch intra-op threads
     kv_export_layout: str = "LHTD"
+    kv_memory_fraction: float = 0.85  # CUDA: share of free device memory (after weights) for KV
+
 
     def __post_init__(self):
         if not self.model:
@@ -47,6 +49,8 @@ class EngineConfig:
                 raise ConfigError(f"EngineConfig.{name} must be None or an integer >= 1, got {v!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"EngineConfig.dtype must be auto/float32/bfloat16/float16, got {self.dtype!r}")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ConfigError(f"EngineConfig.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.kv_export_layout not in ("LHTD", "LTHD"):
             raise ConfigError(f"EngineConfig.kv_export_layout must be LHTD or LTHD, got {self.kv_export_layout!r}")
 

@@ -56,11 +56,14 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001
             raise ModelLoadError(f"cannot load tokenizer for {config.model!r}: {e}", param="model") from e
         self.runner = ModelRunner(config.model, config.dtype, config.device, config.max_num_seqs,
-                                  config.max_model_len, config.num_threads)
+                                  config.max_model_len, config.num_threads, config.kv_memory_fraction)
         self.max_model_len = self.runner.max_model_len
-        num_blocks = config.num_kv_blocks or -(-config.max_num_seqs * self.max_model_len // config.kv_block_size)
+        # The KV budget in blocks: configured, or what the preallocated slots hold (on CUDA the
+        # slots themselves are sized from free device memory).
+        slots = self.runner.num_slots
+        num_blocks = config.num_kv_blocks or -(-slots * self.max_model_len // config.kv_block_size)
         self.blocks = BlockManager(num_blocks, config.kv_block_size)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_waiting,
+        self.scheduler = Scheduler(self.blocks, slots, config.max_waiting,
                                    config.max_prefill_tokens)
         self.sampler = Sampler()
         self.seqs: dict[str, Sequence] = {}
@@ -226,12 +229,12 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting,
                            self.blocks.num_free_blocks, self.blocks.num_blocks, self.blocks.block_size,
-                           self.config.max_num_seqs, self.tokens_generated, self.runner.device_label())
+                           self.runner.num_slots, self.tokens_generated, self.runner.device_label())
 
     def can_fit(self, num_tokens: int) -> bool:
         """Would a sequence of `num_tokens` (prompt + remaining) get its blocks right now?"""
         return (self.blocks.can_allocate(num_tokens)
-                and self.scheduler.num_running + self.scheduler.num_waiting < self.config.max_num_seqs)
+                and self.scheduler.num_running + self.scheduler.num_waiting < self.runner.num_slots)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],
                  timeout_s: float = 600.0) -> list[list[int]]:

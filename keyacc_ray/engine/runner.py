@@ -73,7 +73,7 @@ class SlotKVCache:
 
 class ModelRunner:
     def __init__(self, model: str, dtype: str, device: str, num_slots: int, max_model_len: int | None,
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, kv_memory_fraction: float = 0.85):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if num_threads:
@@ -103,11 +103,27 @@ class ModelRunner:
         self.max_model_len = min(max_model_len or limit, limit)
         self.layer_types = getattr(cfg, "layer_types", None)
         self.sliding_window = getattr(cfg, "sliding_window", None)
-        self.num_slots = num_slots
-        self.cache = SlotKVCache(self.kv_shape, num_slots, self.max_model_len, self.device)
+        self.num_slots = self._fit_slots(num_slots, kv_memory_fraction)
+        self.cache = SlotKVCache(self.kv_shape, self.num_slots, self.max_model_len, self.device)
         self._slot_of: dict[str, int] = {}
-        self._owner: list[str | None] = [None] * num_slots
+        self._owner: list[str | None] = [None] * self.num_slots
         self._min = torch.finfo(torch_dtype).min
+
+    def _fit_slots(self, wanted: int, fraction: float) -> int:
+        """On CUDA the KV buffer is sized from the free device memory after the weights: as many
+        slots (up to `wanted`) as `fraction` of it holds. On CPU the configured number stands."""
+        if self.device.type != "cuda":
+            return wanted
+        free, _ = torch.cuda.mem_get_info(self.device)
+        per_slot = self.kv_bytes_per_token() * self.max_model_len
+        fit = int(free * fraction) // per_slot
+        if fit < 1:
+            raise ModelLoadError(f"no room for even one sequence of {self.max_model_len} tokens of KV on "
+                                 f"{self.device} ({free / 2**30:.1f} GiB free); lower max_model_len")
+        if fit < wanted:
+            log.warning("KV memory on %s holds %d sequences of %d tokens, not %d", self.device, fit,
+                        self.max_model_len, wanted)
+        return min(wanted, fit)
 
     # ---- slots -------------------------------------------------------------------------
     @property

@@ -34,6 +34,7 @@ class PoolConfig:
     max_waiting: int = 256
     emulate_if_no_cuda: bool = True
     cpu_affinity: list[int] | None = None  # pin every thread of the pool's replicas to these CPUs
+    kv_memory_fraction: float = 0.85  # CUDA: share of free device memory each replica takes for KV
 
     def __post_init__(self):
         if self.replicas < 1 or self.max_num_seqs < 1 or self.num_cpus < 0:
@@ -74,7 +75,8 @@ class AppConfig:
         return asdict(EngineConfig(model=self.model, dtype=self.dtype, device=pool.device,
                                    max_num_seqs=pool.max_num_seqs, max_model_len=self.max_model_len,
                                    kv_block_size=pool.kv_block_size, num_kv_blocks=pool.num_kv_blocks,
-                                   max_waiting=pool.max_waiting, num_threads=pool.num_threads))
+                                   max_waiting=pool.max_waiting, num_threads=pool.num_threads,
+                                   kv_memory_fraction=pool.kv_memory_fraction))
 
 
 def resolve_model(model: str) -> str:

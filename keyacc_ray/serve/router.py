@@ -22,6 +22,9 @@ from keyacc_ray.serve.pools import MONITOR_NAME, MONITOR_NAMESPACE
 
 log = logging.getLogger("ray.serve")
 REFRESH_EVERY_S = 0.1
+MAX_RECOVERIES = 2
+# Where a request goes on when a replica dies under it (the dead one is being replaced).
+FAILOVER = {"gpu_prefill": "cpu_decode", "gpu_decode": "cpu_decode", "cpu_decode": "gpu_decode"}
 
 
 def _err(status: int, message: str, type_: str = "internal_error") -> ErrorItem:
@@ -135,6 +138,9 @@ class Router:
         self._count(f"requests_started_total|route={route},reason={why}")
         trace = Trace()
         handoff: Handoff | None = None
+        generated: list[int] = []  # every token streamed to the client so far
+        emitted_chars = 0
+        recoveries = 0
         if route == "cpu":
             hop, export_after = "cpu_decode", self._cpu_period(req)
         else:
@@ -143,7 +149,8 @@ class Router:
             started = time.monotonic()
             handle = self.hops[hop]
             next_handoff = None
-            self.inflight[hop] += 1
+            cur = hop
+            self.inflight[cur] += 1
             try:
                 stream = handle.options(stream=True).generate.remote(req, handoff, export_after)
                 async for items in stream:
@@ -156,17 +163,36 @@ class Router:
                         else:
                             if isinstance(it, TokenChunk):
                                 trace.add_tokens(len(it.token_ids))
+                                generated.extend(it.token_ids)
+                                emitted_chars += len(it.text)
                             out.append(it)
                     if out:
                         yield out
                     if any(isinstance(i, ErrorItem) for i in out):
                         return
             except Exception as e:  # noqa: BLE001 - a replica died or the stream broke
-                log.exception("hop %s of %s failed", hop, req.request_id)
-                yield [_err(503, f"the {hop} replica failed mid-request: {e.__class__.__name__}", "unavailable")]
-                return
+                if recoveries >= MAX_RECOVERIES:
+                    log.exception("hop %s of %s failed; giving up", hop, req.request_id)
+                    yield [_err(503, f"the {hop} replica failed mid-request ({e.__class__.__name__}) "
+                                     "and recovery failed", "unavailable")]
+                    return
+                # Go on elsewhere from what the client already has: prompt + tokens so far, no KV
+                # (prefilled again there); greedy output stays exact.
+                recoveries += 1
+                log.warning("hop %s of %s failed (%s); continuing on %s after %d tokens", hop,
+                            req.request_id, e.__class__.__name__, FAILOVER[hop], len(generated))
+                self._count(f"recoveries_total|hop={hop}")
+                if trace.segments:
+                    trace.segments[-1]["failed"] = True
+                handoff = Handoff(req.request_id, None, [], list(req.prompt_token_ids) + generated,
+                                  len(req.prompt_token_ids), req.params, None, emitted_chars)
+                hop = FAILOVER[hop]
+                export_after = self._cpu_period(req) if hop == "cpu_decode" else None
+                if not generated:
+                    handoff = None  # nothing streamed yet: start the request over there
+                continue
             finally:
-                self.inflight[hop] -= 1
+                self.inflight[cur] -= 1
             pool = "gpu" if hop.startswith("gpu") else "cpu"
             self._count(f"pool_seconds_total|pool={pool}", time.monotonic() - started)
             if next_handoff is None:

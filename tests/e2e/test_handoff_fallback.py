@@ -1,0 +1,55 @@
+"""A hand-off whose KV object died with its owner is prefilled again, not failed."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import ray
+
+from keyacc_ray.config import EngineConfig
+from keyacc_ray.engine.llm_engine import LLMEngine
+from keyacc_ray.engine.request import SamplingParams
+from keyacc_ray.serve.messages import GenerateRequest, Handoff, TokenChunk
+from keyacc_ray.serve.pools import EnginePool
+from tests.conftest import tiny_model
+from tests.helpers import PROMPTS, hf_greedy
+
+
+@ray.remote(num_cpus=0)
+class Owner:
+    def put(self, obj):
+        return [ray.put(obj)]  # nested: the caller gets the ref, this actor stays its owner
+
+
+def test_kv_owner_died_before_read_prefills_again(app_url):  # app_url: a running Ray cluster
+    path = tiny_model("qwen3")
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    src = LLMEngine(EngineConfig(model=path))
+    ids = src.tokenize(PROMPTS[4])
+    src.add_request("r", ids, params)
+    first = []
+    while len(first) < 6:
+        first += [t for o in src.step() for t in o.new_token_ids]
+    pkg = src.export_request("r")
+    assert pkg.meta.num_kv_tokens > 0
+
+    owner = Owner.remote()
+    ref = ray.get(owner.put.remote((pkg.keys, pkg.values)), timeout=30)[0]
+    ray.kill(owner)
+    time.sleep(1.0)
+    handoff = Handoff(pkg.request_id, pkg.meta, [ref], pkg.token_ids, pkg.num_prompt_tokens, pkg.params,
+                      pkg.rng_state, pkg.emitted_text_chars, pkg.nbytes)
+    pool = EnginePool(EngineConfig(model=path).__dict__, deployment="TestPool")
+    try:
+        req = GenerateRequest("r", ids, params.to_dict())
+
+        async def run():
+            out = []
+            async for items in pool.generate(req, handoff):
+                out += [t for i in items if isinstance(i, TokenChunk) for t in i.token_ids]
+            return out
+
+        rest = asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        pool.loop.shutdown()
+    assert first + rest == hf_greedy(path, ids, 20)
