@@ -69,3 +69,25 @@ def env_model(default: str) -> str:
 
 def env_dtype(default: str) -> str:
     return os.environ.get("KEYACC_DTYPE") or default
+
+
+def _keys(env_var: str, file_env_var: str, path: str | None = None) -> frozenset[str]:
+    keys = [k.strip() for k in os.environ.get(env_var, "").split(",")]
+    for p in (os.environ.get(file_env_var), path):
+        if p:
+            with open(p, encoding="utf-8") as f:
+                keys += [line.strip() for line in f]
+    return frozenset(k for k in keys if k and not k.startswith("#"))
+
+
+def env_api_keys(path: str | None = None) -> frozenset[str]:
+    """Client API keys: KEYACC_API_KEYS (comma-separated), KEYACC_API_KEYS_FILE and/or the
+    app's `api_keys_file` (one per line). None at all: the server is open. Keys are compared in
+    constant time and never logged."""
+    return _keys("KEYACC_API_KEYS", "KEYACC_API_KEYS_FILE", path)
+
+
+def env_operator_keys(path: str | None = None) -> frozenset[str]:
+    """Operator keys (KEYACC_OPERATOR_KEYS, KEYACC_OPERATOR_KEYS_FILE, `operator_keys_file`):
+    they may use the `keyacc` routing extension when `allow_route_pinning` is "operators"."""
+    return _keys("KEYACC_OPERATOR_KEYS", "KEYACC_OPERATOR_KEYS_FILE", path)

@@ -49,12 +49,19 @@ class AppConfig:
     max_model_len: int | None = 1024
     policy: str = "gpu_only"
     policy_options: dict = field(default_factory=dict)
-    allow_route_pinning: bool = True
+    allow_route_pinning: bool | str = True  # True, False, or "operators" (operator keys only)
     max_body_bytes: int = 1 << 20
     gpu: PoolConfig = field(default_factory=lambda: PoolConfig(device="auto", max_num_seqs=8, num_kv_blocks=48))
     cpu: PoolConfig = field(default_factory=PoolConfig)
     router_num_cpus: float = 0.1
     ingress_num_cpus: float = 0.1
+    max_queued_requests: int = 2048  # at the ingress: past it, clients get 503 at once
+    api_keys_file: str | None = None  # one key per line; also KEYACC_API_KEYS(_FILE)
+    operator_keys_file: str | None = None  # also KEYACC_OPERATOR_KEYS(_FILE)
+
+    def __post_init__(self):
+        if self.allow_route_pinning not in (True, False, "operators"):
+            raise ConfigError(f"allow_route_pinning must be true, false or \"operators\", got {self.allow_route_pinning!r}")
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "AppConfig":
@@ -134,5 +141,7 @@ def build_app(args: dict | None = None):
         user_config={"policy": cfg.policy, "policy_options": cfg.policy_options},
     ).bind(gpu_prefill, gpu_decode, cpu_decode, allow_route_pinning=cfg.allow_route_pinning)
     return serve.deployment(Ingress, name="Ingress").options(
-        max_ongoing_requests=4096, ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
-    ).bind(router, cfg.model, cfg.served_model_name, max_len, cfg.allow_route_pinning, cfg.max_body_bytes)
+        max_ongoing_requests=4096, max_queued_requests=cfg.max_queued_requests,
+        ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
+    ).bind(router, cfg.model, cfg.served_model_name, max_len, cfg.allow_route_pinning, cfg.max_body_bytes,
+           cfg.api_keys_file, cfg.operator_keys_file)

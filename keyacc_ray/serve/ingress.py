@@ -2,14 +2,18 @@
 server-sent events, formats errors in OpenAI's shape, and serves /v1/models, /health and
 /metrics. KV never passes through here: only token chunks and the final trace."""
 
+import hmac
 import json
 import logging
 import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 
+from keyacc_ray.config import env_api_keys, env_operator_keys
 from keyacc_ray.errors import InvalidRequest, KeyaccError
 from keyacc_ray.serve import metrics as prom
 from keyacc_ray.serve import protocol
@@ -23,6 +27,14 @@ def error_response(status: int, body: dict, headers: dict | None = None) -> JSON
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    """Unknown paths and methods get OpenAI-shaped errors too (registered before serve.ingress
+    captures the app)."""
+    return error_response(exc.status_code, {"error": {"message": str(exc.detail), "type": "invalid_request_error",
+                                                      "param": None, "code": None}})
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -30,7 +42,8 @@ def _sse(obj) -> str:
 @serve.ingress(app)  # FastAPI routing only; serve.deployment(...) is applied in app.py
 class Ingress:
     def __init__(self, router, model: str, served_model_name: str, max_model_len: int,
-                 allow_route_pinning: bool = True, max_body_bytes: int = 1 << 20):
+                 allow_route_pinning: bool | str = True, max_body_bytes: int = 1 << 20,
+                 api_keys_file: str | None = None, operator_keys_file: str | None = None):
         from transformers import AutoTokenizer
 
         self.router = router
@@ -41,6 +54,32 @@ class Ingress:
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self.counts: dict[str, int] = {}
+        self.operator_keys = env_operator_keys(operator_keys_file)
+        self.api_keys = env_api_keys(api_keys_file) | self.operator_keys
+        log.info("keyacc ingress: %s; route pinning: %s", "API keys required" if self.api_keys else
+                 "no API keys (open)", allow_route_pinning)
+
+    def _key(self, request: Request) -> str | None:
+        auth = request.headers.get("authorization", "")
+        return auth[7:].strip() if auth[:7].lower() == "bearer " else None
+
+    @staticmethod
+    def _known(key: str | None, keys: frozenset[str]) -> bool:
+        return key is not None and any(hmac.compare_digest(key.encode(), k.encode()) for k in keys)
+
+    def _auth_error(self, request: Request):
+        """401 unless the request carries a valid key (when keys are configured)."""
+        if self.api_keys and not self._known(self._key(request), self.api_keys):
+            self._count("errors_401")
+            return error_response(401, {"error": {"message": "invalid or missing API key (Authorization: Bearer ...)",
+                                                  "type": "invalid_request_error", "param": None,
+                                                  "code": "invalid_api_key"}})
+        return None
+
+    def _may_pin(self, request: Request) -> bool:
+        if self.allow_pinning == "operators":
+            return self._known(self._key(request), self.operator_keys)
+        return bool(self.allow_pinning)
 
     def _count(self, key: str) -> None:
         self.counts[key] = self.counts.get(key, 0) + 1
@@ -51,12 +90,16 @@ class Ingress:
         return {"status": "ok"}
 
     @app.get("/v1/models")
-    async def models(self):
+    async def models(self, request: Request):
+        if (err := self._auth_error(request)) is not None:
+            return err
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "keyacc-ray", "max_model_len": self.max_model_len}]}
 
     @app.get("/metrics")
-    async def metrics(self):
+    async def metrics(self, request: Request):
+        if (err := self._auth_error(request)) is not None:
+            return err
         snap = await self.router.snapshot_dict.remote()
         return PlainTextResponse(prom.render(snap, self.counts), media_type="text/plain; version=0.0.4")
 
@@ -71,11 +114,13 @@ class Ingress:
     # ---- the request path --------------------------------------------------------------
     async def _handle(self, request: Request, kind: str):
         self._count(f"{kind}_requests")
+        if (err := self._auth_error(request)) is not None:
+            return err
         try:
             body = await request.body()
             data = protocol.load_json(body, self.max_body_bytes)
             p = protocol.parse(data, kind, tokenizer=self.tokenizer, served_names={self.model_name},
-                               max_model_len=self.max_model_len, allow_pinning=self.allow_pinning)
+                               max_model_len=self.max_model_len, allow_pinning=self._may_pin(request))
         except KeyaccError as e:
             self._count(f"errors_{e.status_code}")
             return error_response(e.status_code, e.to_dict())
@@ -90,6 +135,11 @@ class Ingress:
             first = await it.__anext__()
         except StopAsyncIteration:
             first = []
+        except BackPressureError:
+            self._count("errors_503")
+            return error_response(503, {"error": {"message": "the server is overloaded; retry later",
+                                                  "type": "overloaded_error", "param": None, "code": None}},
+                                  {"Retry-After": "1"})
         except Exception as e:  # noqa: BLE001
             log.exception("router failed for %s", p.request.request_id)
             return error_response(503, {"error": {"message": f"service unavailable: {e.__class__.__name__}",
@@ -164,12 +214,3 @@ class Ingress:
             body["usage"] = protocol.usage(n_prompt, n_out)
             yield _sse(body)
         yield "data: [DONE]\n\n"
-
-
-from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
-
-
-@app.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, exc: StarletteHTTPException):
-    return error_response(exc.status_code, {"error": {"message": str(exc.detail), "type": "invalid_request_error",
-                                                      "param": None, "code": None}})

@@ -13,7 +13,7 @@ import logging
 import time
 
 import ray
-from ray import serve
+from ray.serve.exceptions import BackPressureError
 
 from keyacc_ray.policies import LoadView, PoolLoad, RequestView, make_policy
 from keyacc_ray.serve.messages import ErrorItem, GenerateRequest, Handoff, SegmentStart, TokenChunk, Trace
@@ -170,6 +170,10 @@ class Router:
                         yield out
                     if any(isinstance(i, ErrorItem) for i in out):
                         return
+            except BackPressureError:  # the pool's bounded queue is full: fast 503, not a fault
+                self._count(f"rejected_total|hop={cur}")
+                yield [_err(503, f"the {cur} pool is overloaded; retry later", "overloaded_error")]
+                return
             except Exception as e:  # noqa: BLE001 - a replica died or the stream broke
                 if recoveries >= MAX_RECOVERIES:
                     log.exception("hop %s of %s failed; giving up", hop, req.request_id)

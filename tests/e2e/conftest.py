@@ -42,11 +42,15 @@ def start_app(args: dict, port: int):
     return base
 
 
-def wait_for_monitor(base: str, timeout_s: float = 60) -> None:
-    """Until every pool has reported to the load monitor."""
+def wait_for_monitor(base: str, timeout_s: float = 120, headers: dict | None = None) -> None:
+    """Until the app answers and every pool has reported to the load monitor."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        text = httpx.get(f"{base}/metrics", timeout=10).text
+        try:
+            text = httpx.get(f"{base}/metrics", timeout=10, headers=headers).text
+        except httpx.HTTPError:
+            time.sleep(0.5)
+            continue
         if all(f'deployment="{d}"' in text for d in ("GpuPrefill", "GpuDecode", "CpuDecode")):
             return
         time.sleep(0.3)

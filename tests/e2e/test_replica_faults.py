@@ -62,3 +62,29 @@ def test_decode_replica_killed_mid_stream(app_url, route, victim, survivor):
     assert segs[-1]["pool"] == survivor
     assert sum(s["tokens"] for s in segs) == n
     wait_healthy()
+
+
+def test_load_monitor_killed_router_keeps_routing_and_monitor_returns(app_url):
+    from keyacc_ray.serve.pools import MONITOR_NAME, MONITOR_NAMESPACE
+
+    killed_at = time.monotonic()
+    ray.kill(ray.get_actor(MONITOR_NAME, namespace=MONITOR_NAMESPACE), no_restart=False)
+    for _ in range(5):  # routing goes on with the last snapshot while the monitor restarts
+        r = httpx.post(f"{app_url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "Hello", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+
+    def fresh() -> bool:
+        text = httpx.get(f"{app_url}/metrics", timeout=10).text
+        age = [float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("keyacc_monitor_snapshot_age_seconds")]
+        return bool(age) and age[0] < 1.0 and all(f'deployment="{d}"' in text
+                                                 for d in ("GpuPrefill", "GpuDecode", "CpuDecode"))
+
+    # A snapshot younger than 1 s, taken more than 8 s after the kill (older reports are dropped
+    # after 5 s), can only come from a monitor that is back and hears from every pool again.
+    time.sleep(max(0.0, 8 - (time.monotonic() - killed_at)))
+    deadline = time.monotonic() + 60
+    while not fresh():
+        assert time.monotonic() < deadline, "the monitor did not come back"
+        time.sleep(0.5)
