@@ -20,7 +20,8 @@ model: install
 	@test -f $(MODEL)/config.json || $(BIN)/python scripts/make_tiny_model.py --arch qwen3 --size tiny --out $(MODEL)
 
 test: install model
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -x --durations=10 --ignore=tests/cluster
+	$(BIN)/python -m pytest -q -x tests/cluster   # its own process: it starts a Ray cluster of its own
 
 run: install model
 	$(BIN)/serve run deployments/app.yaml

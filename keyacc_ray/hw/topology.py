@@ -63,10 +63,29 @@ def gpu_info() -> dict:
             mem = pynvml.nvmlDeviceGetMemoryInfo(h)
             util = pynvml.nvmlDeviceGetUtilizationRates(h)
             gpus.append({"index": i, "name": str(pynvml.nvmlDeviceGetName(h)), "util_pct": util.gpu,
-                         "mem_used_bytes": mem.used, "mem_free_bytes": mem.free, "mem_total_bytes": mem.total})
+                         "mem_used_bytes": mem.used, "mem_free_bytes": mem.free, "mem_total_bytes": mem.total,
+                         "numa_node": _gpu_numa_node(pynvml, h)})
         return {"available": bool(gpus), "gpus": gpus}
     except Exception as e:  # noqa: BLE001
         return {"available": False, "reason": f"pynvml: {e}"}
+
+
+def _gpu_numa_node(pynvml, handle) -> int | None:
+    """The NUMA node the GPU's PCI device is attached to, where the system says it."""
+    try:
+        bus = pynvml.nvmlDeviceGetPciInfo(handle).busId
+        bus = (bus.decode() if isinstance(bus, bytes) else bus).lower()
+        node = int(Path(f"/sys/bus/pci/devices/{bus[-12:]}/numa_node").read_text().strip())
+        return node if node >= 0 else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def describe() -> dict:
+    """Everything the node start script and the logs need, as plain data."""
+    return {"numa_nodes": [{"node": n.node_id, "cpus": n.cpus, "mem_total_bytes": n.mem_total_bytes}
+                           for n in numa_nodes()],
+            "gpu": gpu_info()}
 
 
 def cpu_load_per_numa(nodes: list[NumaNode] | None = None) -> list[dict]:

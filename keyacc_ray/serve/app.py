@@ -35,10 +35,14 @@ class PoolConfig:
     emulate_if_no_cuda: bool = True
     cpu_affinity: list[int] | None = None  # pin every thread of the pool's replicas to these CPUs
     kv_memory_fraction: float = 0.85  # CUDA: share of free device memory each replica takes for KV
+    resources: dict = field(default_factory=dict)  # custom Ray resources each replica needs (node kind)
+    numa: str = "off"  # CPU pool: "auto" = one deployment per NUMA node (from the cluster or this host)
 
     def __post_init__(self):
         if self.replicas < 1 or self.max_num_seqs < 1 or self.num_cpus < 0:
             raise ConfigError(f"PoolConfig: replicas/max_num_seqs must be >= 1 and num_cpus >= 0, got {self}")
+        if self.numa not in ("off", "auto"):
+            raise ConfigError(f"PoolConfig.numa must be 'off' or 'auto', got {self.numa!r}")
 
 
 @dataclass
@@ -109,6 +113,19 @@ def _max_model_len(cfg: AppConfig) -> int:
     return min(cfg.max_model_len or limit, limit)
 
 
+def cpu_numa_nodes(p: PoolConfig, cluster: dict) -> list[int]:
+    """NUMA nodes for the CPU pool: from the cluster's keyacc_numa_<i> resources (set by
+    scripts/start_node.py), else from this host's topology; [] when NUMA placement is off."""
+    if p.numa != "auto":
+        return []
+    ids = sorted(int(k.rsplit("_", 1)[1]) for k in cluster if k.startswith("keyacc_numa_"))
+    if not ids:
+        from keyacc_ray.hw.topology import numa_nodes
+
+        ids = [n.node_id for n in numa_nodes()]
+    return ids
+
+
 def build_app(args: dict | None = None):
     import ray
     from ray import serve
@@ -125,21 +142,36 @@ def build_app(args: dict | None = None):
         log.warning("keyacc: no GPU in the cluster: the GPU pools run on CPU cores with an emulated "
                     "KV budget (%s blocks)", cfg.gpu.num_kv_blocks)
 
-    def pool(cls, name: str, p: PoolConfig, num_gpus: float):
-        return serve.deployment(cls, name=name).options(
-            num_replicas=p.replicas, max_ongoing_requests=p.max_ongoing_requests,
-            max_queued_requests=p.max_queued_requests, health_check_period_s=5,
-            ray_actor_options={"num_cpus": p.num_cpus, "num_gpus": num_gpus},
-        ).bind(cfg.engine(p), name, p.emulate_if_no_cuda, p.cpu_affinity)
+    def pool(cls, name: str, p: PoolConfig, num_gpus: float, numa_node: int | None = None):
+        opts = {"num_replicas": p.replicas, "max_ongoing_requests": p.max_ongoing_requests,
+                "max_queued_requests": p.max_queued_requests, "health_check_period_s": 5}
+        resources = dict(p.resources)
+        if numa_node is not None and f"keyacc_numa_{numa_node}" in cluster:
+            # a bundle that takes this NUMA node's cores (resources from scripts/start_node.py)
+            bundle = {"CPU": p.num_cpus, f"keyacc_numa_{numa_node}": max(1, p.num_threads or 1), **resources}
+            opts.update(placement_group_bundles=[bundle], placement_group_strategy="STRICT_PACK",
+                        ray_actor_options={"num_cpus": p.num_cpus})
+        else:
+            opts["ray_actor_options"] = {"num_cpus": p.num_cpus, "num_gpus": num_gpus, "resources": resources}
+        return serve.deployment(cls, name=name).options(**opts).bind(
+            cfg.engine(p), name, p.emulate_if_no_cuda, p.cpu_affinity, numa_node)
 
+    cluster = ray.cluster_resources() if ray.is_initialized() else {}
     gpu_prefill = pool(GpuPrefill, "GpuPrefill", cfg.gpu, gpu_gpus)
     gpu_decode = pool(GpuDecode, "GpuDecode", cfg.gpu, gpu_gpus)
-    cpu_decode = pool(CpuDecode, "CpuDecode", cfg.cpu, 0)
+    numa = cpu_numa_nodes(cfg.cpu, cluster)
+    if len(numa) > 1:
+        cpu_names = [f"CpuDecode-numa{i}" for i in numa]
+        cpu_decode = [pool(CpuDecode, n, cfg.cpu, 0, i) for n, i in zip(cpu_names, numa)]
+        log.info("keyacc: one CPU decode deployment per NUMA node: %s", cpu_names)
+    else:
+        cpu_names, cpu_decode = ["CpuDecode"], pool(CpuDecode, "CpuDecode", cfg.cpu, 0)
     # The policy travels as user_config: switching it reconfigures the router in place.
     router = serve.deployment(Router, name="Router").options(
         max_ongoing_requests=4096, ray_actor_options={"num_cpus": cfg.router_num_cpus},
         user_config={"policy": cfg.policy, "policy_options": cfg.policy_options},
-    ).bind(gpu_prefill, gpu_decode, cpu_decode, allow_route_pinning=cfg.allow_route_pinning)
+    ).bind(gpu_prefill, gpu_decode, cpu_decode, allow_route_pinning=cfg.allow_route_pinning,
+           cpu_deployments=cpu_names)
     return serve.deployment(Ingress, name="Ingress").options(
         max_ongoing_requests=4096, max_queued_requests=cfg.max_queued_requests,
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus},

@@ -28,6 +28,7 @@ class SegmentStart:
     phase: str  # "prefill" or "decode"
     replica: str
     deployment: str
+    node: str = ""  # the Ray node id the replica runs on
 
 
 @dataclass
@@ -78,7 +79,7 @@ class Trace:
             last["periods"] += 1  # the next decode period on the same replica: not a move
             return
         self.segments.append({"pool": s.pool, "phase": s.phase, "replica": s.replica,
-                              "deployment": s.deployment, "tokens": 0, "periods": 1})
+                              "deployment": s.deployment, "node": s.node, "tokens": 0, "periods": 1})
 
     def add_tokens(self, n: int) -> None:
         if self.segments:

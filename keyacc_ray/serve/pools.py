@@ -26,6 +26,7 @@ from keyacc_ray.engine.llm_engine import LLMEngine
 from keyacc_ray.engine.request import SamplingParams
 from keyacc_ray.errors import KeyaccError
 from keyacc_ray.hw.pinning import pin_process
+from keyacc_ray.hw.topology import numa_nodes
 from keyacc_ray.serve.engine_loop import AsyncEngine
 from keyacc_ray.serve.messages import ErrorItem, GenerateRequest, Handoff, SegmentStart
 from keyacc_ray.serve.monitor import ReplicaReport
@@ -50,9 +51,21 @@ class EnginePool:
     role = "whole"
 
     def __init__(self, engine: dict, deployment: str | None = None, emulated_gpu: bool = False,
-                 cpu_affinity: list[int] | None = None):
+                 cpu_affinity: list[int] | None = None, numa_node: int | None = None):
         self.deployment = deployment or type(self).__name__
         cfg = EngineConfig.from_dict(engine)
+        if numa_node is not None and not cpu_affinity:
+            # One replica per NUMA node: its threads on the node's CPUs, and (allocated after
+            # pinning, first touch) its weights and KV buffers in the node's memory.
+            nodes = {n.node_id: n for n in numa_nodes()}
+            node = nodes.get(numa_node)
+            if node is None:
+                log.warning("NUMA node %s not on this host (%s); not pinning", numa_node, sorted(nodes))
+            else:
+                cpu_affinity = node.cpus
+                if not cfg.num_threads:
+                    cfg = cfg.replace(num_threads=len(node.cpus))
+        self.numa_node = numa_node
         self.cpus = pin_process(cpu_affinity) if cpu_affinity else None
         if cfg.num_threads:
             os.environ["OMP_NUM_THREADS"] = str(cfg.num_threads)
@@ -61,6 +74,7 @@ class EnginePool:
         if self.pool == "gpu" and self.emulated and not emulated_gpu:
             raise RuntimeError(f"{self.deployment}: no CUDA device and emulation is off (gpu.emulate_if_no_cuda)")
         self.replica = _replica_id()
+        self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         self._calls = 0
         self._held: collections.deque = collections.deque()
         self.loop = AsyncEngine(self.engine, on_export=self._to_handoff)
@@ -79,7 +93,7 @@ class EnginePool:
             phase = "decode"
         else:
             phase = "prefill" if export_after == 1 and self.role == "prefill" else "whole"
-        yield [SegmentStart(self.pool, phase, self.replica, self.deployment)]
+        yield [SegmentStart(self.pool, phase, self.replica, self.deployment, self.node_id)]
         try:
             params = SamplingParams(**req.params)
             package = await self._receive(handoff) if handoff is not None else None

@@ -33,14 +33,22 @@ def _err(status: int, message: str, type_: str = "internal_error") -> ErrorItem:
 
 class Router:
     def __init__(self, gpu_prefill, gpu_decode, cpu_decode, policy: str = "gpu_only",
-                 policy_options: dict | None = None, allow_route_pinning: bool = True):
-        self.hops = {"gpu_prefill": gpu_prefill, "gpu_decode": gpu_decode, "cpu_decode": cpu_decode}
-        self.deployment_of = {"gpu_prefill": "GpuPrefill", "gpu_decode": "GpuDecode", "cpu_decode": "CpuDecode"}
+                 policy_options: dict | None = None, allow_route_pinning: bool = True,
+                 cpu_deployments: list[str] | None = None):
+        """cpu_decode: one handle, or a list (one CPU decode deployment per NUMA node, named in
+        `cpu_deployments`): each is separate capacity and the router balances across them."""
+        cpu_handles = cpu_decode if isinstance(cpu_decode, list) else [cpu_decode]
+        cpu_names = cpu_deployments or ["CpuDecode"] * len(cpu_handles)
+        self.cpu_keys = [f"cpu_decode/{i}" for i in range(len(cpu_handles))]
+        self.hops = {"gpu_prefill": gpu_prefill, "gpu_decode": gpu_decode, **dict(zip(self.cpu_keys, cpu_handles))}
+        self.deployment_of = {"gpu_prefill": "GpuPrefill", "gpu_decode": "GpuDecode",
+                              **dict(zip(self.cpu_keys, cpu_names))}
         self.policy = make_policy(policy, policy_options)
         self.allow_pinning = allow_route_pinning
         self.inflight = {h: 0 for h in self.hops}  # this router's requests on each hop, right now
         self._pending_blocks = {h: 0 for h in self.hops}  # blocks sent there since the last snapshot
         self._policy_counted: dict[str, int] = {}
+        self._cpu_loads: list[PoolLoad] = [PoolLoad() for _ in self.cpu_keys]
         self.snapshot = None
         self.snapshot_age_s = float("inf")
         self._counters: dict[str, float] = {}
@@ -99,7 +107,23 @@ class Router:
         free = None
         if gpu.get("available"):
             free = min(g["mem_free_bytes"] for g in gpu["gpus"])
-        return LoadView(loads["gpu_prefill"], loads["gpu_decode"], loads["cpu_decode"], free)
+        cpus = [loads[k] for k in self.cpu_keys]
+        cpu = PoolLoad(queue=sum(c.queue for c in cpus), running=sum(c.running for c in cpus),
+                       free_blocks=max(c.free_blocks for c in cpus), total_blocks=sum(c.total_blocks for c in cpus),
+                       block_size=cpus[0].block_size, known=any(c.known for c in cpus))
+        self._cpu_loads = cpus
+        return LoadView(loads["gpu_prefill"], loads["gpu_decode"], cpu, free)
+
+    def _pick_cpu(self, prefer: str | None = None) -> str:
+        """One CPU decode deployment (NUMA node): stay where the sequence is unless that one is
+        queued, else the least loaded (running + queued, with this router's in-flight count)."""
+        if len(self.cpu_keys) == 1:
+            return self.cpu_keys[0]
+        self.load_view()
+        load = {k: max(c.running + c.queue, self.inflight[k]) for k, c in zip(self.cpu_keys, self._cpu_loads)}
+        if prefer in load and dict(zip(self.cpu_keys, self._cpu_loads))[prefer].queue == 0:
+            return prefer
+        return min(self.cpu_keys, key=lambda k: (load[k], self.inflight[k]))
 
     def _collect_policy_counters(self) -> None:
         now = dict(self.policy.counters)
@@ -145,8 +169,11 @@ class Router:
             hop, export_after = "cpu_decode", self._cpu_period(req)
         else:
             hop, export_after = "gpu_prefill", 1
+        last_cpu = None
         while hop is not None:
             started = time.monotonic()
+            if hop == "cpu_decode":  # the CPU pool: pick one of its deployments (NUMA nodes)
+                hop = last_cpu = self._pick_cpu(prefer=last_cpu)
             handle = self.hops[hop]
             next_handoff = None
             cur = hop
@@ -184,13 +211,14 @@ class Router:
                 # (prefilled again there); greedy output stays exact.
                 recoveries += 1
                 log.warning("hop %s of %s failed (%s); continuing on %s after %d tokens", hop,
-                            req.request_id, e.__class__.__name__, FAILOVER[hop], len(generated))
-                self._count(f"recoveries_total|hop={hop}")
+                            req.request_id, e.__class__.__name__, FAILOVER[hop.split("/")[0]], len(generated))
+                self._count(f"recoveries_total|hop={hop.split('/')[0]}")
                 if trace.segments:
                     trace.segments[-1]["failed"] = True
                 handoff = Handoff(req.request_id, None, [], list(req.prompt_token_ids) + generated,
                                   len(req.prompt_token_ids), req.params, None, emitted_chars)
-                hop = FAILOVER[hop]
+                hop = FAILOVER[hop.split("/")[0]]
+                last_cpu = None
                 export_after = self._cpu_period(req) if hop == "cpu_decode" else None
                 if not generated:
                     handoff = None  # nothing streamed yet: start the request over there
@@ -199,6 +227,7 @@ class Router:
                 self.inflight[cur] -= 1
             pool = "gpu" if hop.startswith("gpu") else "cpu"
             self._count(f"pool_seconds_total|pool={pool}", time.monotonic() - started)
+            hop = hop.split("/")[0]
             if next_handoff is None:
                 break  # finished
             handoff = next_handoff

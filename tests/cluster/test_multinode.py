@@ -1,0 +1,74 @@
+"""An emulated two-node cluster on this box (ray.cluster_utils.Cluster): GPU pools on a "GPU
+node", one CPU decode deployment per NUMA node on a "CPU node" (custom resources as
+scripts/start_node.py sets them). Prefill on one node, decode on the other: the KV package
+crosses nodes through the object store and the tokens are the same. Runs in its own pytest
+process (see the Makefile): it needs a Ray cluster of its own."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import socket
+
+import httpx
+import pytest
+
+from tests.conftest import tiny_model
+from tests.helpers import PROMPTS, hf_greedy, hf_model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster_app():
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from keyacc_ray.serve.app import build_app
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"keyacc_gpu_node": 1, "keyacc_numa_0": 1}})
+    cpu_node = cluster.add_node(num_cpus=2, resources={"keyacc_cpu_node": 1, "keyacc_numa_0": 2,
+                                                       "keyacc_numa_1": 2})
+    ray.init(address=cluster.address, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({
+        "model": tiny_model("qwen3"), "max_model_len": 512,
+        "gpu": {"device": "auto", "max_num_seqs": 8, "num_kv_blocks": 48, "num_threads": 1, "num_cpus": 0.5,
+                "resources": {"keyacc_gpu_node": 0.1}},
+        "cpu": {"device": "cpu", "max_num_seqs": 8, "num_threads": 1, "num_cpus": 0.5, "numa": "auto",
+                "resources": {"keyacc_cpu_node": 0.1}},
+    }), name="keyacc", route_prefix="/")
+    yield f"http://127.0.0.1:{port}", cpu_node.node_id
+    serve.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_prefill_and_decode_on_different_nodes_same_tokens(cluster_app):
+    url, cpu_node_id = cluster_app
+    _, tok = hf_model(tiny_model("qwen3"))
+
+    def one(i):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": "tiny-qwen3", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "keyacc": {"route": "stage", "migrate_back_after": 8}})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["token_ids"] == hf_greedy(tiny_model("qwen3"), tok(prompt)["input_ids"], 24)
+        return body["keyacc"]["segments"]
+
+    with cf.ThreadPoolExecutor(8) as ex:
+        traces = list(ex.map(one, range(8)))
+    for segs in traces:
+        assert [(s["pool"], s["phase"], s["tokens"]) for s in segs] == [
+            ("gpu", "prefill", 1), ("cpu", "decode", 8), ("gpu", "decode", 15)]
+        gpu_nodes = {s["node"] for s in segs if s["pool"] == "gpu"}
+        assert segs[1]["node"] == cpu_node_id and cpu_node_id not in gpu_nodes  # KV crossed nodes, both ways
+    # each NUMA node's deployment is separate capacity; concurrent requests spread over both
+    assert {s[1]["deployment"] for s in traces} == {"CpuDecode-numa0", "CpuDecode-numa1"}

@@ -1,0 +1,72 @@
+"""The shipped configs parse and validate: the Serve app YAMLs through AppConfig and the Serve
+schema, cluster.yaml through Ray's autoscaler schema; the node start script's resources."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from keyacc_ray.config import ConfigError
+from keyacc_ray.serve.app import AppConfig, PoolConfig, cpu_numa_nodes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", ["app.yaml", "gpu.yaml", "cluster-app.yaml"])
+def test_app_configs_validate(name):
+    from ray.serve.schema import ServeDeploySchema
+
+    data = yaml.safe_load((ROOT / "deployments" / name).read_text())
+    ServeDeploySchema.model_validate(data)
+    app = data["applications"][0]
+    assert app["import_path"] == "keyacc_ray.serve.app:build_app"
+    cfg = AppConfig.from_dict(app["args"])
+    assert cfg.served_model_name == "tiny-qwen3"
+
+
+def test_bad_app_config_names_the_field():
+    with pytest.raises(ConfigError, match="unknown keys.*gpuu"):
+        AppConfig.from_dict({"gpuu": {}})
+    with pytest.raises(ValueError, match="known"):
+        AppConfig.from_dict({"policy": "fastest"})
+    with pytest.raises(ConfigError, match="numa"):
+        PoolConfig(numa="yes")
+
+
+def test_cluster_yaml_matches_the_autoscaler_schema():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    cfg = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    validate_config(prepare_config(cfg))  # what `ray up` does first
+    types = cfg["available_node_types"]
+    assert {"head", "gpu_worker", "cpu_worker"} <= set(types)
+    assert all("start_node.py" in c for c in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]
+               if "ray stop" not in c)
+
+
+def test_start_script_describes_numa_nodes():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("start_node", ROOT / "scripts" / "start_node.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    info = {"numa_nodes": [{"node": 0, "cpus": [0, 1, 2, 3]}, {"node": 1, "cpus": [4, 5, 6, 7]}],
+            "gpu": {"available": True, "gpus": [{"index": 0, "numa_node": 1}]}}
+    resources, labels = mod.node_args(info, None)
+    assert resources == {"keyacc_numa_0": 4, "keyacc_numa_1": 4, "keyacc_gpu_node": 1}
+    assert labels["keyacc/gpu-numa"] == "1" and labels["keyacc/numa-nodes"] == "2"
+    assert cpu_numa_nodes(PoolConfig(numa="auto"), resources) == [0, 1]
+    assert cpu_numa_nodes(PoolConfig(numa="off"), resources) == []
+
+
+def test_topology_parsing(tmp_path):
+    from keyacc_ray.hw.topology import numa_nodes, parse_cpulist
+
+    assert parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    for i, cpus in enumerate(["0-1", "2-3"]):
+        d = tmp_path / f"node{i}"
+        d.mkdir()
+        (d / "cpulist").write_text(cpus)
+        (d / "meminfo").write_text(f"Node {i} MemTotal:       1024 kB\n")
+    nodes = numa_nodes(tmp_path)
+    assert [(n.node_id, n.cpus, n.mem_total_bytes) for n in nodes] == [(0, [0, 1], 1 << 20), (1, [2, 3], 1 << 20)]
+    assert len(numa_nodes(tmp_path / "missing")) == 1  # falls back to one node
