@@ -5,7 +5,7 @@ when the whole GPU is queued (prefill too), whole requests go to the CPU (full o
 decodes run in periods and move back after the memory check, as in both modes."""
 from keyacc_ray.policies import register
 from keyacc_ray.policies.base import LoadView, Policy, RequestView
-from keyacc_ray.policies.hysteresis import PoolGate, fits
+from keyacc_ray.policies.hysteresis import PoolGate, return_decision
 from keyacc_ray.policies.stage_offload import decode_placement
 
 DEFAULTS = {
@@ -50,10 +50,4 @@ class Auto(Policy):
         return self.options["decode_period_tokens"]
 
     def after_period(self, req: RequestView, load: LoadView) -> str:
-        self.observe(load)
-        if self.gpu.overloaded:
-            return "cpu"
-        if not fits(req, load.gpu_decode, load, self.options["min_gpu_free_bytes"]):
-            self.count("moves_refused_memory")
-            return "cpu"
-        return "gpu"
+        return return_decision(self, self.gpu, req, load)

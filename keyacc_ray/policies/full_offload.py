@@ -9,7 +9,7 @@ keeps running on the CPU.
 """
 from keyacc_ray.policies import register
 from keyacc_ray.policies.base import LoadView, Policy, RequestView
-from keyacc_ray.policies.hysteresis import PoolGate, fits
+from keyacc_ray.policies.hysteresis import PoolGate, return_decision
 
 DEFAULTS = {
     "gpu_queue_high": 2, "gpu_queue_safe": 1, "cpu_queue_high": 4, "cpu_queue_safe": 1,
@@ -47,10 +47,4 @@ class FullOffload(Policy):
         return self.options["decode_period_tokens"]
 
     def after_period(self, req: RequestView, load: LoadView) -> str:
-        self.observe(load)
-        if self.gpu.overloaded:
-            return "cpu"
-        if not fits(req, load.gpu_decode, load, self.options["min_gpu_free_bytes"]):
-            self.count("moves_refused_memory")
-            return "cpu"
-        return "gpu"
+        return return_decision(self, self.gpu, req, load)

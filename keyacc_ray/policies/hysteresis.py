@@ -6,7 +6,7 @@ never flips it, and each such aborted episode is counted as a suppressed decisio
 """
 from __future__ import annotations
 
-from keyacc_ray.policies.base import LoadView, PoolLoad, RequestView
+from keyacc_ray.policies.base import LoadView, Policy, PoolLoad, RequestView
 
 
 class Debounced:
@@ -59,3 +59,15 @@ def fits(req: RequestView, pool: PoolLoad, load: LoadView, min_gpu_free_bytes: i
     if not pool.known or pool.free_blocks < pool.blocks_for(req.total_tokens):
         return False
     return load.gpu_mem_free_bytes is None or load.gpu_mem_free_bytes >= min_gpu_free_bytes
+
+
+def return_decision(policy: Policy, gate: PoolGate, req: RequestView, load: LoadView) -> str:
+    """After a CPU decode period: back to the GPU only if its gate accepts again and the memory
+    check passes; otherwise the decode keeps running on the CPU."""
+    policy.observe(load)
+    if gate.overloaded:
+        return "cpu"
+    if not fits(req, load.gpu_decode, load, policy.options["min_gpu_free_bytes"]):
+        policy.count("moves_refused_memory")
+        return "cpu"
+    return "gpu"

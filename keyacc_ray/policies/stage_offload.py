@@ -8,7 +8,7 @@ each, the decode moves back to the GPU if the pool accepts again and the memory 
 """
 from keyacc_ray.policies import register
 from keyacc_ray.policies.base import LoadView, Policy, RequestView
-from keyacc_ray.policies.hysteresis import PoolGate, fits
+from keyacc_ray.policies.hysteresis import PoolGate, fits, return_decision
 
 def decode_placement(policy: Policy, gate: PoolGate, req: RequestView, load: LoadView) -> str:
     policy.observe(load)
@@ -56,10 +56,4 @@ class StageOffload(Policy):
         return self.options["decode_period_tokens"]
 
     def after_period(self, req: RequestView, load: LoadView) -> str:
-        self.observe(load)
-        if self.decode.overloaded:
-            return "cpu"
-        if not fits(req, load.gpu_decode, load, self.options["min_gpu_free_bytes"]):
-            self.count("moves_refused_memory")
-            return "cpu"
-        return "gpu"
+        return return_decision(self, self.decode, req, load)
