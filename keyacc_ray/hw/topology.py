@@ -97,3 +97,17 @@ def cpu_load_per_numa(nodes: list[NumaNode] | None = None) -> list[dict]:
         vals = [per_cpu[c] for c in n.cpus if c < len(per_cpu)]
         out.append({"node": n.node_id, "cpus": len(n.cpus), "util_pct": sum(vals) / max(1, len(vals))})
     return out
+
+
+def gpu_local_cpus(visible_devices: str | None, gpu: dict, nodes: list[NumaNode]) -> list[int] | None:
+    """The CPUs of the NUMA node the (first) visible GPU is attached to, where that is known.
+    `visible_devices`: CUDA_VISIBLE_DEVICES as Ray sets it for the replica (physical indices)."""
+    if not gpu.get("available") or not visible_devices:
+        return None
+    try:
+        index = int(visible_devices.split(",")[0])
+    except ValueError:  # GPU UUIDs: no index to look up
+        return None
+    numa = next((g.get("numa_node") for g in gpu.get("gpus", []) if g["index"] == index), None)
+    node = next((n for n in nodes if n.node_id == numa), None)
+    return node.cpus if node is not None else None

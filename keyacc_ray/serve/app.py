@@ -76,7 +76,9 @@ class AppConfig:
             setattr(cfg, k, v)
         cfg.model = resolve_model(env_model(cfg.model))
         cfg.dtype = env_dtype(cfg.dtype)
-        cfg.served_model_name = cfg.served_model_name or os.path.basename(cfg.model.rstrip("/")) or cfg.model
+        # a local path is served under its folder's name, a hub id under the id (as vLLM does)
+        local = os.path.basename(cfg.model.rstrip("/")) if os.path.isdir(cfg.model) else None
+        cfg.served_model_name = cfg.served_model_name or local or cfg.model
         from keyacc_ray.policies import make_policy
 
         make_policy(cfg.policy, cfg.policy_options)  # fails here, with the known names, if wrong

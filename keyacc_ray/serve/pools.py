@@ -16,6 +16,7 @@ import time
 import uuid
 
 import ray
+import torch
 from ray import serve
 
 from keyacc_ray.config import EngineConfig
@@ -26,7 +27,7 @@ from keyacc_ray.engine.llm_engine import LLMEngine
 from keyacc_ray.engine.request import SamplingParams
 from keyacc_ray.errors import KeyaccError
 from keyacc_ray.hw.pinning import pin_process
-from keyacc_ray.hw.topology import numa_nodes
+from keyacc_ray.hw.topology import gpu_info, gpu_local_cpus, numa_nodes
 from keyacc_ray.serve.engine_loop import AsyncEngine
 from keyacc_ray.serve.messages import ErrorItem, GenerateRequest, Handoff, SegmentStart
 from keyacc_ray.serve.monitor import ReplicaReport
@@ -65,6 +66,9 @@ class EnginePool:
                 cpu_affinity = node.cpus
                 if not cfg.num_threads:
                     cfg = cfg.replace(num_threads=len(node.cpus))
+        if self.pool == "gpu" and not cpu_affinity and cfg.device != "cpu" and torch.cuda.is_available():
+            # GPU replicas run their host threads on the NUMA node their GPU is attached to
+            cpu_affinity = gpu_local_cpus(os.environ.get("CUDA_VISIBLE_DEVICES"), gpu_info(), numa_nodes())
         self.numa_node = numa_node
         self.cpus = pin_process(cpu_affinity) if cpu_affinity else None
         if cfg.num_threads:

@@ -70,3 +70,25 @@ def test_topology_parsing(tmp_path):
     nodes = numa_nodes(tmp_path)
     assert [(n.node_id, n.cpus, n.mem_total_bytes) for n in nodes] == [(0, [0, 1], 1 << 20), (1, [2, 3], 1 << 20)]
     assert len(numa_nodes(tmp_path / "missing")) == 1  # falls back to one node
+
+
+def test_gpu_replica_cpus_follow_the_gpus_numa_node():
+    from keyacc_ray.hw.topology import NumaNode, gpu_local_cpus
+
+    nodes = [NumaNode(0, [0, 1], None), NumaNode(1, [2, 3], None)]
+    gpu = {"available": True, "gpus": [{"index": 0, "numa_node": 0}, {"index": 1, "numa_node": 1}]}
+    assert gpu_local_cpus("1", gpu, nodes) == [2, 3]
+    assert gpu_local_cpus("0,1", gpu, nodes) == [0, 1]
+    assert gpu_local_cpus("GPU-5d1c", gpu, nodes) is None
+    assert gpu_local_cpus("1", {"available": False}, nodes) is None
+
+
+def test_model_and_dtype_from_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("KEYACC_MODEL", str(tmp_path))
+    monkeypatch.setenv("KEYACC_DTYPE", "bfloat16")
+    cfg = AppConfig.from_dict({"model": "models/tiny-qwen3", "dtype": "float32"})
+    assert cfg.model == str(tmp_path) and cfg.dtype == "bfloat16"
+    assert cfg.served_model_name == tmp_path.name
+    monkeypatch.setenv("KEYACC_MODEL", "Qwen/Qwen3-0.6B")  # a hub id passes through untouched
+    cfg = AppConfig.from_dict({})
+    assert cfg.model == "Qwen/Qwen3-0.6B" and cfg.served_model_name == "Qwen/Qwen3-0.6B"
