@@ -6,6 +6,7 @@ with custom resources and labels that placement can select by:
 
   resources  keyacc_numa_<i>: <CPUs on NUMA node i>      one per NUMA node
              keyacc_cpu_node: 1 / keyacc_gpu_node: 1     what kind of node this is
+             keyacc_head_node: 1                         on the head: where router and ingress go
   labels     keyacc/numa-nodes=<n>, keyacc/gpus=<n>, keyacc/gpu-numa=<node of GPU 0>
 
     python scripts/start_node.py --head [-- extra ray start args]
@@ -27,11 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from keyacc_ray.hw.topology import describe  # noqa: E402
 
 
-def node_args(info: dict, kind: str | None) -> tuple[dict, dict]:
+def node_args(info: dict, kind: str | None, head: bool = False) -> tuple[dict, dict]:
     resources = {f"keyacc_numa_{n['node']}": len(n["cpus"]) for n in info["numa_nodes"]}
     gpus = info["gpu"].get("gpus", []) if info["gpu"].get("available") else []
     kind = kind or ("gpu" if gpus else "cpu")
     resources[f"keyacc_{kind}_node"] = 1
+    if head:
+        resources["keyacc_head_node"] = 1  # the control plane (router, ingress) stays here
     labels = {"keyacc/numa-nodes": str(len(info["numa_nodes"])), "keyacc/gpus": str(len(gpus)),
               "keyacc/node-kind": kind}
     if gpus and gpus[0].get("numa_node") is not None:
@@ -50,9 +53,9 @@ def main() -> None:
     if not args.print and args.head == bool(args.address):
         ap.error("give exactly one of --head or --address")
     info = describe()
-    resources, labels = node_args(info, args.kind)
+    resources, labels = node_args(info, args.kind, args.head)
     ray_bin = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
-    cmd = [ray_bin, "start", "--head" if args.head else f"--address={args.address}",
+    cmd = [ray_bin, "start", f"--address={args.address}" if args.address else "--head",
            f"--resources={json.dumps(resources)}",
            "--labels=" + ",".join(f"{k}={v}" for k, v in labels.items())]
     if args.head:

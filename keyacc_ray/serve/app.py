@@ -59,6 +59,7 @@ class AppConfig:
     cpu: PoolConfig = field(default_factory=PoolConfig)
     router_num_cpus: float = 0.1
     ingress_num_cpus: float = 0.1
+    control_resources: dict = field(default_factory=dict)  # Router and Ingress, e.g. {keyacc_head_node: 0.01}
     max_queued_requests: int = 2048  # at the ingress: past it, clients get 503 at once
     api_keys_file: str | None = None  # one key per line; also KEYACC_API_KEYS(_FILE)
     operator_keys_file: str | None = None  # also KEYACC_OPERATOR_KEYS(_FILE)
@@ -170,12 +171,13 @@ def build_app(args: dict | None = None):
         cpu_names, cpu_decode = ["CpuDecode"], pool(CpuDecode, "CpuDecode", cfg.cpu, 0)
     # The policy travels as user_config: switching it reconfigures the router in place.
     router = serve.deployment(Router, name="Router").options(
-        max_ongoing_requests=4096, ray_actor_options={"num_cpus": cfg.router_num_cpus},
+        max_ongoing_requests=4096,
+        ray_actor_options={"num_cpus": cfg.router_num_cpus, "resources": dict(cfg.control_resources)},
         user_config={"policy": cfg.policy, "policy_options": cfg.policy_options},
     ).bind(gpu_prefill, gpu_decode, cpu_decode, allow_route_pinning=cfg.allow_route_pinning,
            cpu_deployments=cpu_names)
     return serve.deployment(Ingress, name="Ingress").options(
         max_ongoing_requests=4096, max_queued_requests=cfg.max_queued_requests,
-        ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
+        ray_actor_options={"num_cpus": cfg.ingress_num_cpus, "resources": dict(cfg.control_resources)},
     ).bind(router, cfg.model, cfg.served_model_name, max_len, cfg.allow_route_pinning, cfg.max_body_bytes,
            cfg.api_keys_file, cfg.operator_keys_file)

@@ -15,6 +15,9 @@ from tests.conftest import tiny_model
 from tests.helpers import PROMPTS, hf_greedy, hf_model
 
 
+CLUSTER: list = []  # the fixture's Cluster, for the node-removal test
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -30,14 +33,16 @@ def cluster_app():
     from keyacc_ray.serve.app import build_app
 
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "resources": {"keyacc_gpu_node": 1, "keyacc_numa_0": 1}})
+        "num_cpus": 2, "resources": {"keyacc_gpu_node": 1, "keyacc_head_node": 1, "keyacc_numa_0": 1}})
     cpu_node = cluster.add_node(num_cpus=2, resources={"keyacc_cpu_node": 1, "keyacc_numa_0": 2,
                                                        "keyacc_numa_1": 2})
+    CLUSTER[:] = [cluster]
     ray.init(address=cluster.address, log_to_driver=False)
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # One HTTP proxy, on the head: on this one box every node's proxy would share the port.
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({
-        "model": tiny_model("qwen3"), "max_model_len": 512,
+        "model": tiny_model("qwen3"), "max_model_len": 512, "control_resources": {"keyacc_head_node": 0.01},
         "gpu": {"device": "auto", "max_num_seqs": 8, "num_kv_blocks": 48, "num_threads": 1, "num_cpus": 0.5,
                 "resources": {"keyacc_gpu_node": 0.1}},
         "cpu": {"device": "cpu", "max_num_seqs": 8, "num_threads": 1, "num_cpus": 0.5, "numa": "auto",
@@ -72,3 +77,39 @@ def test_prefill_and_decode_on_different_nodes_same_tokens(cluster_app):
         assert segs[1]["node"] == cpu_node_id and cpu_node_id not in gpu_nodes  # KV crossed nodes, both ways
     # each NUMA node's deployment is separate capacity; concurrent requests spread over both
     assert {s[1]["deployment"] for s in traces} == {"CpuDecode-numa0", "CpuDecode-numa1"}
+
+
+def test_cpu_node_removed_while_requests_run_on_it(cluster_app):
+    import threading
+    import time
+
+    import ray
+    from ray.cluster_utils import Cluster  # noqa: F401 - the fixture's cluster
+
+    url, cpu_node_id = cluster_app
+    _, tok = hf_model(tiny_model("qwen3"))
+    results = {}
+
+    def one(i):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        r = httpx.post(f"{url}/v1/completions", timeout=180, json={
+            "model": "tiny-qwen3", "prompt": prompt, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "keyacc": {"route": "stage"}})
+        results[i] = (prompt, r)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # the decodes are running on the CPU node
+    node = next(n for n in CLUSTER[0].worker_nodes if n.node_id == cpu_node_id)
+    CLUSTER[0].remove_node(node)
+    for t in threads:
+        t.join(200)
+    for prompt, r in results.values():
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["token_ids"] == hf_greedy(tiny_model("qwen3"), tok(prompt)["input_ids"], 300)
+    assert len(results) == 4
+    moved = [r.json()["keyacc"]["segments"] for _, r in results.values()]
+    assert any(any(s.get("failed") for s in segs) for segs in moved)  # at least one was cut and went on
+    assert ray.is_initialized()

@@ -88,3 +88,42 @@ def test_load_monitor_killed_router_keeps_routing_and_monitor_returns(app_url):
     while not fresh():
         assert time.monotonic() < deadline, "the monitor did not come back"
         time.sleep(0.5)
+
+
+def _gpu_decode_busy(app_url) -> tuple[float, float, float]:
+    text = httpx.get(f"{app_url}/metrics", timeout=10).text
+    vals = {}
+    for line in text.splitlines():
+        if 'deployment="GpuDecode"' in line and not line.startswith("#"):
+            vals[line.split("{")[0]] = float(line.split()[-1])
+    return vals["keyacc_running_sequences"], vals["keyacc_free_kv_blocks"], vals["keyacc_total_kv_blocks"]
+
+
+def test_client_disconnect_frees_sequence_and_blocks(app_url):
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 480, "temperature": 0, "stream": True,
+            "ignore_eos": True, "keyacc": {"route": "gpu"}}
+    with httpx.stream("POST", f"{app_url}/v1/completions", json=body, timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen >= 3:
+                break  # hang up mid-stream
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        running, free, total = _gpu_decode_busy(app_url)
+        if running == 0 and free == total:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"sequence not freed after disconnect: {_gpu_decode_busy(app_url)}")
+
+
+def test_prefill_replica_killed_request_still_served(app_url):
+    _, tok = hf_model(tiny_model("qwen3"))
+    ray.kill(replica_actor("GpuPrefill"), no_restart=True)
+    r = httpx.post(f"{app_url}/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": PROMPTS[2], "max_tokens": 20, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True, "keyacc": {"route": "gpu"}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == hf_greedy(tiny_model("qwen3"), tok(PROMPTS[2])["input_ids"], 20)
+    wait_healthy()
