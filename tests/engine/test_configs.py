@@ -70,6 +70,12 @@ def test_topology_parsing(tmp_path):
     nodes = numa_nodes(tmp_path)
     assert [(n.node_id, n.cpus, n.mem_total_bytes) for n in nodes] == [(0, [0, 1], 1 << 20), (1, [2, 3], 1 << 20)]
     assert len(numa_nodes(tmp_path / "missing")) == 1  # falls back to one node
+    for i, cpus in enumerate(["4-5", "6,7"], start=2):  # four nodes
+        (tmp_path / f"node{i}").mkdir()
+        (tmp_path / f"node{i}" / "cpulist").write_text(cpus)
+    assert [n.cpus for n in numa_nodes(tmp_path)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    real = numa_nodes()  # this machine: one node holding every CPU this process may use
+    assert sum(len(n.cpus) for n in real) >= 1 and all(n.cpus for n in real)
 
 
 def test_gpu_replica_cpus_follow_the_gpus_numa_node():
