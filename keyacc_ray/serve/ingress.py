@@ -35,6 +35,10 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
                                                       "param": None, "code": None}})
 
 
+def _retry_after(status: int) -> dict | None:
+    return {"Retry-After": "1"} if status in (429, 503) else None
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -148,8 +152,7 @@ class Ingress:
         errs = [i for i in first if isinstance(i, ErrorItem)]
         if errs and not any(isinstance(i, TokenChunk) for i in first):
             self._count(f"errors_{errs[0].status_code}")
-            headers = {"Retry-After": "1"} if errs[0].status_code in (429, 503) else None
-            return error_response(errs[0].status_code, errs[0].body, headers)
+            return error_response(errs[0].status_code, errs[0].body, _retry_after(errs[0].status_code))
         if p.stream:
             return StreamingResponse(self._sse_stream(p, first, it), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -172,7 +175,7 @@ class Ingress:
                 n_out = i.num_output_tokens or n_out
                 reason = i.finish_reason or reason
             elif isinstance(i, ErrorItem):
-                return error_response(i.status_code, i.body)
+                return error_response(i.status_code, i.body, _retry_after(i.status_code))
             elif isinstance(i, Trace):
                 trace = i.to_dict()
         return protocol.full_body(p, "".join(text), reason, n_prompt, n_out, trace, ids)

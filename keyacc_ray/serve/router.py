@@ -165,6 +165,7 @@ class Router:
         generated: list[int] = []  # every token streamed to the client so far
         emitted_chars = 0
         recoveries = 0
+        backpressured = False
         if route == "cpu":
             hop, export_after = "cpu_decode", self._cpu_period(req)
         else:
@@ -197,9 +198,15 @@ class Router:
                         yield out
                     if any(isinstance(i, ErrorItem) for i in out):
                         return
-            except BackPressureError:  # the pool's bounded queue is full: fast 503, not a fault
-                self._count(f"rejected_total|hop={cur}")
-                yield [_err(503, f"the {cur} pool is overloaded; retry later", "overloaded_error")]
+            except BackPressureError:  # the pool's bounded queue is full: not a fault
+                self._count(f"rejected_total|hop={cur.split('/')[0]}")
+                if cur == "gpu_decode" and req.route is None and handoff is not None and not backpressured:
+                    # prefilled, but the GPU decode pool is full: decode on the CPU pool instead
+                    backpressured = True
+                    self._count("moves_total|from=gpu,to=cpu,reason=backpressure")
+                    hop, export_after, last_cpu = "cpu_decode", self._cpu_period(req), None
+                    continue
+                yield [_err(503, f"the {cur.split('/')[0]} pool is overloaded; retry later", "overloaded_error")]
                 return
             except Exception as e:  # noqa: BLE001 - a replica died or the stream broke
                 if recoveries >= MAX_RECOVERIES:

@@ -1,0 +1,53 @@
+"""Overload: with small bounded queues, a burst far past capacity gets fast 503s with
+Retry-After in OpenAI's shape, everything else completes with the right tokens, and the server
+stays healthy. Redeploys the session's app with small queues, then back."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import httpx
+import pytest
+from ray import serve
+
+from keyacc_ray.serve.app import build_app
+from tests.conftest import tiny_model
+from tests.e2e.conftest import APP_ARGS, wait_for_monitor
+from tests.helpers import PROMPTS, hf_greedy, hf_model
+
+SMALL = {"max_num_seqs": 2, "max_waiting": 2, "max_ongoing_requests": 4, "max_queued_requests": 2,
+         "num_threads": 1, "num_cpus": 0.5}
+
+
+@pytest.fixture(scope="module")
+def small_app(app_url):
+    serve.run(build_app({**APP_ARGS, "gpu": {**SMALL, "device": "auto", "num_kv_blocks": 48}, "cpu": SMALL}),
+              name="keyacc", route_prefix="/")
+    wait_for_monitor(app_url)
+    yield app_url
+    serve.run(build_app(APP_ARGS), name="keyacc", route_prefix="/")
+    wait_for_monitor(app_url)
+
+
+def test_burst_past_capacity_gets_fast_503s_and_the_rest_completes(small_app):
+    _, tok = hf_model(tiny_model("qwen3"))
+
+    def one(i):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        t = time.perf_counter()
+        r = httpx.post(f"{small_app}/v1/completions", timeout=120, json={
+            "model": "tiny-qwen3", "prompt": prompt, "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "keyacc": {"route": "gpu"}})
+        return prompt, r, time.perf_counter() - t
+
+    with cf.ThreadPoolExecutor(40) as ex:
+        results = list(ex.map(one, range(40)))
+    ok = [(p, r) for p, r, _ in results if r.status_code == 200]
+    rejected = [(r, dt) for _, r, dt in results if r.status_code != 200]
+    assert ok and rejected, [r.status_code for _, r, _ in results]
+    for r, dt in rejected:
+        assert r.status_code == 503 and r.headers.get("retry-after"), (r.status_code, r.text)
+        assert r.json()["error"]["message"] and dt < 10
+    for p, r in ok:
+        assert r.json()["choices"][0]["token_ids"] == hf_greedy(tiny_model("qwen3"), tok(p)["input_ids"], 120)
+    assert httpx.get(f"{small_app}/health", timeout=10).status_code == 200
