@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""Soak test (not part of `make test`): N minutes at twice the measured capacity, mixed good
+and bad requests, random replica kills. Prints requests sent, completed with correct tokens,
+rejected with a clear error, and lost (must be 0), plus memory per Ray process over the run.
+
+    python scripts/soak.py --minutes 3
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BAD = [b"{oops", b'{"model": "tiny-qwen3"}', b'{"model": "nope", "prompt": "x"}',
+       b'{"model": "tiny-qwen3", "prompt": "x", "max_tokens": -5}',
+       b'{"model": "tiny-qwen3", "prompt": "x", "temperature": "hot"}', b"\xff\xfe",
+       b'{"model": "tiny-qwen3", "prompt": "x", "n": 4}', b'{"model": "tiny-qwen3", "prompt": [1, 2, 99999999]}']
+WORDS = "the quick brown fox jumps over a lazy dog while engines decode tokens on every core".split()
+
+
+def ray_processes_rss() -> dict[str, int]:
+    import psutil
+
+    out = {}
+    for p in psutil.process_iter(["pid", "cmdline", "memory_info"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "ray::" in cmd or "raylet" in cmd or "gcs_server" in cmd:
+            name = cmd.split()[0][:60] if cmd.startswith("ray::") else cmd.split("/")[-1].split()[0][:40]
+            out[f"{name}[{p.info['pid']}]"] = p.info["memory_info"].rss
+    return out
+
+
+async def good(client, rng, ref, stats, stream: bool):
+    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 20)))
+    n = rng.randint(8, 64)
+    body = {"model": "tiny-qwen3", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": stream}
+    try:
+        ids = []
+        if stream:
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    return record_reject(stats, r.status_code, await r.aread())
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            stats["rejected_clear_error"] += 1
+                            return
+                        for c in chunk.get("choices", []):
+                            ids += c.get("token_ids", [])
+        else:
+            r = await client.post("/v1/completions", json=body)
+            if r.status_code != 200:
+                return record_reject(stats, r.status_code, r.content)
+            ids = r.json()["choices"][0]["token_ids"]
+        stats["completed_correct" if ids == ref(prompt, n) else "completed_wrong"] += 1
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+        stats["lost"] += 1
+        stats["lost_examples"].append(repr(e)[:120])
+
+
+def record_reject(stats, status, content):
+    try:
+        ok = 400 <= status < 600 and status != 500 and "message" in json.loads(content)["error"]
+    except Exception:  # noqa: BLE001
+        ok = False
+    stats["rejected_clear_error" if ok else "lost"] += 1
+    if not ok:
+        stats["lost_examples"].append(f"{status} {content[:100]!r}")
+
+
+async def bad(client, rng, stats):
+    try:
+        r = await client.post("/v1/completions", content=rng.choice(BAD), headers={"content-type": "application/json"})
+        ok = 400 <= r.status_code < 500 and "message" in r.json()["error"]
+        stats["bad_rejected_4xx" if ok else "bad_wrong_answer"] += 1
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        stats["lost"] += 1
+        stats["lost_examples"].append(repr(e)[:120])
+
+
+async def main_async(args, url):
+    from keyacc_ray.bench.loadgen import Workload, closed_loop
+    from tests.helpers import hf_greedy, hf_model
+
+    path = str(ROOT / "models" / "tiny-qwen3")
+    _, tok = hf_model(path)
+    cache = {}
+
+    def ref(prompt, n):
+        key = (prompt, n)
+        if key not in cache:
+            cache[key] = hf_greedy(path, tok(prompt)["input_ids"], n)
+        return cache[key]
+
+    res, wall = await closed_loop(url, "tiny-qwen3", 8, 10, Workload(prompt_tokens=16, output_tokens=36))
+    capacity = sum(r.ok for r in res) / wall
+    rate = 2 * capacity
+    print(f"measured capacity {capacity:.1f} req/s; soaking at {rate:.1f} req/s for {args.minutes} min", flush=True)
+    stats = {"sent": 0, "completed_correct": 0, "completed_wrong": 0, "rejected_clear_error": 0, "lost": 0,
+             "bad_rejected_4xx": 0, "bad_wrong_answer": 0, "kills": 0, "lost_examples": []}
+    rng = random.Random(args.seed)
+    mem: dict[str, list[int]] = {}
+    tasks = set()
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=512)) as client:
+        end = time.monotonic() + args.minutes * 60
+        next_kill = time.monotonic() + args.kill_every_s
+        next_mem = time.monotonic()
+        while time.monotonic() < end:
+            stats["sent"] += 1
+            if rng.random() < 0.2:
+                coro = bad(client, rng, stats)
+            else:
+                coro = good(client, rng, ref, stats, stream=rng.random() < 0.5)
+            t = asyncio.create_task(coro)
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+            if time.monotonic() > next_kill:
+                kill_random_replica(rng)
+                stats["kills"] += 1
+                next_kill += args.kill_every_s
+            if time.monotonic() > next_mem:
+                for k, v in ray_processes_rss().items():
+                    mem.setdefault(k, []).append(v)
+                next_mem += 10
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 300)
+    return stats, mem
+
+
+def kill_random_replica(rng):
+    import ray
+
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::")
+             and any(f"#{d}#" in a["name"] for d in ("CpuDecode", "GpuDecode", "GpuPrefill"))]
+    if names:
+        a = rng.choice(names)
+        print(f"  killing {a['name']}", flush=True)
+        ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=3)
+    ap.add_argument("--kill-every-s", type=float, default=40)
+    ap.add_argument("--policy", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--port", type=int, default=8041)
+    args = ap.parse_args()
+    import ray
+    from ray import serve
+
+    from keyacc_ray.serve.app import build_app
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    serve.run(build_app({"model": str(ROOT / "models" / "tiny-qwen3"), "max_model_len": 512, "policy": args.policy,
+                         "policy_options": {"trigger_window_s": 0.2, "return_window_s": 1.0}}),
+              name="keyacc", route_prefix="/")
+    stats, mem = asyncio.run(main_async(args, f"http://127.0.0.1:{args.port}"))
+    stats["lost_examples"] = stats["lost_examples"][:5]
+    # first, middle and last samples: growth that stops by the middle is warm-up; growth that
+    # continues through the second half is what a leak looks like
+    growth = {k: {"first_mib": v[0] >> 20, "mid_mib": v[len(v) // 2] >> 20, "peak_mib": max(v) >> 20,
+                  "last_mib": v[-1] >> 20} for k, v in mem.items() if len(v) >= 3}
+    for k, v in sorted(growth.items()):
+        print(f"  {k:<60} first {v['first_mib']:>5} MiB  mid {v['mid_mib']:>5}  peak {v['peak_mib']:>5}  "
+              f"last {v['last_mib']:>5}")
+    for k, v in stats.items():
+        print(f"{k:<22} {v}")
+    print(json.dumps({**stats, "memory": growth}))
+    serve.shutdown()
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
