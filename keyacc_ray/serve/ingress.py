@@ -40,7 +40,9 @@ def _retry_after(status: int) -> dict | None:
 
 
 def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    # ASCII-escaped JSON: raw U+2028, U+0085, \x1c... are legal inside JSON strings but are line
+    # breaks to many SSE line splitters (httpx's aiter_lines among them), which would cut an event.
+    return f"data: {json.dumps(obj)}\n\n"
 
 
 @serve.ingress(app)  # FastAPI routing only; serve.deployment(...) is applied in app.py
