@@ -8,7 +8,7 @@ uses, so decoding continues exactly where it stopped.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -44,7 +44,6 @@ class KVPackage:
     params: dict
     rng_state: np.ndarray | None = None
     emitted_text_chars: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from keyacc_ray.config import EngineConfig
 from keyacc_ray.engine.blocks import BlockManager
@@ -43,7 +43,6 @@ class EngineStats:
     max_num_seqs: int
     tokens_generated: int
     device: str
-    extra: dict = field(default_factory=dict)
 
 
 class LLMEngine:

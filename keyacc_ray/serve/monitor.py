@@ -62,8 +62,7 @@ class Snapshot:
     counters: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        return d
+        return asdict(self)
 
 
 class LoadState:
