@@ -29,9 +29,11 @@ class PoolConfig:
     num_threads: int | None = 1
     num_cpus: float = 0.5
     num_gpus: float | None = None  # None: 0.5 per GPU replica when the cluster has GPUs
-    max_ongoing_requests: int = 512
-    max_queued_requests: int = 1024
-    max_waiting: int = 256
+    # Queue bounds: past them a fast 503. Sized so that a queued request still starts within
+    # seconds, not minutes (a bound that only caps memory lets clients time out instead).
+    max_ongoing_requests: int = 128
+    max_queued_requests: int = 64
+    max_waiting: int = 64
     emulate_if_no_cuda: bool = True
     cpu_affinity: list[int] | None = None  # pin every thread of the pool's replicas to these CPUs
     kv_memory_fraction: float = 0.85  # CUDA: share of free device memory each replica takes for KV
@@ -60,7 +62,7 @@ class AppConfig:
     router_num_cpus: float = 0.1
     ingress_num_cpus: float = 0.1
     control_resources: dict = field(default_factory=dict)  # Router and Ingress, e.g. {keyacc_head_node: 0.01}
-    max_queued_requests: int = 2048  # at the ingress: past it, clients get 503 at once
+    max_queued_requests: int = 256  # at the ingress: past it, clients get 503 at once
     api_keys_file: str | None = None  # one key per line; also KEYACC_API_KEYS(_FILE)
     operator_keys_file: str | None = None  # also KEYACC_OPERATOR_KEYS(_FILE)
 
