@@ -5,7 +5,7 @@ when the whole GPU is queued (prefill too), whole requests go to the CPU (full o
 decodes run in periods and move back after the memory check, as in both modes."""
 from keyacc_ray.policies import register
 from keyacc_ray.policies.base import LoadView, Policy, RequestView
-from keyacc_ray.policies.hysteresis import PoolGate, return_decision
+from keyacc_ray.policies.hysteresis import gate, return_decision
 from keyacc_ray.policies.stage_offload import decode_placement
 
 DEFAULTS = {
@@ -19,17 +19,13 @@ DEFAULTS = {
 class Auto(Policy):
     name = "auto"
 
-    @classmethod
-    def defaults(cls) -> dict:
-        return dict(DEFAULTS)
+    DEFAULTS = DEFAULTS
 
     def __init__(self, options: dict, clock=None):
         super().__init__(options, clock)
-        o = self.options
-        w = (o["trigger_window_s"], o["return_window_s"])
-        self.gpu = PoolGate(o["gpu_queue_high"], o["gpu_queue_safe"], *w)
-        self.prefill = PoolGate(o["prefill_queue_high"], o["prefill_queue_safe"], *w)
-        self.cpu = PoolGate(o["cpu_queue_high"], o["cpu_queue_safe"], *w)
+        self.gpu = gate(self.options, "gpu")
+        self.prefill = gate(self.options, "prefill")
+        self.cpu = gate(self.options, "cpu")
 
     def observe(self, load: LoadView) -> None:
         now = self.clock()
@@ -45,9 +41,6 @@ class Auto(Policy):
 
     def after_prefill(self, req: RequestView, load: LoadView) -> str:
         return decode_placement(self, self.gpu, req, load)
-
-    def decode_period_tokens(self) -> int | None:
-        return self.options["decode_period_tokens"]
 
     def after_period(self, req: RequestView, load: LoadView) -> str:
         return return_decision(self, self.gpu, req, load)

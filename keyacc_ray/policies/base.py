@@ -56,6 +56,7 @@ class LoadView:
 
 class Policy:
     name = "base"
+    DEFAULTS: dict = {}  # every option a policy takes, with its default
 
     def __init__(self, options: dict, clock=None):
         self.clock = clock or time.monotonic
@@ -67,7 +68,7 @@ class Policy:
 
     @classmethod
     def defaults(cls) -> dict:
-        return {}
+        return dict(cls.DEFAULTS)
 
     def count(self, key: str) -> None:
         self.counters[key] = self.counters.get(key, 0) + 1
@@ -86,7 +87,7 @@ class Policy:
 
     def decode_period_tokens(self) -> int | None:
         """Tokens per CPU decode period (None: no periods, the decode never moves back)."""
-        return None
+        return self.options.get("decode_period_tokens")
 
     def after_period(self, req: RequestView, load: LoadView) -> str:
         """After a CPU decode period: "gpu" to move the decode back, "cpu" to go on."""

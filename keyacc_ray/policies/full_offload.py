@@ -9,7 +9,7 @@ keeps running on the CPU.
 """
 from keyacc_ray.policies import register
 from keyacc_ray.policies.base import LoadView, Policy, RequestView
-from keyacc_ray.policies.hysteresis import PoolGate, return_decision
+from keyacc_ray.policies.hysteresis import gate, return_decision
 
 DEFAULTS = {
     "gpu_queue_high": 2, "gpu_queue_safe": 1, "cpu_queue_high": 4, "cpu_queue_safe": 1,
@@ -22,15 +22,12 @@ DEFAULTS = {
 class FullOffload(Policy):
     name = "full_offload"
 
-    @classmethod
-    def defaults(cls) -> dict:
-        return dict(DEFAULTS)
+    DEFAULTS = DEFAULTS
 
     def __init__(self, options: dict, clock=None):
         super().__init__(options, clock)
-        o = self.options
-        self.gpu = PoolGate(o["gpu_queue_high"], o["gpu_queue_safe"], o["trigger_window_s"], o["return_window_s"])
-        self.cpu = PoolGate(o["cpu_queue_high"], o["cpu_queue_safe"], o["trigger_window_s"], o["return_window_s"])
+        self.gpu = gate(self.options, "gpu")
+        self.cpu = gate(self.options, "cpu")
 
     def observe(self, load: LoadView) -> None:
         now = self.clock()
@@ -42,9 +39,6 @@ class FullOffload(Policy):
         if self.gpu.overloaded and not self.cpu.overloaded:
             return "cpu"
         return "gpu"
-
-    def decode_period_tokens(self) -> int | None:
-        return self.options["decode_period_tokens"]
 
     def after_period(self, req: RequestView, load: LoadView) -> str:
         return return_decision(self, self.gpu, req, load)

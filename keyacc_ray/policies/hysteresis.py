@@ -53,6 +53,12 @@ class PoolGate:
         return self.flag.state
 
 
+def gate(options: dict, prefix: str) -> PoolGate:
+    """The gate named by `<prefix>_queue_high` / `<prefix>_queue_safe` and the shared windows."""
+    return PoolGate(options[f"{prefix}_queue_high"], options[f"{prefix}_queue_safe"],
+                    options["trigger_window_s"], options["return_window_s"])
+
+
 def fits(req: RequestView, pool: PoolLoad, load: LoadView, min_gpu_free_bytes: int) -> bool:
     """The memory check before work moves onto a GPU replica: free KV blocks for the request's
     prompt plus all it may still generate, and (where pynvml sees a GPU) free device memory."""

@@ -8,7 +8,7 @@ each, the decode moves back to the GPU if the pool accepts again and the memory 
 """
 from keyacc_ray.policies import register
 from keyacc_ray.policies.base import LoadView, Policy, RequestView
-from keyacc_ray.policies.hysteresis import PoolGate, fits, return_decision
+from keyacc_ray.policies.hysteresis import PoolGate, fits, gate, return_decision
 
 def decode_placement(policy: Policy, gate: PoolGate, req: RequestView, load: LoadView) -> str:
     policy.observe(load)
@@ -33,14 +33,11 @@ DEFAULTS = {
 class StageOffload(Policy):
     name = "stage_offload"
 
-    @classmethod
-    def defaults(cls) -> dict:
-        return dict(DEFAULTS)
+    DEFAULTS = DEFAULTS
 
     def __init__(self, options: dict, clock=None):
         super().__init__(options, clock)
-        o = self.options
-        self.decode = PoolGate(o["gpu_queue_high"], o["gpu_queue_safe"], o["trigger_window_s"], o["return_window_s"])
+        self.decode = gate(self.options, "gpu")
 
     def observe(self, load: LoadView) -> None:
         self.decode.update(load.gpu_decode.queue, self.clock())
@@ -51,9 +48,6 @@ class StageOffload(Policy):
 
     def after_prefill(self, req: RequestView, load: LoadView) -> str:
         return decode_placement(self, self.decode, req, load)
-
-    def decode_period_tokens(self) -> int | None:
-        return self.options["decode_period_tokens"]
 
     def after_period(self, req: RequestView, load: LoadView) -> str:
         return return_decision(self, self.decode, req, load)
