@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -134,7 +133,3 @@ def summarize(results: list[Result], wall_s: float, ttft_slo_s: float, tpot_slo_
         "moves": moves,
         "errors": sorted({r.error for r in results if r.error})[:3],
     }
-
-
-def median(xs):
-    return statistics.median(xs) if xs else float("nan")

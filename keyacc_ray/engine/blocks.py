@@ -22,6 +22,10 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
+    def can_ever_allocate(self, num_tokens: int) -> bool:
+        """Whether `num_tokens` fit this budget at all (with every block free)."""
+        return self.blocks_for(num_tokens) <= self.num_blocks
+
     def can_allocate(self, num_tokens: int) -> bool:
         return self.blocks_for(num_tokens) <= len(self._free)
 

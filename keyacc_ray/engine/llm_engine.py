@@ -92,8 +92,8 @@ class LLMEngine:
             raise InvalidRequest(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                                  f"exceeds the context of {self.max_model_len} tokens",
                                  param="max_tokens", code="context_length_exceeded")
-        need = self.blocks.blocks_for(len(prompt_ids) + params.max_tokens)
-        if need > self.blocks.num_blocks:
+        if not self.blocks.can_ever_allocate(len(prompt_ids) + params.max_tokens):
+            need = self.blocks.blocks_for(len(prompt_ids) + params.max_tokens)
             raise InvalidRequest(f"the request needs {need} KV blocks; this replica has "
                                  f"{self.blocks.num_blocks} in all", param="max_tokens")
 
@@ -229,11 +229,6 @@ class LLMEngine:
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting,
                            self.blocks.num_free_blocks, self.blocks.num_blocks, self.blocks.block_size,
                            self.runner.num_slots, self.tokens_generated, self.runner.device_label())
-
-    def can_fit(self, num_tokens: int) -> bool:
-        """Would a sequence of `num_tokens` (prompt + remaining) get its blocks right now?"""
-        return (self.blocks.can_allocate(num_tokens)
-                and self.scheduler.num_running + self.scheduler.num_waiting < self.runner.num_slots)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],
                  timeout_s: float = 600.0) -> list[list[int]]:

@@ -38,7 +38,7 @@ class Scheduler:
         return True
 
     def fits_ever(self, seq: Sequence) -> bool:
-        return self.blocks.blocks_for(seq.max_total_tokens) <= self.blocks.num_blocks
+        return self.blocks.can_ever_allocate(seq.max_total_tokens)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(decode=list(self.running))
