@@ -34,6 +34,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads
     kv_export_layout: str = "LHTD"
     kv_memory_fraction: float = 0.85  # CUDA: share of free device memory (after weights) for KV
+    cpu_kernels: str = "auto"  # CPU fast path (keyacc_ray/kernels): auto (where it builds and checks out), on, off
 
 
     def __post_init__(self):
@@ -51,6 +52,8 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.dtype must be auto/float32/bfloat16/float16, got {self.dtype!r}")
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ConfigError(f"EngineConfig.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.cpu_kernels not in ("auto", "on", "off"):
+            raise ConfigError(f"EngineConfig.cpu_kernels must be auto/on/off, got {self.cpu_kernels!r}")
         if self.kv_export_layout not in ("LHTD", "LTHD"):
             raise ConfigError(f"EngineConfig.kv_export_layout must be LHTD or LTHD, got {self.kv_export_layout!r}")
 

@@ -55,7 +55,8 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001
             raise ModelLoadError(f"cannot load tokenizer for {config.model!r}: {e}", param="model") from e
         self.runner = ModelRunner(config.model, config.dtype, config.device, config.max_num_seqs,
-                                  config.max_model_len, config.num_threads, config.kv_memory_fraction)
+                                  config.max_model_len, config.num_threads, config.kv_memory_fraction,
+                                  config.cpu_kernels)
         self.max_model_len = self.runner.max_model_len
         # The KV budget in blocks: configured, or what the preallocated slots hold (on CUDA the
         # slots themselves are sized from free device memory).

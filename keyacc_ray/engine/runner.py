@@ -73,7 +73,7 @@ class SlotKVCache:
 
 class ModelRunner:
     def __init__(self, model: str, dtype: str, device: str, num_slots: int, max_model_len: int | None,
-                 num_threads: int | None = None, kv_memory_fraction: float = 0.85):
+                 num_threads: int | None = None, kv_memory_fraction: float = 0.85, cpu_kernels: str = "off"):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if num_threads:
@@ -108,6 +108,61 @@ class ModelRunner:
         self._slot_of: dict[str, int] = {}
         self._owner: list[str | None] = [None] * self.num_slots
         self._min = torch.finfo(torch_dtype).min
+        self.fast_path = None  # what keyacc_ray.kernels swapped in (FastPathReport)
+        self.fused_step = None  # FusedDecodeStep once it reproduced the model's own logits
+        if self.device.type == "cpu" and cpu_kernels != "off":
+            self._enable_cpu_kernels(required=cpu_kernels == "on")
+
+    # ---- CPU fast path -----------------------------------------------------------------
+    def _enable_cpu_kernels(self, required: bool) -> None:
+        from keyacc_ray import kernels
+
+        mod = kernels.load()
+        if mod is None:
+            if required:
+                raise ModelLoadError(f"cpu_kernels=on but the kernels did not build: {kernels.unavailable_reason()}")
+            return
+        from keyacc_ray.kernels import fastpath
+        from keyacc_ray.kernels.fused_step import FusedDecodeStep
+
+        self.fast_path = fastpath.apply(self.model, mod)
+        step = FusedDecodeStep.build(self.model, mod)
+        if step is not None and self._check_fused_step(step):
+            self.fused_step = step
+        log.info("CPU kernels: %s fused_step=%s", self.fast_path.summary(), self.fused_step is not None)
+
+    def _check_fused_step(self, step) -> bool:
+        """Run one decode step both ways on probe sequences; keep the fused step only if its
+        logits and KV writes match the model's own within rounding (norm-wise)."""
+        g = torch.Generator().manual_seed(7)
+        lens = [5, 9][: max(1, min(2, self.num_slots))]
+        ids = [f"__probe{i}" for i in range(len(lens))]
+        tol = 1e-3 if self.dtype == torch.float32 else 5e-2
+        try:
+            first = []
+            for rid, n in zip(ids, lens):
+                self.alloc_slot(rid)
+                prompt = torch.randint(0, self.vocab_size, (n,), generator=g).tolist()
+                first.append(int(self.extend(rid, prompt, 0).argmax()))
+            pos = torch.tensor(lens, device=self.device)
+            ref = self.decode(first, lens)
+            kref = torch.stack([self.cache.k[i][torch.arange(len(lens)), :, pos] for i in (0, -1)]).float()
+            with torch.inference_mode():
+                got = step(torch.tensor(first, device=self.device), pos, self._masks(pos[:, None], max(lens) + 1),
+                           self.cache.k, self.cache.v, max(lens) + 1)
+            kgot = torch.stack([self.cache.k[i][torch.arange(len(lens)), :, pos] for i in (0, -1)]).float()
+            ok = all(float((a.float() - b.float()).norm()) <= tol * float(b.float().norm()) + 1e-6
+                     for a, b in ((got, ref), (kgot, kref)))
+            if not ok:
+                log.warning("fused decode step disagrees with the model's forward; keeping transformers' forward")
+            return ok
+        except Exception as e:  # noqa: BLE001 - any failure means: not this model
+            log.warning("fused decode step not usable for this model: %s", e)
+            return False
+        finally:
+            for rid in ids:
+                if rid in self._slot_of:
+                    self.free_slot(rid)
 
     def _fit_slots(self, wanted: int, fraction: float) -> int:
         """On CUDA the KV buffer is sized from the free device memory after the weights: as many
@@ -207,6 +262,9 @@ class ModelRunner:
         assert rows <= self.num_used_slots
         pos = torch.tensor(positions, device=self.device)
         kv_len = max(positions) + 1
+        if self.fused_step is not None:
+            return self.fused_step(torch.tensor(token_ids, device=self.device), pos, self._masks(pos[:, None], kv_len),
+                                   self.cache.k, self.cache.v, kv_len)
         self.cache.bind_decode(rows, pos, kv_len)
         out = self.model(input_ids=torch.tensor(token_ids, device=self.device)[:, None],
                          position_ids=pos[:, None], attention_mask=self._masks(pos[:, None], kv_len),

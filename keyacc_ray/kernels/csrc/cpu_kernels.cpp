@@ -1,0 +1,742 @@
+// keyacc-ray CPU decode kernels: prepacked bf16 linear, decode attention over the engine's
+// slot KV layout, RMSNorm and SiLU-multiply. One file, built at install time by
+// torch.utils.cpp_extension (keyacc_ray/kernels/__init__.py).
+//
+// ISA dispatch is at run time: the AVX512-BF16 linear kernel is compiled with a function-level
+// target attribute and only called when the CPU reports avx512bf16; every other kernel is plain
+// C++ compiled as target_clones (avx512f / avx2 / default) so GCC vectorises each variant and
+// the loader picks one. KEYACC_CPU_ISA=portable forces the portable code everywhere (tests use it
+// to check the fallback on machines that do have AVX-512).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define KEYACC_X86 1
+#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define KEYACC_X86 0
+#define CLONES
+#endif
+
+namespace {
+
+using bf16_t = uint16_t;
+
+inline float bf2f(bf16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline bf16_t f2bf(float f) {  // round to nearest even, NaN kept quiet
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<bf16_t>(u >> 16);
+}
+
+bool force_portable() {
+  static const bool v = [] {
+    const char* s = std::getenv("KEYACC_CPU_ISA");
+    return s && std::string(s) == "portable";
+  }();
+  return v;
+}
+
+bool have_avx512bf16() {
+#if KEYACC_X86
+  static const bool v = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl");
+  return v && !force_portable();
+#else
+  return false;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Linear, bf16 weights. Packed layout: [N/64 groups][K/2 pairs][4 blocks][16 rows][2]: one
+// 64-byte load holds a k-pair for 16 output rows (the AVX512-BF16 dot-product operand), and a
+// group of 64 output rows is one sequential stream (256 bytes per k-pair), which is what the
+// hardware prefetcher streams at full speed. Threads take contiguous runs of groups.
+constexpr int NB = 16;
+constexpr int GB = 4;  // blocks per group
+
+torch::Tensor pack_bf16(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "pack_bf16: want [N, K] bfloat16");
+  w = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t ng = (N + NB * GB - 1) / (NB * GB), kp = (K + 1) / 2;
+  auto out = torch::zeros({ng, kp, GB, NB, 2}, torch::dtype(torch::kBFloat16));
+  const bf16_t* src = reinterpret_cast<const bf16_t*>(w.data_ptr());
+  bf16_t* dst = reinterpret_cast<bf16_t*>(out.data_ptr());
+  at::parallel_for(0, ng, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t j = 0; j < GB; ++j)
+        for (int64_t i = 0; i < NB; ++i) {
+          const int64_t n = (g * GB + j) * NB + i;
+          if (n >= N) break;
+          for (int64_t k = 0; k < K; ++k) dst[(((g * kp + k / 2) * GB + j) * NB + i) * 2 + (k & 1)] = src[n * K + k];
+        }
+  });
+  return out;
+}
+
+#if KEYACC_X86
+// One group (GB blocks of 16 rows) x MT input rows per tile: GB*MT accumulators.
+template <int MT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void tile_bf16(
+    const bf16_t* G, int64_t kp, int64_t n_base, const bf16_t* x, int64_t ldx, int64_t m0, int mt,
+    const float* bias, bf16_t* y, int64_t ldy, int64_t N) {
+  __m512 acc[GB][MT];
+  for (int j = 0; j < GB; ++j)
+    for (int m = 0; m < MT; ++m) acc[j][m] = _mm512_setzero_ps();
+  const int32_t* xr[MT];
+  for (int m = 0; m < MT; ++m) xr[m] = reinterpret_cast<const int32_t*>(x + (m0 + (m < mt ? m : 0)) * ldx);
+  for (int64_t p = 0; p < kp; ++p) {
+    const bf16_t* wp = G + p * GB * NB * 2;
+    __m512i w[GB];
+    for (int j = 0; j < GB; ++j) w[j] = _mm512_loadu_si512(wp + j * NB * 2);
+    for (int m = 0; m < MT; ++m) {
+      const __m512i xb = _mm512_set1_epi32(xr[m][p]);
+      for (int j = 0; j < GB; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], (__m512bh)w[j], (__m512bh)xb);
+    }
+  }
+  for (int j = 0; j < GB; ++j) {
+    const int64_t n0 = n_base + j * NB;
+    if (n0 >= N) break;
+    const int64_t rem = N - n0;
+    const __mmask16 mask = rem >= NB ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1);
+    __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < mt; ++m) {
+      __m256bh r = _mm512_cvtneps_pbh(_mm512_add_ps(acc[j][m], bv));
+      _mm256_mask_storeu_epi16(y + (m0 + m) * ldy + n0, mask, (__m256i)r);
+    }
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void group_bf16(
+    const bf16_t* G, int64_t kp, int64_t n_base, const bf16_t* x, int64_t ldx, int64_t M, const float* bias,
+    bf16_t* y, int64_t ldy, int64_t N) {
+  constexpr int MT = 6;
+  int64_t m0 = 0;
+  for (; m0 + MT <= M; m0 += MT) tile_bf16<MT>(G, kp, n_base, x, ldx, m0, MT, bias, y, ldy, N);
+  const int r = static_cast<int>(M - m0);
+  switch (r) {  // the tail: an exact tile so no accumulator is wasted at batch 1
+    case 0: break;
+    case 1: tile_bf16<1>(G, kp, n_base, x, ldx, m0, 1, bias, y, ldy, N); break;
+    case 2: tile_bf16<2>(G, kp, n_base, x, ldx, m0, 2, bias, y, ldy, N); break;
+    case 3: tile_bf16<3>(G, kp, n_base, x, ldx, m0, 3, bias, y, ldy, N); break;
+    case 4: tile_bf16<4>(G, kp, n_base, x, ldx, m0, 4, bias, y, ldy, N); break;
+    default: tile_bf16<5>(G, kp, n_base, x, ldx, m0, 5, bias, y, ldy, N); break;
+  }
+}
+#endif
+
+CLONES void group_portable(const bf16_t* G, int64_t kp, int64_t n_base, const bf16_t* x, int64_t ldx, int64_t M,
+                           const float* bias, bf16_t* y, int64_t ldy, int64_t N) {
+  for (int64_t m = 0; m < M; ++m) {
+    float acc[GB * NB] = {0};
+    const bf16_t* xm = x + m * ldx;
+    for (int64_t p = 0; p < kp; ++p) {
+      const float x0 = bf2f(xm[2 * p]), x1 = bf2f(xm[2 * p + 1]);
+      const bf16_t* w = G + p * GB * NB * 2;
+      for (int i = 0; i < GB * NB; ++i) acc[i] += bf2f(w[2 * i]) * x0 + bf2f(w[2 * i + 1]) * x1;
+    }
+    for (int i = 0; i < GB * NB && n_base + i < N; ++i)
+      y[m * ldy + n_base + i] = f2bf(acc[i] + (bias ? bias[n_base + i] : 0.f));
+  }
+}
+
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16,
+              "linear_bf16: bfloat16 input and weights");
+  TORCH_CHECK(packed.dim() == 5 && packed.size(2) == GB && packed.size(3) == NB, "linear_bf16: not a packed weight");
+  const int64_t ng = packed.size(0), kp = packed.size(1);
+  auto shape = x.sizes().vec();
+  const int64_t K = shape.back();
+  TORCH_CHECK(kp == (K + 1) / 2, "linear_bf16: input features ", K, " do not match the packed weight");
+  auto x2 = x.reshape({-1, K});
+  if (K % 2 || x2.stride(1) != 1 || x2.stride(0) != K) {  // pad to an even row so k-pairs are whole
+    auto xp = torch::zeros({x2.size(0), 2 * kp}, x.options());
+    xp.narrow(1, 0, K).copy_(x2);
+    x2 = xp;
+  }
+  const int64_t M = x2.size(0), ldx = x2.size(1);
+  shape.back() = N;
+  auto y = torch::empty(shape, x.options());
+  torch::Tensor bias_f;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bias_f = bias->to(torch::kFloat32).contiguous();
+    bp = bias_f.data_ptr<float>();
+  }
+  const bf16_t* P = reinterpret_cast<const bf16_t*>(packed.data_ptr());
+  const bf16_t* xp = reinterpret_cast<const bf16_t*>(x2.data_ptr());
+  bf16_t* yp = reinterpret_cast<bf16_t*>(y.data_ptr());
+  if (M == 0) return y;
+  const bool fast = have_avx512bf16();
+  const int64_t gstride = kp * GB * NB * 2;
+  at::parallel_for(0, ng, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+#if KEYACC_X86
+      if (fast) {
+        group_bf16(P + g * gstride, kp, g * GB * NB, xp, ldx, M, bp, yp, N, N);
+        continue;
+      }
+#endif
+      group_portable(P + g * gstride, kp, g * GB * NB, xp, ldx, M, bp, yp, N, N);
+    }
+  });
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode attention: one query token per sequence, K/V read in place from the engine's slot
+// buffers [B, Hkv, L, D] (any strides on B, Hkv, L), grouped-query heads share each K/V row,
+// softmax fused. Masked positions (additive mask below -1e30) are skipped.
+template <typename T> inline float to_f(T v);
+template <> inline float to_f<float>(float v) { return v; }
+template <> inline float to_f<bf16_t>(bf16_t v) { return bf2f(v); }
+template <typename T> inline T from_f(float v);
+template <> inline float from_f<float>(float v) { return v; }
+template <> inline bf16_t from_f<bf16_t>(float v) { return f2bf(v); }
+
+// exp(x) to about 1 ulp in float32 for x in [-87, 88] (Cephes' range reduction and polynomial),
+// written so the compiler vectorises loops that call it (libm's expf is a scalar call).
+inline float vexp(float x) {
+  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+  const float t = x * 1.44269504088896341f;
+  const int n = static_cast<int>(t + (t >= 0.f ? 0.5f : -0.5f));
+  const float fn = static_cast<float>(n);
+  float r = x - fn * 0.693359375f;
+  r = r - fn * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  uint32_t bits = static_cast<uint32_t>(n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// Dot product with 16 partial sums (the compiler vectorises it without reassociating floats).
+inline float dot(const float* a, const float* b, int64_t n) {
+  constexpr int V = 16;
+  float part[V] = {0};
+  int64_t i = 0;
+  for (; i + V <= n; i += V)
+    for (int l = 0; l < V; ++l) part[l] += a[i + l] * b[i + l];
+  float s = 0.f;
+  for (; i < n; ++i) s += a[i] * b[i];
+  for (int l = 0; l < V; ++l) s += part[l];
+  return s;
+}
+
+inline float sum_squares(const float* a, int64_t n) { return dot(a, a, n); }
+
+template <typename T>
+CLONES void attn_one(const T* q, int64_t qsh, const T* k, const T* v, int64_t ksl, int64_t vsl, const T* mask,
+                     int64_t L, int64_t G, int64_t D, float scale, T* out, int64_t osh, float* buf) {
+  float* qf = buf;            // [G, D]
+  float* acc = qf + G * D;    // [G, D]
+  float* row = acc + G * D;   // [D]
+  float* s = row + D;         // [G, L]
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f<T>(q[g * qsh + d]) * scale;
+  for (int64_t j = 0; j < L; ++j) {
+    const float mj = mask ? to_f<T>(mask[j]) : 0.f;
+    if (mj < -1e30f) {
+      for (int64_t g = 0; g < G; ++g) s[g * L + j] = -INFINITY;
+      continue;
+    }
+    const T* kr = k + j * ksl;
+    for (int64_t d = 0; d < D; ++d) row[d] = to_f<T>(kr[d]);
+    for (int64_t g = 0; g < G; ++g) s[g * L + j] = dot(qf + g * D, row, D) + mj;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s + g * L;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < L; ++j) mx = sg[j] > mx ? sg[j] : mx;
+    float sum = 0.f;
+    if (mx == -INFINITY) {  // a fully masked row: zeros, as SDPA's masked softmax would not NaN here
+      for (int64_t j = 0; j < L; ++j) sg[j] = 0.f;
+    } else {
+      for (int64_t j = 0; j < L; ++j) {
+        const float e = sg[j] == -INFINITY ? 0.f : vexp(sg[j] - mx);
+        sg[j] = e;
+        sum += e;
+      }
+      const float inv = 1.f / sum;
+      for (int64_t j = 0; j < L; ++j) sg[j] *= inv;
+    }
+    for (int64_t d = 0; d < D; ++d) acc[g * D + d] = 0.f;
+  }
+  for (int64_t j = 0; j < L; ++j) {
+    bool any = false;
+    for (int64_t g = 0; g < G; ++g) any |= s[g * L + j] != 0.f;
+    if (!any) continue;
+    const T* vr = v + j * vsl;
+    for (int64_t d = 0; d < D; ++d) row[d] = to_f<T>(vr[d]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = s[g * L + j];
+      float* ag = acc + g * D;
+      for (int64_t d = 0; d < D; ++d) ag[d] += p * row[d];
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) out[g * osh + d] = from_f<T>(acc[g * D + d]);
+}
+
+
+#if KEYACC_X86
+// ---- AVX-512 versions of the attention and SiLU kernels (float32 math, bf16 or f32 storage) ----
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+AVX512 inline __m512 load16(const bf16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+AVX512 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+AVX512 inline void store16(bf16_t* p, __m512 v) {  // round to nearest even (the data here has no NaN)
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+
+AVX512 inline __m512 vexp16(__m512 x) {  // vexp() lane-wise, same constants
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), _mm512_set1_ps(-87.3f));
+  __m512 fn = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(fn, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(fn, _mm512_set1_ps(-2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fn), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// Requires D % 16 == 0. Same contract as attn_one.
+template <typename T>
+AVX512 void attn_one_avx512(const T* q, int64_t qsh, const T* k, const T* v, int64_t ksl, int64_t vsl, const T* mask,
+                            int64_t L, int64_t G, int64_t D, float scale, T* out, int64_t osh, float* buf) {
+  float* qf = buf;
+  float* acc = qf + G * D;
+  float* s = acc + G * D + D;  // [G, L]
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(qf + g * D + d, _mm512_mul_ps(load16(q + g * qsh + d), vs));
+  for (int64_t j = 0; j < L; ++j) {
+    const float mj = mask ? to_f<T>(mask[j]) : 0.f;
+    if (mj < -1e30f) {
+      for (int64_t g = 0; g < G; ++g) s[g * L + j] = -INFINITY;
+      continue;
+    }
+    const T* kr = k + j * ksl;
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+      int64_t d = 0;
+      for (; d + 32 <= D; d += 32) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + d), load16(kr + d), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + d + 16), load16(kr + d + 16), a1);
+      }
+      if (d < D) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + d), load16(kr + d), a0);
+      s[g * L + j] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + mj;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s + g * L;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 16 <= L; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + j));
+    float m = _mm512_reduce_max_ps(mx);
+    for (; j < L; ++j) m = sg[j] > m ? sg[j] : m;
+    if (m == -INFINITY) {
+      for (j = 0; j < L; ++j) sg[j] = 0.f;
+    } else {
+      const __m512 vm = _mm512_set1_ps(m);
+      __m512 vsum = _mm512_setzero_ps();
+      for (j = 0; j + 16 <= L; j += 16) {
+        __m512 x = _mm512_loadu_ps(sg + j);
+        __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        __m512 e = _mm512_maskz_mov_ps(live, vexp16(_mm512_sub_ps(x, vm)));
+        _mm512_storeu_ps(sg + j, e);
+        vsum = _mm512_add_ps(vsum, e);
+      }
+      float sum = _mm512_reduce_add_ps(vsum);
+      for (; j < L; ++j) {
+        const float e = sg[j] == -INFINITY ? 0.f : vexp(sg[j] - m);
+        sg[j] = e;
+        sum += e;
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / sum);
+      for (j = 0; j + 16 <= L; j += 16) _mm512_storeu_ps(sg + j, _mm512_mul_ps(_mm512_loadu_ps(sg + j), inv));
+      for (; j < L; ++j) sg[j] *= 1.f / sum;
+    }
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(acc + g * D + d, _mm512_setzero_ps());
+  }
+  for (int64_t j = 0; j < L; ++j) {
+    bool any = false;
+    for (int64_t g = 0; g < G; ++g) any |= s[g * L + j] != 0.f;
+    if (!any) continue;
+    const T* vr = v + j * vsl;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 vv = load16(vr + d);
+      for (int64_t g = 0; g < G; ++g) {
+        float* a = acc + g * D + d;
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(s[g * L + j]), vv, _mm512_loadu_ps(a)));
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; d += 16) store16(out + g * osh + d, _mm512_loadu_ps(acc + g * D + d));
+}
+
+template <typename T>
+AVX512 void silu_mul_avx512(const T* gu, T* y, int64_t M, int64_t I) {
+  for (int64_t m = 0; m < M; ++m) {
+    const T* g = gu + m * 2 * I;
+    const T* u = g + I;
+    T* yr = y + m * I;
+    int64_t i = 0;
+    for (; i + 16 <= I; i += 16) {
+      __m512 a = load16(g + i);
+      __m512 sg = _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), vexp16(_mm512_sub_ps(_mm512_setzero_ps(), a))));
+      if (sizeof(T) == 2) {  // eager rounds silu's output to the dtype before the multiply
+        alignas(64) T tmp[16];
+        store16(tmp, sg);
+        sg = load16(tmp);
+      }
+      store16(yr + i, _mm512_mul_ps(sg, load16(u + i)));
+    }
+    for (; i < I; ++i) {
+      const float a = to_f<T>(g[i]);
+      yr[i] = from_f<T>(to_f<T>(from_f<T>(a / (1.f + vexp(-a)))) * to_f<T>(u[i]));
+    }
+  }
+}
+#endif
+
+bool have_avx512() {
+#if KEYACC_X86
+  static const bool v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl");
+  return v && !force_portable();
+#else
+  return false;
+#endif
+}
+
+template <typename T>
+void attn_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+               const c10::optional<torch::Tensor>& mask, double scale, torch::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = k.size(1), L = k.size(2);
+  const int64_t G = H / Hkv;
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kp = reinterpret_cast<const T*>(k.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v.data_ptr());
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  const T* mp = nullptr;
+  int64_t msb = 0, msl = 1;
+  if (mask.has_value() && mask->defined()) {
+    mp = reinterpret_cast<const T*>(mask->data_ptr());
+    msb = mask->size(0) == 1 ? 0 : mask->stride(0);
+    msl = mask->stride(3);
+  }
+  const bool wide = have_avx512() && D % 16 == 0;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf(2 * G * D + D + G * L);
+    std::vector<T> mrow(mp && msl != 1 ? L : 0);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / Hkv, h = i % Hkv;
+      const T* mrp = nullptr;
+      if (mp) {
+        mrp = mp + b * msb;
+        if (msl != 1) {
+          for (int64_t j = 0; j < L; ++j) mrow[j] = mrp[j * msl];
+          mrp = mrow.data();
+        }
+      }
+      const T* qh = qp + b * q.stride(0) + h * G * q.stride(1);
+      const T* kh = kp + b * k.stride(0) + h * k.stride(1);
+      const T* vh = vp + b * v.stride(0) + h * v.stride(1);
+      T* oh = op + (b * H + h * G) * D;
+#if KEYACC_X86
+      if (wide) {
+        attn_one_avx512<T>(qh, q.stride(1), kh, vh, k.stride(2), v.stride(2), mrp, L, G, D, static_cast<float>(scale),
+                           oh, D, buf.data());
+        continue;
+      }
+#endif
+      attn_one<T>(qh, q.stride(1), kh, vh, k.stride(2), v.stride(2), mrp, L, G, D, static_cast<float>(scale), oh, D,
+                  buf.data());
+    }
+  });
+}
+
+// q [B, H, 1, D]; k, v [B, Hkv, L, D]; mask [B or 1, 1, 1, L] additive or none. Returns [B, 1, H, D].
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask,
+                               double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "decode_attention: one query token per sequence");
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.size(0) == q.size(0) && k.size(3) == q.size(3),
+              "decode_attention: K/V shape");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, "decode_attention: heads not a multiple of KV heads");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "decode_attention: dtypes");
+  if (q.stride(3) != 1) q = q.contiguous();
+  if (k.stride(3) != 1) k = k.contiguous();
+  if (v.stride(3) != 1) v = v.contiguous();
+  if (mask.has_value() && mask->defined()) {
+    TORCH_CHECK(mask->dim() == 4 && mask->size(2) == 1 && mask->size(3) == k.size(2) &&
+                    (mask->size(0) == 1 || mask->size(0) == q.size(0)) && mask->scalar_type() == q.scalar_type(),
+                "decode_attention: mask shape or dtype");
+  }
+  auto out = torch::empty({q.size(0), 1, q.size(1), q.size(3)}, q.options());
+  if (q.scalar_type() == torch::kFloat32) attn_impl<float>(q, k, v, mask, scale, out);
+  else if (q.scalar_type() == torch::kBFloat16) attn_impl<bf16_t>(q, k, v, mask, scale, out);
+  else TORCH_CHECK(false, "decode_attention: float32 or bfloat16");
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm as transformers' Llama family computes it: x in float32, x * rsqrt(mean(x^2) + eps),
+// rounded to the input dtype, times the weight (rounded again).
+template <typename T>
+CLONES void rms_rows(const T* x, const T* w, T* y, int64_t M, int64_t D, float eps, float* row) {
+  for (int64_t m = 0; m < M; ++m) {
+    const T* xr = x + m * D;
+    for (int64_t d = 0; d < D; ++d) row[d] = to_f<T>(xr[d]);
+    const float ss = sum_squares(row, D);
+    const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+    T* yr = y + m * D;
+    for (int64_t d = 0; d < D; ++d) yr[d] = from_f<T>(to_f<T>(w[d]) * to_f<T>(from_f<T>(to_f<T>(xr[d]) * r)));
+  }
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rms_norm: dtypes");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t D = x.size(-1), M = x.numel() / std::max<int64_t>(D, 1);
+  auto y = torch::empty_like(x);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    std::vector<float> row(D);
+    if (x.scalar_type() == torch::kFloat32)
+      rms_rows<float>(x.data_ptr<float>() + m0 * D, w.data_ptr<float>(), y.data_ptr<float>() + m0 * D, m1 - m0, D,
+                      static_cast<float>(eps), row.data());
+    else
+      rms_rows<bf16_t>(reinterpret_cast<const bf16_t*>(x.data_ptr()) + m0 * D,
+                       reinterpret_cast<const bf16_t*>(w.data_ptr()), reinterpret_cast<bf16_t*>(y.data_ptr()) + m0 * D,
+                       m1 - m0, D, static_cast<float>(eps), row.data());
+  });
+  return y;
+}
+
+// SiLU(gate) * up over a fused [.., 2I] gate|up row; each op rounded to the dtype as eager does.
+template <typename T>
+CLONES void silu_mul_rows(const T* gu, T* y, int64_t M, int64_t I) {
+  for (int64_t m = 0; m < M; ++m) {
+    const T* g = gu + m * 2 * I;
+    const T* u = g + I;
+    T* yr = y + m * I;
+    for (int64_t i = 0; i < I; ++i) {
+      const float a = to_f<T>(g[i]);
+      const float s = to_f<T>(from_f<T>(a / (1.f + vexp(-a))));
+      yr[i] = from_f<T>(s * to_f<T>(u[i]));
+    }
+  }
+}
+
+torch::Tensor silu_mul(torch::Tensor gu) {
+  gu = gu.contiguous();
+  const int64_t I = gu.size(-1) / 2, M = gu.numel() / std::max<int64_t>(gu.size(-1), 1);
+  auto shape = gu.sizes().vec();
+  shape.back() = I;
+  auto y = torch::empty(shape, gu.options());
+  const bool wide = have_avx512();
+  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+#if KEYACC_X86
+    if (wide && gu.scalar_type() == torch::kFloat32) {
+      silu_mul_avx512<float>(gu.data_ptr<float>() + m0 * 2 * I, y.data_ptr<float>() + m0 * I, m1 - m0, I);
+      return;
+    }
+    if (wide && gu.scalar_type() == torch::kBFloat16) {
+      silu_mul_avx512<bf16_t>(reinterpret_cast<const bf16_t*>(gu.data_ptr()) + m0 * 2 * I,
+                              reinterpret_cast<bf16_t*>(y.data_ptr()) + m0 * I, m1 - m0, I);
+      return;
+    }
+#endif
+    if (gu.scalar_type() == torch::kFloat32)
+      silu_mul_rows<float>(gu.data_ptr<float>() + m0 * 2 * I, y.data_ptr<float>() + m0 * I, m1 - m0, I);
+    else if (gu.scalar_type() == torch::kBFloat16)
+      silu_mul_rows<bf16_t>(reinterpret_cast<const bf16_t*>(gu.data_ptr()) + m0 * 2 * I,
+                            reinterpret_cast<bf16_t*>(y.data_ptr()) + m0 * I, m1 - m0, I);
+    else TORCH_CHECK(false, "silu_mul: float32 or bfloat16");
+  });
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pieces of a fused Llama-family decode layer (keyacc_ray/kernels/fused_step.py). Each op rounds
+// to the storage dtype where transformers' eager code does, so bf16 results stay within a rounding
+// step of the plain path.
+
+// residual <- residual + x (rounded); returns RMSNorm(residual) * w.
+template <typename T>
+void add_rms_rows(const T* x, T* res, const T* w, T* y, int64_t M, int64_t D, float eps, float* row) {
+  for (int64_t m = 0; m < M; ++m) {
+    T* rr = res + m * D;
+    const T* xr = x + m * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const T r = from_f<T>(to_f<T>(rr[d]) + to_f<T>(xr[d]));
+      rr[d] = r;
+      row[d] = to_f<T>(r);
+    }
+    const float r = 1.f / std::sqrt(sum_squares(row, D) / static_cast<float>(D) + eps);
+    T* yr = y + m * D;
+    for (int64_t d = 0; d < D; ++d) yr[d] = from_f<T>(to_f<T>(w[d]) * to_f<T>(from_f<T>(row[d] * r)));
+  }
+}
+
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && w.scalar_type() == x.scalar_type(), "add_rms_norm: dtypes");
+  TORCH_CHECK(residual.is_contiguous() && x.numel() == residual.numel(), "add_rms_norm: residual");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t D = x.size(-1), M = x.numel() / D;
+  auto y = torch::empty_like(residual);
+  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+    std::vector<float> row(D);
+    if (x.scalar_type() == torch::kFloat32)
+      add_rms_rows<float>(x.data_ptr<float>() + m0 * D, residual.data_ptr<float>() + m0 * D, w.data_ptr<float>(),
+                          y.data_ptr<float>() + m0 * D, m1 - m0, D, static_cast<float>(eps), row.data());
+    else if (x.scalar_type() == torch::kBFloat16)
+      add_rms_rows<bf16_t>(reinterpret_cast<const bf16_t*>(x.data_ptr()) + m0 * D,
+                           reinterpret_cast<bf16_t*>(residual.data_ptr()) + m0 * D,
+                           reinterpret_cast<const bf16_t*>(w.data_ptr()), reinterpret_cast<bf16_t*>(y.data_ptr()) + m0 * D,
+                           m1 - m0, D, static_cast<float>(eps), row.data());
+    else TORCH_CHECK(false, "add_rms_norm: float32 or bfloat16");
+  });
+  return y;
+}
+
+// One head row: optional per-head RMSNorm, then rotary (rotate-half convention) on the first R dims.
+template <typename T>
+void head_norm_rope(const T* x, T* out, const T* nw, float eps, const T* cos, const T* sin, int64_t R, int64_t D,
+                    float* row) {
+  for (int64_t d = 0; d < D; ++d) row[d] = to_f<T>(x[d]);
+  if (nw) {
+    const float r = 1.f / std::sqrt(sum_squares(row, D) / static_cast<float>(D) + eps);
+    for (int64_t d = 0; d < D; ++d) row[d] = to_f<T>(from_f<T>(to_f<T>(nw[d]) * to_f<T>(from_f<T>(row[d] * r))));
+  }
+  const int64_t h = R / 2;
+  for (int64_t d = 0; d < R; ++d) {
+    const float rot = d < h ? -row[d + h] : row[d - h];
+    const float a = to_f<T>(from_f<T>(row[d] * to_f<T>(cos[d])));
+    const float b = to_f<T>(from_f<T>(rot * to_f<T>(sin[d])));
+    out[d] = from_f<T>(a + b);
+  }
+  for (int64_t d = R; d < D; ++d) out[d] = from_f<T>(row[d]);
+}
+
+template <typename T>
+void rope_cache_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const T* qn, const T* kn,
+                     float eps, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& kbuf,
+                     torch::Tensor& vbuf, const int64_t* pos, torch::Tensor& qo, int64_t H, int64_t Hkv, int64_t D) {
+  const int64_t B = q.size(0), R = cos.size(-1);
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kp = reinterpret_cast<const T*>(k.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v.data_ptr());
+  const T* cp = reinterpret_cast<const T*>(cos.data_ptr());
+  const T* sp = reinterpret_cast<const T*>(sin.data_ptr());
+  T* kb = reinterpret_cast<T*>(kbuf.data_ptr());
+  T* vb = reinterpret_cast<T*>(vbuf.data_ptr());
+  T* op = reinterpret_cast<T*>(qo.data_ptr());
+  at::parallel_for(0, B * (H + Hkv), 4, [&](int64_t i0, int64_t i1) {
+    std::vector<float> row(D);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / (H + Hkv), h = i % (H + Hkv);
+      const T* c = cp + b * cos.stride(0);
+      const T* sn = sp + b * sin.stride(0);
+      if (h < H) {
+        head_norm_rope<T>(qp + b * q.stride(0) + h * D, op + (b * H + h) * D, qn, eps, c, sn, R, D, row.data());
+      } else {
+        const int64_t hk = h - H;
+        T* kd = kb + b * kbuf.stride(0) + hk * kbuf.stride(1) + pos[b] * kbuf.stride(2);
+        T* vd = vb + b * vbuf.stride(0) + hk * vbuf.stride(1) + pos[b] * vbuf.stride(2);
+        head_norm_rope<T>(kp + b * k.stride(0) + hk * D, kd, kn, eps, c, sn, R, D, row.data());
+        std::memcpy(vd, vp + b * v.stride(0) + hk * D, D * sizeof(T));
+      }
+    }
+  });
+}
+
+// q [B, H*D], k and v [B, Hkv*D] (rows contiguous); cos, sin [B, R]; kbuf, vbuf one layer's slot
+// buffers [S, Hkv, max_len, D]; pos [B] int64. Writes k (normed, rotated) and v at each row's
+// position in slot b; returns q normed and rotated as [B, H, 1, D].
+torch::Tensor rope_kv_write(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> q_norm,
+                            c10::optional<torch::Tensor> k_norm, double eps, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor kbuf, torch::Tensor vbuf, torch::Tensor pos) {
+  const int64_t B = q.size(0), D = kbuf.size(3), Hkv = kbuf.size(1), H = q.size(1) / D;
+  TORCH_CHECK(q.dim() == 2 && k.dim() == 2 && v.dim() == 2 && k.size(1) == Hkv * D && v.size(1) == Hkv * D &&
+                  q.size(1) == H * D && k.size(0) == B && v.size(0) == B,
+              "rope_kv_write: q/k/v shapes");
+  TORCH_CHECK(q.stride(1) == 1 && k.stride(1) == 1 && v.stride(1) == 1, "rope_kv_write: rows must be contiguous");
+  TORCH_CHECK(kbuf.dim() == 4 && kbuf.stride(3) == 1 && vbuf.stride(3) == 1 && kbuf.size(0) >= B, "rope_kv_write: buffers");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == B && cos.size(1) <= D && cos.size(1) % 2 == 0 && cos.stride(1) == 1 &&
+                  sin.sizes() == cos.sizes() && sin.stride(1) == 1,
+              "rope_kv_write: cos/sin");
+  TORCH_CHECK(pos.scalar_type() == torch::kInt64 && pos.numel() == B, "rope_kv_write: positions");
+  pos = pos.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(pp[b] >= 0 && pp[b] < kbuf.size(2), "rope_kv_write: position out of range");
+  auto st = q.scalar_type();
+  TORCH_CHECK(k.scalar_type() == st && v.scalar_type() == st && kbuf.scalar_type() == st && cos.scalar_type() == st,
+              "rope_kv_write: dtypes");
+  auto qo = torch::empty({B, H, 1, D}, q.options());
+  auto nptr = [&](const c10::optional<torch::Tensor>& t) -> const void* {
+    return t.has_value() && t->defined() ? t->data_ptr() : nullptr;
+  };
+  if (st == torch::kFloat32)
+    rope_cache_impl<float>(q, k, v, (const float*)nptr(q_norm), (const float*)nptr(k_norm), static_cast<float>(eps), cos,
+                           sin, kbuf, vbuf, pp, qo, H, Hkv, D);
+  else if (st == torch::kBFloat16)
+    rope_cache_impl<bf16_t>(q, k, v, (const bf16_t*)nptr(q_norm), (const bf16_t*)nptr(k_norm), static_cast<float>(eps),
+                            cos, sin, kbuf, vbuf, pp, qo, H, Hkv, D);
+  else TORCH_CHECK(false, "rope_kv_write: float32 or bfloat16");
+  return qo;
+}
+
+std::string isa() { return have_avx512bf16() ? "avx512bf16" : "portable"; }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack_bf16", &pack_bf16, "prepack [N, K] bf16 weights into 16-row k-pair blocks");
+  m.def("linear_bf16", &linear_bf16, "y = x @ W^T (+ b) from prepacked bf16 weights");
+  m.def("decode_attention", &decode_attention, "one-token attention over slot KV buffers, GQA without repeat");
+  m.def("rms_norm", &rms_norm, "Llama-family RMSNorm");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up over a fused gate|up tensor");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; return RMSNorm(residual)");
+  m.def("rope_kv_write", &rope_kv_write, "per-head norm + rotary for q and k, k/v written into the slot cache");
+  m.def("isa", &isa, "the linear kernel variant this CPU runs");
+}

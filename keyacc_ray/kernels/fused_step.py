@@ -1,0 +1,109 @@
+"""A decode step for Llama-family layers with a handful of kernel calls per layer.
+
+transformers' decoder layer costs 60-odd torch dispatches per token step (views, rotary's
+cat/neg/mul/add, cache index_put, SDPA with repeat_kv); at batch 1 that Python and dispatch
+time is a third of the step once the matmuls run at memory speed. This step does per layer:
+norm -> q, k, v products -> one norm+rotary+KV-write kernel -> decode attention -> o product ->
+residual-add+norm -> gate|up product -> SiLU-multiply -> down product -> residual-add+norm.
+
+It is built only from a model whose layers have that shape after `fastpath.apply` (fused norms,
+fused gate|up MLP), and the engine uses it only after it reproduced the model's own decode
+logits on a probe (`ModelRunner._check_fused_step`). Anything else keeps transformers' forward.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from keyacc_ray.kernels.fastpath import DenseLinear, FusedGateUpMLP, FusedRMSNorm, PackedLinear
+
+
+def _linear(mod: nn.Module):
+    if isinstance(mod, PackedLinear):
+        k, packed, n, bias = mod.k, mod.packed, mod.out_features, mod.bias
+        return lambda x: k.linear_bf16(x, packed, n, bias)
+    if isinstance(mod, (nn.Linear, DenseLinear)):
+        w, b = mod.weight, mod.bias
+        return lambda x: nn.functional.linear(x, w, b)
+    return None
+
+
+class _Layer:
+    __slots__ = ("ln1", "ln2", "q", "k", "v", "o", "qn", "kn", "qk_eps", "gate_up", "down", "scale", "kind", "idx")
+
+
+class FusedDecodeStep:
+    def __init__(self, kernels, embed, rotary, layers: list[_Layer], norm: FusedRMSNorm, lm_head, dtype):
+        self.k = kernels
+        self.embed, self.rotary, self.layers, self.norm, self.lm_head = embed, rotary, layers, norm, lm_head
+        self.dtype = dtype
+
+    @classmethod
+    def build(cls, model: nn.Module, kernels) -> "FusedDecodeStep | None":
+        inner = getattr(model, "model", None)
+        need = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if inner is None or not all(hasattr(inner, n) for n in need) or not isinstance(inner.norm, FusedRMSNorm):
+            return None
+        lm_head = _linear(getattr(model, "lm_head", None))
+        if lm_head is None:
+            return None
+        layers = []
+        for i, layer in enumerate(inner.layers):
+            got = cls._layer(layer, i)
+            if got is None:
+                return None
+            layers.append(got)
+        dtype = inner.norm.weight.dtype
+        return cls(kernels, inner.embed_tokens, inner.rotary_emb, layers, inner.norm, lm_head, dtype)
+
+    @staticmethod
+    def _layer(layer: nn.Module, i: int) -> _Layer | None:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        ln1, ln2 = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
+        if not (isinstance(ln1, FusedRMSNorm) and isinstance(ln2, FusedRMSNorm) and isinstance(mlp, FusedGateUpMLP)):
+            return None
+        projs = [_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        down = _linear(mlp.down_proj)
+        if any(p is None for p in projs) or down is None or not hasattr(attn, "scaling"):
+            return None
+        if getattr(attn, "sinks", None) is not None or getattr(attn, "attn_logit_softcapping", None):
+            return None
+        qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if (qn is None) != (kn is None):
+            return None
+        if qn is not None and not (isinstance(qn, FusedRMSNorm) and isinstance(kn, FusedRMSNorm) and qn.eps == kn.eps):
+            return None
+        out = _Layer()
+        out.ln1, out.ln2 = ln1, ln2
+        out.q, out.k, out.v, out.o = projs
+        out.qn = None if qn is None else qn.weight
+        out.kn = None if kn is None else kn.weight
+        out.qk_eps = 0.0 if qn is None else qn.eps
+        out.gate_up, out.down = _linear(mlp.gate_up), down
+        out.scale = float(attn.scaling)
+        out.kind = getattr(layer, "attention_type", "full_attention")
+        out.idx = i
+        return out
+
+    @torch.inference_mode()
+    def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, masks, kbufs, vbufs, kv_len: int):
+        """token_ids, positions: [B] (rows are slots 0..B-1); masks: [B, 1, 1, kv_len] additive or a
+        dict of them by layer type. Returns logits [B, vocab]."""
+        K = self.k
+        B = token_ids.shape[0]
+        h = self.embed(token_ids)  # [B, hidden]
+        cos, sin = self.rotary(h[:, None], positions[:, None])
+        cos, sin = cos.reshape(B, -1).to(h.dtype), sin.reshape(B, -1).to(h.dtype)
+        res = h.contiguous()
+        x = K.rms_norm(res, self.layers[0].ln1.weight, self.layers[0].ln1.eps)
+        n = len(self.layers)
+        for j, L in enumerate(self.layers):
+            mask = masks[L.kind] if isinstance(masks, dict) else masks
+            kb, vb = kbufs[L.idx], vbufs[L.idx]
+            q = K.rope_kv_write(L.q(x), L.k(x), L.v(x), L.qn, L.kn, L.qk_eps, cos, sin, kb, vb, positions)
+            a = K.decode_attention(q, kb[:B, :, :kv_len], vb[:B, :, :kv_len], mask, L.scale)
+            x = K.add_rms_norm(L.o(a.view(B, -1)), res, L.ln2.weight, L.ln2.eps)
+            m = L.down(K.silu_mul(L.gate_up(x)))
+            nxt = self.layers[j + 1].ln1 if j + 1 < n else self.norm
+            x = K.add_rms_norm(m, res, nxt.weight, nxt.eps)
+        return self.lm_head(x)
