@@ -6,9 +6,12 @@ STAMP := $(VENV)/.installed
 MODEL ?= models/tiny-qwen3
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install model test run bench-engine clean
+.PHONY: install kernels model test run bench-engine clean
 
-install: $(STAMP)
+install: $(STAMP) kernels
+
+kernels: $(STAMP)   # the CPU fast-path kernels, compiled once per machine (a no-op when up to date)
+	$(BIN)/python -m keyacc_ray.kernels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

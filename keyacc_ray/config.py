@@ -35,6 +35,7 @@ class EngineConfig:
     kv_export_layout: str = "LHTD"
     kv_memory_fraction: float = 0.85  # CUDA: share of free device memory (after weights) for KV
     cpu_kernels: str = "auto"  # CPU fast path (keyacc_ray/kernels): auto (where it builds and checks out), on, off
+    cpu_weight_quant: str = "none"  # none, or int8: weight-only int8 (per-row scales) for bf16 linears on the fast path
 
 
     def __post_init__(self):
@@ -54,6 +55,8 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.cpu_kernels not in ("auto", "on", "off"):
             raise ConfigError(f"EngineConfig.cpu_kernels must be auto/on/off, got {self.cpu_kernels!r}")
+        if self.cpu_weight_quant not in ("none", "int8"):
+            raise ConfigError(f"EngineConfig.cpu_weight_quant must be none/int8, got {self.cpu_weight_quant!r}")
         if self.kv_export_layout not in ("LHTD", "LTHD"):
             raise ConfigError(f"EngineConfig.kv_export_layout must be LHTD or LTHD, got {self.kv_export_layout!r}")
 

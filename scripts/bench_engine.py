@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Engine benchmark on this machine's CPU: prefill, batched decode, continuous batching against
-transformers' generate(), and the batch-1 memory-bandwidth roofline. Prints a table and, as
-its last line, one JSON object.
+"""Engine benchmark on this machine's CPU, in one run: the plain torch path (transformers'
+forward over the slot cache) and the CPU fast path (keyacc_ray/kernels), bf16 and weight-only
+int8: prefill of 512 tokens, decode at batch 1, 8 and 32, the batch-1 read-bandwidth roofline,
+greedy agreement between the paths, and continuous batching against transformers' generate().
+Prints a table and, as its last line, one JSON object.
 
     make bench-engine            # builds models/bench-qwen3 (bf16, ~0.4B) if missing
     python scripts/bench_engine.py --model models/bench-qwen3 --threads 2
@@ -78,6 +80,47 @@ def hf_generate_tps(model, prompts: list[list[int]], new_tokens: list[int], pad_
     return sum(new_tokens) / dt, dt
 
 
+def bench_engine(args, rng, mode: str, quant: str, bw: float, res: dict, tag: str):
+    """Prefill and decode figures of one engine configuration, keys prefixed with `tag`."""
+    from keyacc_ray.config import EngineConfig
+    from keyacc_ray.engine.llm_engine import LLMEngine
+    from keyacc_ray.engine.request import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=32, max_model_len=768,
+                                    num_threads=args.threads, cpu_kernels=mode, cpu_weight_quant=quant))
+    r = engine.runner
+    if mode == "on":
+        res[f"{tag}kernels"] = r.fast_path.summary() + f" fused_step={r.fused_step is not None}"
+    vocab = r.vocab_size
+    for i in range(2):  # prefill of a 512-token prompt (warm once)
+        engine.add_request(f"pf{i}", rand_prompt(rng, 512, vocab), SamplingParams(max_tokens=1, temperature=0))
+        t = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t
+    res[f"{tag}prefill_tps_512"] = round(512 / dt, 1)
+    for b in (1, 8, 32):
+        res[f"{tag}decode_tps_bs{b}"] = round(bench_decode(engine, b, 128, args.steps, rng), 1)
+    res[f"{tag}decode_ms_bs1"] = round(1e3 / res[f"{tag}decode_tps_bs1"], 2)
+    res[f"{tag}bs1_vs_roofline"] = round(res[f"{tag}decode_ms_bs1"] / res["roofline_ms_bs1"], 2)
+    return engine
+
+
+def greedy_outputs(engine, prompts, n: int) -> list[list[int]]:
+    from keyacc_ray.engine.request import SamplingParams
+
+    return engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)] * len(prompts))
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
+    """(share of outputs identical, mean share of each output before the first differing token)."""
+    same = sum(x == y for x, y in zip(a, b)) / len(a)
+    prefix = []
+    for x, y in zip(a, b):
+        k = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x))
+        prefix.append(k / len(x))
+    return same, sum(prefix) / len(prefix)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/bench-qwen3")
@@ -85,55 +128,65 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-hf", action="store_true", help="skip the transformers generate() comparisons")
     args = ap.parse_args()
 
-    from keyacc_ray.config import EngineConfig
-    from keyacc_ray.engine.llm_engine import LLMEngine
     from keyacc_ray.engine.request import SamplingParams
+    from transformers import AutoModelForCausalLM
 
     rng = random.Random(args.seed)
+    torch.set_num_threads(args.threads)
     bw = read_bandwidth_gbs(args.threads)
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=32, max_model_len=768,
-                                    num_threads=args.threads))
-    model = engine.runner.model
-    wbytes = weight_bytes_per_step(model)
+    wbytes = weight_bytes_per_step(AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)))
     roofline_ms = wbytes / (bw * 1e9) * 1e3
-    vocab = engine.runner.vocab_size
     res: dict = {"model": args.model, "dtype": args.dtype, "threads": args.threads,
                  "weight_bytes_per_step": wbytes, "read_bw_gbs": round(bw, 1), "roofline_ms_bs1": round(roofline_ms, 2)}
 
-    # prefill of a 512-token prompt (warm once)
-    for i in range(2):
-        engine.add_request(f"pf{i}", rand_prompt(rng, 512, vocab), SamplingParams(max_tokens=1, temperature=0))
-        t = time.perf_counter()
-        engine.step()
-        dt = time.perf_counter() - t
-    res["prefill_tps_512"] = round(512 / dt, 1)
-
-    for b in (1, 8, 32):
-        tps = bench_decode(engine, b, 128, args.steps, rng)
-        res[f"decode_tps_bs{b}"] = round(tps, 1)
-    res["decode_ms_bs1"] = round(1e3 / res["decode_tps_bs1"], 2)
-    res["bs1_vs_roofline"] = round(res["decode_ms_bs1"] / roofline_ms, 2)
+    # plain torch (transformers' forward over the slot cache), then the fast path, same run
+    plain = bench_engine(args, rng, "off", "none", bw, res, "")
     res["bs32_vs_bs1"] = round(res["decode_tps_bs32"] / res["decode_tps_bs1"], 2)
+    vocab = plain.runner.vocab_size
+    cmp_prompts = [rand_prompt(rng, rng.randint(16, 128), vocab) for _ in range(16)]
+    model = plain.runner.model
+    if not args.skip_hf:
+        # transformers generate(): one request, and a static batch of 32
+        pad = plain.tokenizer.pad_token_id or 0
+        tps1, _ = hf_generate_tps(model, [rand_prompt(rng, 128, vocab)], [args.steps], pad)
+        res["hf_generate_tps_bs1"] = round(tps1, 1)
+        tps32, _ = hf_generate_tps(model, [rand_prompt(rng, 128, vocab) for _ in range(32)], [args.steps] * 32, pad)
+        res["hf_generate_tps_static32"] = round(tps32, 1)
+        # 32 mixed-length requests: continuous batching vs one static generate() batch
+        prompts = [rand_prompt(rng, rng.randint(16, 256), vocab) for _ in range(32)]
+        outs = [rng.randint(8, 64) for _ in range(32)]
+        t = time.perf_counter()
+        plain.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in outs])
+        cb_s = time.perf_counter() - t
+        _, hf_s = hf_generate_tps(model, prompts, outs, pad)
+        res["cb_mixed32_s"] = round(cb_s, 2)
+        res["hf_static_mixed32_s"] = round(hf_s, 2)
+        res["cb_speedup_vs_hf_static"] = round(hf_s / cb_s, 2)
+    ref_out = greedy_outputs(plain, cmp_prompts, 32)
+    del plain, model
 
-    # transformers generate(): one request, and a static batch of 32
-    pad = engine.tokenizer.pad_token_id or 0
-    tps1, _ = hf_generate_tps(model, [rand_prompt(rng, 128, vocab)], [args.steps], pad)
-    res["hf_generate_tps_bs1"] = round(tps1, 1)
-    tps32, _ = hf_generate_tps(model, [rand_prompt(rng, 128, vocab) for _ in range(32)], [args.steps] * 32, pad)
-    res["hf_generate_tps_static32"] = round(tps32, 1)
+    fast = bench_engine(args, rng, "on", "none", bw, res, "fast_")
+    fast_out = greedy_outputs(fast, cmp_prompts, 32)
+    del fast
+    q8 = bench_engine(args, rng, "on", "int8", bw, res, "int8_")
+    q8_out = greedy_outputs(q8, cmp_prompts, 32)
+    del q8
 
-    # 32 mixed-length requests: continuous batching vs one static generate() batch
-    prompts = [rand_prompt(rng, rng.randint(16, 256), vocab) for _ in range(32)]
-    outs = [rng.randint(8, 64) for _ in range(32)]
-    t = time.perf_counter()
-    engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in outs])
-    cb_s = time.perf_counter() - t
-    _, hf_s = hf_generate_tps(model, prompts, outs, pad)
-    res["cb_mixed32_s"] = round(cb_s, 2)
-    res["hf_static_mixed32_s"] = round(hf_s, 2)
-    res["cb_speedup_vs_hf_static"] = round(hf_s / cb_s, 2)
+    res["fast_speedup_bs1"] = round(res["fast_decode_tps_bs1"] / res["decode_tps_bs1"], 2)
+    res["fast_speedup_bs8"] = round(res["fast_decode_tps_bs8"] / res["decode_tps_bs8"], 2)
+    res["fast_speedup_bs32"] = round(res["fast_decode_tps_bs32"] / res["decode_tps_bs32"], 2)
+    res["fast_speedup_prefill"] = round(res["fast_prefill_tps_512"] / res["prefill_tps_512"], 2)
+    res["fast_roofline_ratio_bs1"] = res["fast_bs1_vs_roofline"]
+    res["int8_speedup_bs1_vs_fast"] = round(res["int8_decode_tps_bs1"] / res["fast_decode_tps_bs1"], 2)
+    same, prefix = agreement(ref_out, fast_out)
+    res["fast_vs_plain_greedy_identical"] = round(same, 3)
+    res["fast_vs_plain_greedy_prefix"] = round(prefix, 3)
+    same, prefix = agreement(fast_out, q8_out)
+    res["int8_vs_bf16_greedy_identical"] = round(same, 3)
+    res["int8_vs_bf16_greedy_prefix"] = round(prefix, 3)
 
     width = max(map(len, res))
     for k, v in res.items():

@@ -56,7 +56,7 @@ class LLMEngine:
             raise ModelLoadError(f"cannot load tokenizer for {config.model!r}: {e}", param="model") from e
         self.runner = ModelRunner(config.model, config.dtype, config.device, config.max_num_seqs,
                                   config.max_model_len, config.num_threads, config.kv_memory_fraction,
-                                  config.cpu_kernels)
+                                  config.cpu_kernels, config.cpu_weight_quant)
         self.max_model_len = self.runner.max_model_len
         # The KV budget in blocks: configured, or what the preallocated slots hold (on CUDA the
         # slots themselves are sized from free device memory).

@@ -73,7 +73,8 @@ class SlotKVCache:
 
 class ModelRunner:
     def __init__(self, model: str, dtype: str, device: str, num_slots: int, max_model_len: int | None,
-                 num_threads: int | None = None, kv_memory_fraction: float = 0.85, cpu_kernels: str = "off"):
+                 num_threads: int | None = None, kv_memory_fraction: float = 0.85, cpu_kernels: str = "off",
+                 cpu_weight_quant: str = "none"):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if num_threads:
@@ -111,10 +112,11 @@ class ModelRunner:
         self.fast_path = None  # what keyacc_ray.kernels swapped in (FastPathReport)
         self.fused_step = None  # FusedDecodeStep once it reproduced the model's own logits
         if self.device.type == "cpu" and cpu_kernels != "off":
-            self._enable_cpu_kernels(required=cpu_kernels == "on")
+            self._enable_cpu_kernels(required=cpu_kernels == "on",
+                                     quant=None if cpu_weight_quant == "none" else cpu_weight_quant)
 
     # ---- CPU fast path -----------------------------------------------------------------
-    def _enable_cpu_kernels(self, required: bool) -> None:
+    def _enable_cpu_kernels(self, required: bool, quant: str | None) -> None:
         from keyacc_ray import kernels
 
         mod = kernels.load()
@@ -125,7 +127,7 @@ class ModelRunner:
         from keyacc_ray.kernels import fastpath
         from keyacc_ray.kernels.fused_step import FusedDecodeStep
 
-        self.fast_path = fastpath.apply(self.model, mod)
+        self.fast_path = fastpath.apply(self.model, mod, quant=quant)
         step = FusedDecodeStep.build(self.model, mod)
         if step is not None and self._check_fused_step(step):
             self.fused_step = step

@@ -27,6 +27,7 @@ ATTN_NAME = "keyacc_cpu"
 @dataclass
 class FastPathReport:
     isa: str = "none"
+    quant: str | None = None
     linear: int = 0
     mlp: int = 0
     norm: int = 0
@@ -34,23 +35,33 @@ class FastPathReport:
     kept: list[str] = field(default_factory=list)  # modules whose check failed
 
     def summary(self) -> str:
-        return (f"isa={self.isa} linear={self.linear} mlp={self.mlp} norm={self.norm} "
+        return (f"isa={self.isa} quant={self.quant or 'none'} linear={self.linear} mlp={self.mlp} norm={self.norm} "
                 f"attention={self.attention} kept={len(self.kept)}")
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W prepacked for the kernel. The packed copy replaces the weight."""
+    """y = x W^T + b with W prepacked for the kernel (bf16, or int8 with per-row scales when
+    `quant="int8"`). The packed copy replaces the weight."""
 
-    def __init__(self, kernels, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, kernels, weight: torch.Tensor, bias: torch.Tensor | None, quant: str | None = None):
         super().__init__()
         self.k = kernels
+        self.quant = quant
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("packed", kernels.pack_bf16(weight.detach().contiguous()), persistent=False)
+        w = weight.detach().contiguous()
+        if quant == "int8":
+            packed, scales = kernels.pack_int8(w)
+            self.register_buffer("scales", scales, persistent=False)
+        else:
+            packed, self.scales = kernels.pack_bf16(w), None
+        self.register_buffer("packed", packed, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
             x = x.to(torch.bfloat16)
+        if self.scales is not None:
+            return self.k.linear_int8(x, self.packed, self.scales, self.out_features, self.bias)
         return self.k.linear_bf16(x, self.packed, self.out_features, self.bias)
 
 
@@ -70,7 +81,7 @@ class DenseLinear(nn.Module):
 class FusedGateUpMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up as one packed product."""
 
-    def __init__(self, kernels, mlp: nn.Module):
+    def __init__(self, kernels, mlp: nn.Module, quant: str | None = None):
         super().__init__()
         self.k = kernels
         g, u = mlp.gate_proj, mlp.up_proj
@@ -78,10 +89,10 @@ class FusedGateUpMLP(nn.Module):
         w = torch.cat([g.weight.detach(), u.weight.detach()], 0)
         b = None if g.bias is None else torch.cat([g.bias.detach(), u.bias.detach()], 0)
         if w.dtype == torch.bfloat16:
-            self.gate_up = PackedLinear(kernels, w, b)
+            self.gate_up = PackedLinear(kernels, w, b, quant)
         else:  # float32: torch's own GEMM, one call instead of two
             self.gate_up = DenseLinear(w, b)
-        self.down_proj = _packed_or_same(kernels, mlp.down_proj)
+        self.down_proj = _packed_or_same(kernels, mlp.down_proj, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.k.silu_mul(self.gate_up(x)))
@@ -100,9 +111,9 @@ class FusedRMSNorm(nn.Module):
         return self.k.rms_norm(x, self.weight, self.eps)
 
 
-def _packed_or_same(kernels, lin: nn.Module) -> nn.Module:
+def _packed_or_same(kernels, lin: nn.Module, quant: str | None) -> nn.Module:
     if isinstance(lin, nn.Linear) and lin.weight.dtype == torch.bfloat16:
-        return PackedLinear(kernels, lin.weight, lin.bias)
+        return PackedLinear(kernels, lin.weight, lin.bias, quant)
     return lin
 
 
@@ -142,31 +153,36 @@ def _is_silu_mlp(m: nn.Module) -> bool:
 
 
 @torch.inference_mode()
-def apply(model: nn.Module, kernels, attention: bool = True) -> FastPathReport:
-    """Swap in the kernels where each one checks out. Returns what was swapped."""
-    rep = FastPathReport(isa=kernels.isa())
-    _walk(kernels, model, "", rep)
+def apply(model: nn.Module, kernels, attention: bool = True, quant: str | None = None) -> FastPathReport:
+    """Swap in the kernels where each one checks out. Returns what was swapped. With
+    quant="int8", bf16 linear layers other than the output head are stored as int8."""
+    if quant not in (None, "int8"):
+        raise ValueError(f"quant must be None or 'int8', got {quant!r}")
+    rep = FastPathReport(isa=kernels.isa(), quant=quant)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    _walk(kernels, model, "", rep, quant, head)
     if attention:
         rep.attention = _enable_attention(model, kernels)
     return rep
 
 
-def _walk(kernels, mod: nn.Module, prefix: str, rep: FastPathReport) -> None:
+def _walk(kernels, mod: nn.Module, prefix: str, rep: FastPathReport, quant, head) -> None:
     for cname, child in list(mod.named_children()):
         full = f"{prefix}.{cname}" if prefix else cname
-        new = _swap(kernels, child, full, rep)
+        new = _swap(kernels, child, full, rep, None if child is head else quant)
         if new is not None:
             setattr(mod, cname, new)
         else:
-            _walk(kernels, child, full, rep)
+            _walk(kernels, child, full, rep, quant, head)
 
 
-def _swap(kernels, child: nn.Module, full: str, rep: FastPathReport) -> nn.Module | None:
+def _swap(kernels, child: nn.Module, full: str, rep: FastPathReport, quant: str | None) -> nn.Module | None:
+    tol = 0.05 if quant else 0.01  # int8 weights: about 0.5 / 127 per weight, a few tenths of a percent out
     if _is_silu_mlp(child):
         x = _probe(child.gate_proj.in_features, child.gate_proj.weight.dtype)
         ref = child(x)
-        new = FusedGateUpMLP(kernels, child)
-        if _close(new(x), ref, 0.01):
+        new = FusedGateUpMLP(kernels, child, quant)
+        if _close(new(x), ref, tol):
             rep.mlp += 1
             return new
         rep.kept.append(full)
@@ -181,8 +197,8 @@ def _swap(kernels, child: nn.Module, full: str, rep: FastPathReport) -> nn.Modul
         return None
     if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16:
         x = _probe(child.in_features, torch.bfloat16)
-        new = PackedLinear(kernels, child.weight, child.bias)
-        if _close(new(x), child(x), 0.02):
+        new = PackedLinear(kernels, child.weight, child.bias, quant)
+        if _close(new(x), child(x), max(tol, 0.02)):
             rep.linear += 1
             return new
         rep.kept.append(full)

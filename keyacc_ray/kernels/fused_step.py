@@ -20,7 +20,9 @@ from keyacc_ray.kernels.fastpath import DenseLinear, FusedGateUpMLP, FusedRMSNor
 
 def _linear(mod: nn.Module):
     if isinstance(mod, PackedLinear):
-        k, packed, n, bias = mod.k, mod.packed, mod.out_features, mod.bias
+        k, packed, scales, n, bias = mod.k, mod.packed, mod.scales, mod.out_features, mod.bias
+        if scales is not None:
+            return lambda x: k.linear_int8(x, packed, scales, n, bias)
         return lambda x: k.linear_bf16(x, packed, n, bias)
     if isinstance(mod, (nn.Linear, DenseLinear)):
         w, b = mod.weight, mod.bias

@@ -202,6 +202,144 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
 }
 
 // ---------------------------------------------------------------------------------------------
+// Weight-only int8: per-output-row scales (max |w| / 127), the same group layout as bf16 with
+// int8 elements. The kernel widens each int8 pair to bf16 (exact for |q| <= 127), runs the same
+// bf16 dot products and scales the row sums once at the end: half the bytes streamed at batch 1.
+std::vector<torch::Tensor> pack_int8(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2, "pack_int8: want [N, K]");
+  auto wf = w.to(torch::kFloat32).contiguous();
+  const int64_t N = wf.size(0), K = wf.size(1);
+  auto scales = (wf.abs().amax({1}) / 127.0).clamp_min(1e-12).contiguous();
+  auto q = torch::round(wf / scales.unsqueeze(1)).clamp(-127, 127).to(torch::kInt8).contiguous();
+  const int64_t ng = (N + NB * GB - 1) / (NB * GB), kp = (K + 1) / 2;
+  auto out = torch::zeros({ng, kp, GB, NB, 2}, torch::dtype(torch::kInt8));
+  const int8_t* src = q.data_ptr<int8_t>();
+  int8_t* dst = out.data_ptr<int8_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t g = n / (NB * GB), j = (n / NB) % GB, i = n % NB;
+    for (int64_t k = 0; k < K; ++k) dst[(((g * kp + k / 2) * GB + j) * NB + i) * 2 + (k & 1)] = src[n * K + k];
+  }
+  return {out, scales};
+}
+
+#if KEYACC_X86
+template <int MT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void tile_int8(
+    const int8_t* G, int64_t kp, int64_t n_base, const bf16_t* x, int64_t ldx, int64_t m0, int mt, const float* sc,
+    const float* bias, bf16_t* y, int64_t ldy, int64_t N) {
+  __m512 acc[GB][MT];
+  for (int j = 0; j < GB; ++j)
+    for (int m = 0; m < MT; ++m) acc[j][m] = _mm512_setzero_ps();
+  const int32_t* xr[MT];
+  for (int m = 0; m < MT; ++m) xr[m] = reinterpret_cast<const int32_t*>(x + (m0 + (m < mt ? m : 0)) * ldx);
+  for (int64_t p = 0; p < kp; ++p) {
+    const int8_t* wp = G + p * GB * NB * 2;
+    __m512i w[GB];
+    for (int j = 0; j < GB; ++j) {
+      const __m128i lo = _mm_loadu_si128((const __m128i*)(wp + j * NB * 2));
+      const __m128i hi = _mm_loadu_si128((const __m128i*)(wp + j * NB * 2 + 16));
+      const __m512 flo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
+      const __m512 fhi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+      w[j] = (__m512i)_mm512_cvtne2ps_pbh(fhi, flo);
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m512i xb = _mm512_set1_epi32(xr[m][p]);
+      for (int j = 0; j < GB; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], (__m512bh)w[j], (__m512bh)xb);
+    }
+  }
+  for (int j = 0; j < GB; ++j) {
+    const int64_t n0 = n_base + j * NB;
+    if (n0 >= N) break;
+    const int64_t rem = N - n0;
+    const __mmask16 mask = rem >= NB ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1);
+    const __m512 sv = _mm512_maskz_loadu_ps(mask, sc + n0);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < mt; ++m) {
+      __m256bh r = _mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[j][m], sv, bv));
+      _mm256_mask_storeu_epi16(y + (m0 + m) * ldy + n0, mask, (__m256i)r);
+    }
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void group_int8(
+    const int8_t* G, int64_t kp, int64_t n_base, const bf16_t* x, int64_t ldx, int64_t M, const float* sc,
+    const float* bias, bf16_t* y, int64_t ldy, int64_t N) {
+  constexpr int MT = 6;
+  int64_t m0 = 0;
+  for (; m0 + MT <= M; m0 += MT) tile_int8<MT>(G, kp, n_base, x, ldx, m0, MT, sc, bias, y, ldy, N);
+  const int r = static_cast<int>(M - m0);
+  switch (r) {
+    case 0: break;
+    case 1: tile_int8<1>(G, kp, n_base, x, ldx, m0, 1, sc, bias, y, ldy, N); break;
+    case 2: tile_int8<2>(G, kp, n_base, x, ldx, m0, 2, sc, bias, y, ldy, N); break;
+    case 3: tile_int8<3>(G, kp, n_base, x, ldx, m0, 3, sc, bias, y, ldy, N); break;
+    case 4: tile_int8<4>(G, kp, n_base, x, ldx, m0, 4, sc, bias, y, ldy, N); break;
+    default: tile_int8<5>(G, kp, n_base, x, ldx, m0, 5, sc, bias, y, ldy, N); break;
+  }
+}
+#endif
+
+CLONES void group_int8_portable(const int8_t* G, int64_t kp, int64_t n_base, const bf16_t* x, int64_t ldx, int64_t M,
+                                const float* sc, const float* bias, bf16_t* y, int64_t ldy, int64_t N) {
+  for (int64_t m = 0; m < M; ++m) {
+    float acc[GB * NB] = {0};
+    const bf16_t* xm = x + m * ldx;
+    for (int64_t p = 0; p < kp; ++p) {
+      const float x0 = bf2f(xm[2 * p]), x1 = bf2f(xm[2 * p + 1]);
+      const int8_t* w = G + p * GB * NB * 2;
+      for (int i = 0; i < GB * NB; ++i) acc[i] += static_cast<float>(w[2 * i]) * x0 + static_cast<float>(w[2 * i + 1]) * x1;
+    }
+    for (int i = 0; i < GB * NB && n_base + i < N; ++i)
+      y[m * ldy + n_base + i] = f2bf(acc[i] * sc[n_base + i] + (bias ? bias[n_base + i] : 0.f));
+  }
+}
+
+torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N,
+                          c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kInt8, "linear_int8: bf16 x, int8 W");
+  TORCH_CHECK(packed.dim() == 5 && packed.size(2) == GB && packed.size(3) == NB, "linear_int8: not a packed weight");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.numel() == N && scales.is_contiguous(), "linear_int8: scales");
+  const int64_t ng = packed.size(0), kp = packed.size(1);
+  auto shape = x.sizes().vec();
+  const int64_t K = shape.back();
+  TORCH_CHECK(kp == (K + 1) / 2, "linear_int8: input features do not match the packed weight");
+  auto x2 = x.reshape({-1, K});
+  if (K % 2 || x2.stride(1) != 1 || x2.stride(0) != K) {
+    auto xp = torch::zeros({x2.size(0), 2 * kp}, x.options());
+    xp.narrow(1, 0, K).copy_(x2);
+    x2 = xp;
+  }
+  const int64_t M = x2.size(0), ldx = x2.size(1);
+  shape.back() = N;
+  auto y = torch::empty(shape, x.options());
+  if (M == 0) return y;
+  torch::Tensor bias_f;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bias_f = bias->to(torch::kFloat32).contiguous();
+    bp = bias_f.data_ptr<float>();
+  }
+  const int8_t* P = packed.data_ptr<int8_t>();
+  const bf16_t* xp = reinterpret_cast<const bf16_t*>(x2.data_ptr());
+  bf16_t* yp = reinterpret_cast<bf16_t*>(y.data_ptr());
+  const float* sc = scales.data_ptr<float>();
+  const bool fast = have_avx512bf16();
+  const int64_t gstride = kp * GB * NB * 2;
+  at::parallel_for(0, ng, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+#if KEYACC_X86
+      if (fast) {
+        group_int8(P + g * gstride, kp, g * GB * NB, xp, ldx, M, sc, bp, yp, N, N);
+        continue;
+      }
+#endif
+      group_int8_portable(P + g * gstride, kp, g * GB * NB, xp, ldx, M, sc, bp, yp, N, N);
+    }
+  });
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Decode attention: one query token per sequence, K/V read in place from the engine's slot
 // buffers [B, Hkv, L, D] (any strides on B, Hkv, L), grouped-query heads share each K/V row,
 // softmax fused. Masked positions (additive mask below -1e30) are skipped.
@@ -733,6 +871,8 @@ std::string isa() { return have_avx512bf16() ? "avx512bf16" : "portable"; }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16", &pack_bf16, "prepack [N, K] bf16 weights into 16-row k-pair blocks");
   m.def("linear_bf16", &linear_bf16, "y = x @ W^T (+ b) from prepacked bf16 weights");
+  m.def("pack_int8", &pack_int8, "quantise [N, K] weights to int8 with per-row scales, prepacked");
+  m.def("linear_int8", &linear_int8, "y = x @ (scale * Wq)^T (+ b) from prepacked int8 weights");
   m.def("decode_attention", &decode_attention, "one-token attention over slot KV buffers, GQA without repeat");
   m.def("rms_norm", &rms_norm, "Llama-family RMSNorm");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up over a fused gate|up tensor");

@@ -1,0 +1,186 @@
+"""The C++ CPU kernels against torch / transformers references, on the kernel variant this CPU
+runs; `test_portable_fallback` reruns this file with KEYACC_CPU_ISA=portable (the code a CPU
+without AVX-512 takes)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from keyacc_ray import kernels
+from tests.conftest import ROOT
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def K():
+    mod = kernels.load()
+    assert mod is not None, f"kernels failed to build: {kernels.unavailable_reason()}"
+    if os.environ.get("KEYACC_CPU_ISA") == "portable":
+        assert mod.isa() == "portable"
+    return mod
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("n,k", [(64, 32), (70, 37), (300, 256), (1024, 96)])
+@pytest.mark.parametrize("m", [1, 5, 7, 33])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_bf16_matches_float_reference(K, n, k, m, bias):
+    g = gen(n * k + m)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(BF16)
+    x = torch.randn(2, m, k, generator=g).to(BF16)  # leading dims are flattened and restored
+    b = torch.randn(n, generator=g).to(BF16) if bias else None
+    y = K.linear_bf16(x, K.pack_bf16(w), n, b)
+    ref = x.float() @ w.float().T + (b.float() if bias else 0)
+    assert y.shape == (2, m, n) and y.dtype == BF16
+    # one bf16 rounding of the output plus float32 summation order
+    torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * k ** 0.5)
+
+
+def test_linear_bf16_strided_input(K):
+    g = gen(3)
+    w = (torch.randn(80, 64, generator=g) * 0.1).to(BF16)
+    x = torch.randn(6, 128, generator=g).to(BF16)[:, ::2]  # a non-contiguous view
+    y = K.linear_bf16(x, K.pack_bf16(w), 80, None)
+    torch.testing.assert_close(y.float(), x.float() @ w.float().T, rtol=2 ** -7, atol=1e-2)
+
+
+@pytest.mark.parametrize("m", [1, 9])
+def test_linear_int8_matches_dequantised_reference(K, m):
+    g = gen(m)
+    w = (torch.randn(130, 70, generator=g) * 0.1).to(BF16)
+    packed, scales = K.pack_int8(w)
+    assert packed.dtype == torch.int8 and scales.shape == (130,)
+    wf = w.float()
+    s = wf.abs().amax(1) / 127
+    deq = torch.round(wf / s[:, None]).clamp(-127, 127) * s[:, None]
+    x = torch.randn(m, 70, generator=g).to(BF16)
+    y = K.linear_int8(x, packed, scales, 130, None)
+    torch.testing.assert_close(y.float(), x.float() @ deq.T, rtol=2 ** -7, atol=1e-2)
+    # and the quantisation itself is close to the bf16 weights
+    assert float((deq - wf).norm() / wf.norm()) < 0.01
+
+
+def _mask(lengths, L, dtype):
+    m = torch.zeros(len(lengths), 1, 1, L, dtype=dtype)
+    for i, n in enumerate(lengths):
+        m[i, ..., n:] = torch.finfo(dtype).min
+    return m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("h,hkv,d", [(4, 4, 16), (8, 2, 32), (6, 3, 8), (16, 8, 128)])
+def test_decode_attention_matches_sdpa(K, dtype, h, hkv, d):
+    g = gen(h * d)
+    lengths = [1, 7, 33, 20]
+    L, max_len = max(lengths), 64
+    kb = torch.randn(6, hkv, max_len, d, generator=g).to(dtype)  # a slot buffer: views, not copies
+    vb = torch.randn(6, hkv, max_len, d, generator=g).to(dtype)
+    q = torch.randn(4, h, 1, d, generator=g).to(dtype)
+    k, v = kb[:4, :, :L], vb[:4, :, :L]
+    mask = _mask(lengths, L, dtype)
+    out = K.decode_attention(q, k, v, mask, d ** -0.5)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask.float(),
+                                         enable_gqa=True).transpose(1, 2)
+    assert out.shape == (4, 1, h, d)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), ref, **tol)
+
+
+def test_decode_attention_sliding_window_mask(K):
+    g = gen(5)
+    q, k, v = (torch.randn(2, 4, n, 16, generator=g) for n in (1, 40, 40))
+    mask = _mask([40, 30], 40, torch.float32)
+    mask[0, ..., :25] = torch.finfo(torch.float32).min  # a window: only positions 25..39
+    out = K.decode_attention(q, k, v, mask, 0.25)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25).transpose(1, 2)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_rms_norm_and_add_rms_norm(K, dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = gen(11)
+    norm = LlamaRMSNorm(96, eps=1e-6)
+    norm.weight.data = torch.randn(96, generator=g) * 0.5 + 1
+    norm = norm.to(dtype)
+    x = torch.randn(5, 96, generator=g).to(dtype)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-2)
+    with torch.inference_mode():
+        torch.testing.assert_close(K.rms_norm(x, norm.weight, 1e-6), norm(x), **tol)
+        res = torch.randn(5, 96, generator=g).to(dtype)
+        want_res = res + x
+        out = K.add_rms_norm(x, res, norm.weight, 1e-6)  # res is updated in place
+        torch.testing.assert_close(res, want_res, rtol=0, atol=0)
+        torch.testing.assert_close(out, norm(want_res), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_silu_mul(K, dtype):
+    g = gen(13)
+    gu = (torch.randn(3, 2, 2 * 50, generator=g) * 4).to(dtype)
+    ref = F.silu(gu[..., :50]) * gu[..., 50:]
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-2)
+    torch.testing.assert_close(K.silu_mul(gu), ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_rope_kv_write_matches_transformers(K, dtype, with_norm):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    g = gen(17)
+    B, H, Hkv, D, S, ML = 3, 4, 2, 32, 5, 24
+    pos = torch.tensor([3, 0, 17])
+    q = torch.randn(B, H * D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv * D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv * D, generator=g).to(dtype)
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    ang = pos[:, None].float() * inv[None]
+    emb = torch.cat([ang, ang], -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    qn = kn = None
+    qs, ks = q.view(B, 1, H, D), k.view(B, 1, Hkv, D)
+    if with_norm:
+        qn, kn = Qwen3RMSNorm(D, 1e-6), Qwen3RMSNorm(D, 1e-6)
+        qn.weight.data = (torch.randn(D, generator=g) * 0.3 + 1)
+        kn.weight.data = (torch.randn(D, generator=g) * 0.3 + 1)
+        qn, kn = qn.to(dtype), kn.to(dtype)
+        with torch.inference_mode():
+            qs, ks = qn(qs), kn(ks)
+    kbuf = torch.zeros(S, Hkv, ML, D, dtype=dtype)
+    vbuf = torch.zeros(S, Hkv, ML, D, dtype=dtype)
+    out = K.rope_kv_write(q, k, v, None if qn is None else qn.weight, None if kn is None else kn.weight, 1e-6,
+                          cos, sin, kbuf, vbuf, pos)
+    rq, rk = apply_rotary_pos_emb(qs.transpose(1, 2), ks.transpose(1, 2), cos[:, None], sin[:, None])
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2e-2)
+    torch.testing.assert_close(out, rq, **tol)
+    for b in range(B):
+        torch.testing.assert_close(kbuf[b, :, pos[b]], rk[b, :, 0], **tol)
+        torch.testing.assert_close(vbuf[b, :, pos[b]], v[b].view(Hkv, D), rtol=0, atol=0)
+    assert kbuf[S - 1].abs().sum() == 0 and kbuf[0, :, 4].abs().sum() == 0  # nothing else written
+
+
+def test_rope_kv_write_rejects_out_of_range_position(K):
+    kbuf = torch.zeros(2, 1, 4, 8)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        K.rope_kv_write(torch.zeros(1, 8), torch.zeros(1, 8), torch.zeros(1, 8), None, None, 1e-6,
+                        torch.ones(1, 8), torch.zeros(1, 8), kbuf, kbuf.clone(), torch.tensor([4]))
+
+
+@pytest.mark.skipif(os.environ.get("KEYACC_CPU_ISA") == "portable", reason="already the portable run")
+def test_portable_fallback():
+    """The portable code (what a CPU without AVX-512 runs) passes the same tests."""
+    env = {**os.environ, "KEYACC_CPU_ISA": "portable"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout

@@ -1,0 +1,123 @@
+"""The engine with the CPU fast path against the plain path: token-identical in float32 for
+every supported architecture, tie-aware in bf16, KV hand-offs across the two paths, the
+load-time check that refuses a step which does not reproduce the model, and the fallbacks."""
+import pytest
+import torch
+
+from keyacc_ray import kernels
+from keyacc_ray.config import EngineConfig
+from keyacc_ray.engine.llm_engine import LLMEngine
+from keyacc_ray.engine.request import SamplingParams
+from keyacc_ray.errors import ModelLoadError
+from keyacc_ray.kernels.fastpath import PackedLinear
+from tests.conftest import tiny_model
+from tests.engine.test_bf16_handoff import bf16_path  # noqa: F401 - fixture
+from tests.engine.test_kv_handoff import drain, run_until
+from tests.helpers import PROMPTS
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+def tie_aware_equal(ref_engine, prompt, ref, got, ulps: int = 3) -> bool:
+    """bf16 rule across different kernels: where the runs first differ, the fast path's token must
+    be within `ulps` bf16 rounding steps (at the top logit's magnitude) of the reference
+    forward's best logit. Every kernel rounds each product to bf16, so a tie at that resolution
+    can go either way; anything further apart is a real difference."""
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a != b:
+            with torch.inference_mode():
+                logits = ref_engine.runner.model(torch.tensor([prompt + ref[:i]])).logits[0, -1].float()
+            top = float(logits.max())
+            step = 2.0 ** (torch.floor(torch.log2(torch.tensor(abs(top) + 1e-6))).item() - 7)
+            return float(top - logits[b]) <= max(0.05, ulps * step)
+    return len(ref) == len(got)
+
+
+def engine(path, kernels_mode, **kw):
+    return LLMEngine(EngineConfig(model=path, max_num_seqs=8, max_model_len=256, cpu_kernels=kernels_mode, **kw))
+
+
+def mixed_batch(eng):
+    """Eight prompts of different lengths decoding in one batch (slots of different lengths)."""
+    prompts = [eng.tokenize(p) for p in PROMPTS[:8]]
+    assert len({len(p) for p in prompts}) > 3
+    return eng.generate(prompts, [GREEDY] * len(prompts))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "mistral"])
+def test_float32_fast_path_is_token_identical(arch):
+    path = tiny_model(arch)
+    fast = engine(path, "on")
+    assert fast.runner.fused_step is not None, "the fused step should check out for a Llama-family model"
+    assert fast.runner.fast_path.norm > 0 and fast.runner.fast_path.mlp > 0 and fast.runner.fast_path.attention
+    assert mixed_batch(fast) == mixed_batch(engine(path, "off"))
+
+
+@pytest.mark.parametrize("dtype_model", ["llama-bf16", "qwen3-as-bf16"])
+def test_bf16_fast_path_tie_aware(bf16_path, dtype_model):  # noqa: F811
+    path, kw = (bf16_path, {}) if dtype_model == "llama-bf16" else (tiny_model("qwen3"), {"dtype": "bfloat16"})
+    fast, plain = engine(path, "on", **kw), engine(path, "off", **kw)
+    assert fast.runner.fused_step is not None
+    assert any(isinstance(m, PackedLinear) for m in fast.runner.model.modules())
+    prompts = [fast.tokenize(p) for p in PROMPTS[:8]]
+    got = fast.generate(prompts, [GREEDY] * 8)
+    ref = plain.generate(prompts, [GREEDY] * 8)
+    for p, r, g in zip(prompts, ref, got):
+        assert tie_aware_equal(plain, p, r, g)
+
+
+def test_int8_weights_run_and_stay_close(bf16_path):  # noqa: F811
+    q8 = engine(bf16_path, "on", cpu_weight_quant="int8")
+    packed = [m for m in q8.runner.model.modules() if isinstance(m, PackedLinear)]
+    assert packed and all(m.packed.dtype == torch.int8 for m in packed if m is not q8.runner.model.lm_head)
+    assert q8.runner.fused_step is not None
+    bf = engine(bf16_path, "on")
+    prompts = [bf.tokenize(p) for p in PROMPTS[:8]]
+    ids = torch.tensor([prompts[0]])
+    with torch.inference_mode():
+        a = q8.runner.model(ids).logits[0, -1].float()
+        b = bf.runner.model(ids).logits[0, -1].float()
+    assert float((a - b).norm() / b.norm()) < 0.1  # int8 weights move logits a little, not a lot
+    outs = q8.generate(prompts, [GREEDY] * 8)
+    assert all(len(o) == 20 and all(0 <= t < q8.runner.vocab_size for t in o) for o in outs)
+
+
+@pytest.mark.parametrize("direction", ["fast->plain", "plain->fast"])
+def test_handoff_between_paths_is_exact_in_float32(qwen3_path, direction):
+    a, b = (engine(qwen3_path, "on"), engine(qwen3_path, "off"))
+    if direction == "plain->fast":
+        a, b = b, a
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    ids = a.tokenize(PROMPTS[3])
+    a.add_request("x", ids, params)
+    a.add_request("y", a.tokenize(PROMPTS[6]), params)  # the exporter keeps other work
+    first = run_until(a, "x", 7)
+    b.import_request(a.export_request("x"))
+    rest = drain(b)["x"]
+    ref = engine(qwen3_path, "off").generate([ids], [params])[0]
+    assert first + rest == ref
+
+
+def test_check_refuses_a_step_that_does_not_reproduce_the_model(qwen3_path):
+    from keyacc_ray.kernels.fused_step import FusedDecodeStep
+
+    eng = engine(qwen3_path, "on")
+    step = FusedDecodeStep.build(eng.runner.model, kernels.load())
+    assert eng.runner._check_fused_step(step)
+    step.layers[1].scale *= 1.5  # a model whose attention scales differently
+    assert not eng.runner._check_fused_step(step)
+    assert eng.runner.num_used_slots == 0  # the probe left no slot behind
+
+
+def test_without_kernels_auto_falls_back_and_on_fails(qwen3_path, monkeypatch):
+    monkeypatch.setattr(kernels, "load", lambda verbose=False: None)
+    eng = engine(qwen3_path, "auto")
+    assert eng.runner.fast_path is None and eng.runner.fused_step is None
+    assert len(eng.generate([eng.tokenize(PROMPTS[0])], [GREEDY])[0]) == 20
+    with pytest.raises(ModelLoadError, match="cpu_kernels=on"):
+        engine(qwen3_path, "on")
+
+
+def test_off_is_plain_transformers(qwen3_path):
+    eng = engine(qwen3_path, "off")
+    assert eng.runner.fast_path is None and eng.runner.model.config._attn_implementation == "sdpa"
