@@ -1,9 +1,11 @@
-"""A closed-loop load generator for any OpenAI-compatible /v1/completions endpoint.
+"""A load generator for any OpenAI-compatible /v1/completions endpoint.
 
-Each of `concurrency` clients sends streaming requests back to back for `duration_s`.
-Prompts are random token ids of a fixed length, outputs a fixed number of tokens (`ignore_eos`,
-a documented request extension), seeded, so runs are comparable. Per request it records TTFT,
-the arrival time of every token, and the `keyacc` trace (where it ran)."""
+Closed loop: each of `concurrency` clients sends streaming requests back to back for
+`duration_s`. Open loop: requests arrive at a Poisson rate for `duration_s`, whatever the server
+is doing. Prompts are random token ids, outputs a fixed number of tokens (`ignore_eos`, a
+documented request extension, so runs are comparable), lengths fixed or uniformly spread,
+seeded. Per request it records TTFT, the arrival time of every token, and the `keyacc` trace
+(where it ran), when the server sends one."""
 from __future__ import annotations
 
 import asyncio
@@ -19,9 +21,19 @@ import httpx
 class Workload:
     prompt_tokens: int = 64
     output_tokens: int = 128
+    prompt_spread: float = 0.0  # lengths uniform in [n * (1 - spread), n * (1 + spread)]
+    output_spread: float = 0.0
     vocab_low: int = 10
     vocab_high: int = 500
     seed: int = 0
+
+    def sample(self, rng: random.Random) -> tuple[list[int], int]:
+        def length(n: int, spread: float) -> int:
+            return max(1, round(rng.uniform(n * (1 - spread), n * (1 + spread)))) if spread else n
+
+        prompt = [rng.randrange(self.vocab_low, self.vocab_high) for _ in range(length(self.prompt_tokens,
+                                                                                         self.prompt_spread))]
+        return prompt, length(self.output_tokens, self.output_spread)
 
 
 @dataclass
@@ -36,6 +48,8 @@ class Result:
     segments: list[dict] = field(default_factory=list)
     error: str = ""
 
+    wanted: int = 0
+
     @property
     def tpot_s(self) -> float | None:
         if self.output_tokens < 2:
@@ -45,10 +59,15 @@ class Result:
 
 async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], n: int,
                       extra: dict | None = None) -> Result:
+    """One streaming completion. Tokens are counted from `token_ids` when the server sends them
+    (keyacc's `return_token_ids`), else one per text chunk, and the final usage block (asked for
+    with `stream_options.include_usage`) corrects the count where the server reports one."""
     body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
-            "ignore_eos": True, "return_token_ids": True, **(extra or {})}
+            "ignore_eos": True, "return_token_ids": True, "stream_options": {"include_usage": True},
+            **(extra or {})}
     t0 = time.perf_counter()
-    res = Result(False, 0, t0)
+    res = Result(False, 0, t0, wanted=n)
+    usage = None
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             res.status = r.status_code
@@ -64,44 +83,110 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
                     return res
                 now = time.perf_counter() - t0
                 for c in chunk.get("choices", []):
-                    k = len(c.get("token_ids", []))
+                    k = len(c.get("token_ids") or []) or (1 if c.get("text") else 0)
                     if k and not res.token_times:
                         res.ttft_s = now
                     res.token_times.extend([now] * k)
                     res.output_tokens += k
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
                 if chunk.get("keyacc"):
                     res.segments = chunk["keyacc"]["segments"]
         res.e2e_s = time.perf_counter() - t0
+        if usage and usage.get("completion_tokens") is not None:
+            res.output_tokens = int(usage["completion_tokens"])
         res.ok = res.output_tokens == n
+        if not res.ok:
+            res.error = f"{res.output_tokens} of {n} tokens"
     except httpx.HTTPError as e:
         res.error = repr(e)
     return res
 
 
+def _progress_bar(desc: str, total: float | None):
+    """A tqdm bar on a terminal, nothing otherwise (logs stay clean)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm comes with transformers
+        return None
+    return tqdm(total=total, desc=desc, unit="req", leave=False, disable=None, dynamic_ncols=True)
+
+
+HEADERS: dict = {}  # e.g. {"Authorization": "Bearer ..."}, set by the CLI
+
+
+def _client(url: str, n: int) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=url, timeout=300, headers=HEADERS,
+                             limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
+
+
 async def closed_loop(url: str, model: str, concurrency: int, duration_s: float, wl: Workload,
-                      extra: dict | None = None, progress=None) -> tuple[list[Result], float]:
+                      extra: dict | None = None, progress=None, desc: str = "") -> tuple[list[Result], float]:
     rng = random.Random(wl.seed)
     results: list[Result] = []
     deadline = time.perf_counter() + duration_s
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+    bar = _progress_bar(desc or f"c={concurrency}", None)
+    async with _client(url, concurrency + 4) as client:
+
         async def worker():
             while time.perf_counter() < deadline:
-                prompt = [rng.randrange(wl.vocab_low, wl.vocab_high) for _ in range(wl.prompt_tokens)]
-                results.append(await one_request(client, model, prompt, wl.output_tokens, extra))
+                prompt, n = wl.sample(rng)
+                results.append(await one_request(client, model, prompt, n, extra))
+                if bar is not None:
+                    bar.update(1)
                 if progress:
                     progress(len(results))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
+        if bar is not None:
+            bar.close()
+        return results, time.perf_counter() - t0
+
+
+def poisson_arrivals(rate_per_s: float, duration_s: float, seed: int) -> list[float]:
+    """Arrival offsets (s) of a Poisson process of `rate_per_s` over `duration_s`."""
+    rng = random.Random(seed ^ 0x5EED)
+    t, out = 0.0, []
+    while True:
+        t += rng.expovariate(rate_per_s)
+        if t >= duration_s:
+            return out
+        out.append(t)
+
+
+async def open_loop(url: str, model: str, rate_per_s: float, duration_s: float, wl: Workload,
+                    extra: dict | None = None, desc: str = "") -> tuple[list[Result], float]:
+    """Requests arrive at Poisson times regardless of completions; returns when all are done.
+    The wall time is from the first arrival to the last completion."""
+    rng = random.Random(wl.seed)
+    arrivals = poisson_arrivals(rate_per_s, duration_s, wl.seed)
+    bar = _progress_bar(desc or f"rate={rate_per_s}/s", len(arrivals))
+    results: list[Result] = []
+    async with _client(url, 256) as client:
+        t0 = time.perf_counter()
+
+        async def fire(at: float, prompt: list[int], n: int):
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            results.append(await one_request(client, model, prompt, n, extra))
+            if bar is not None:
+                bar.update(1)
+
+        await asyncio.gather(*(fire(at, *wl.sample(rng)) for at in arrivals))
+        if bar is not None:
+            bar.close()
         return results, time.perf_counter() - t0
 
 
 def pct(xs: list[float], p: float) -> float:
+    """Percentile by linear interpolation between closest ranks (numpy's default)."""
     if not xs:
         return float("nan")
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+    k = p / 100 * (len(xs) - 1)
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def summarize(results: list[Result], wall_s: float, ttft_slo_s: float, tpot_slo_s: float) -> dict:

@@ -39,6 +39,8 @@ class PoolConfig:
     kv_memory_fraction: float = 0.85  # CUDA: share of free device memory each replica takes for KV
     resources: dict = field(default_factory=dict)  # custom Ray resources each replica needs (node kind)
     numa: str = "off"  # CPU pool: "auto" = one deployment per NUMA node (from the cluster or this host)
+    cpu_kernels: str = "auto"  # engines on CPU: the fast-path kernels (auto / on / off)
+    cpu_weight_quant: str = "none"  # engines on CPU: "int8" = weight-only int8 linears on the fast path
 
     def __post_init__(self):
         if self.replicas < 1 or self.max_num_seqs < 1 or self.num_cpus < 0:
@@ -92,7 +94,8 @@ class AppConfig:
                                    max_num_seqs=pool.max_num_seqs, max_model_len=self.max_model_len,
                                    kv_block_size=pool.kv_block_size, num_kv_blocks=pool.num_kv_blocks,
                                    max_waiting=pool.max_waiting, num_threads=pool.num_threads,
-                                   kv_memory_fraction=pool.kv_memory_fraction))
+                                   kv_memory_fraction=pool.kv_memory_fraction, cpu_kernels=pool.cpu_kernels,
+                                   cpu_weight_quant=pool.cpu_weight_quant))
 
 
 def resolve_model(model: str) -> str:

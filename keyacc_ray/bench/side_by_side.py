@@ -1,0 +1,105 @@
+"""Offload policies against GPU-only on the same workload, in one run, and the two derived
+figures (issue #6):
+
+- concurrency gain: the highest concurrency whose p99 TTFT and p99 TPOT meet the objective (no
+  failed request), as a ratio to gpu_only's;
+- harvest efficiency: (throughput with the policy - throughput gpu_only) / throughput of the
+  CPU pool alone, at the top concurrency (saturation). 1.0: every token the CPU pool can make
+  is added to the GPU pool's.
+
+The CPU pool alone is measured on the same server with every request pinned to it
+(`keyacc.route: cpu`). Policies are switched by a callable (in the harness: a Serve
+`reconfigure` of the Router, no restart). Plain asyncio + HTTP; no Ray here.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from keyacc_ray.bench.loadgen import Workload, closed_loop, summarize
+from keyacc_ray.bench.timeline import sample_metrics
+
+POLICIES = ["gpu_only", "full_offload", "stage_offload", "auto"]
+
+
+@dataclass
+class Plan:
+    levels: list[int] = field(default_factory=lambda: [2, 6, 12, 20])
+    duration_s: float = 15.0
+    warmup_s: float = 3.0
+    policies: list[str] = field(default_factory=lambda: list(POLICIES))
+    ttft_slo_ms: float = 2000.0
+    tpot_slo_ms: float = 150.0
+    timeline_policy: str = "auto"  # the run whose timeline is recorded (at the top level)
+    cpu_alone: bool = True
+
+
+def within_slo(runs: dict, plan: Plan) -> int:
+    ok = [c for c, s in runs.items() if s["failed"] == 0 and s["ttft_p99_ms"] <= plan.ttft_slo_ms
+          and s["tpot_p99_ms"] <= plan.tpot_slo_ms]
+    return max(ok) if ok else 0
+
+
+def derive(runs: dict, cpu_alone: dict | None, plan: Plan) -> dict:
+    """The report's figures from per-policy, per-level summaries (pure arithmetic; tested)."""
+    top, low = max(plan.levels), min(plan.levels)
+    base = runs.get("gpu_only")
+    out: dict = {"concurrency_within_slo": {p: within_slo(r, plan) for p, r in runs.items()},
+                 "concurrency_gain": {}, "throughput_gain": {}, "harvest_efficiency": {}, "low_load": {}}
+    if not base:
+        return out
+    base_c, base_t = out["concurrency_within_slo"]["gpu_only"], base[top]["output_tok_per_s"]
+    cpu_t = cpu_alone["output_tok_per_s"] if cpu_alone else None
+    for p, r in runs.items():
+        out["concurrency_gain"][p] = round(out["concurrency_within_slo"][p] / base_c, 3) if base_c else None
+        out["throughput_gain"][p] = round(r[top]["output_tok_per_s"] / base_t, 3) if base_t else None
+        out["harvest_efficiency"][p] = round((r[top]["output_tok_per_s"] - base_t) / cpu_t, 3) if cpu_t else None
+        b, s = base[low], r[low]
+        out["low_load"][p] = {
+            "ttft_p50_ratio": round(s["ttft_p50_ms"] / b["ttft_p50_ms"], 3) if b["ttft_p50_ms"] else None,
+            "tpot_p50_ratio": round(s["tpot_p50_ms"] / b["tpot_p50_ms"], 3) if b["tpot_p50_ms"] else None}
+    return out
+
+
+def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[str], None],
+        policy_options: dict | None = None, log: Callable[[str], None] = print) -> dict:
+    runs: dict = {}
+    timeline = None
+    for pol in plan.policies:
+        set_policy(pol)
+        asyncio.run(closed_loop(url, model, 2, plan.warmup_s, wl, desc=f"{pol} warm-up"))
+        runs[pol] = {}
+        for c in plan.levels:
+            record = pol == plan.timeline_policy and c == max(plan.levels)
+            res, wall, tl = asyncio.run(_measure(url, model, c, plan.duration_s, wl, record, pol))
+            s = summarize(res, wall, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3)
+            runs[pol][c] = s
+            if tl is not None:
+                timeline = {"policy": pol, "concurrency": c, **tl}
+            log(f"{pol:<14} c={c:<3} tok/s={s['output_tok_per_s']:<7} req/s={s['req_per_s']:<6} "
+                f"ttft p50/p99={s['ttft_p50_ms']}/{s['ttft_p99_ms']} tpot p50/p99={s['tpot_p50_ms']}/"
+                f"{s['tpot_p99_ms']} share={s['token_share']} moves={s['moves']} failed={s['failed']}")
+    cpu_alone = None
+    if plan.cpu_alone:
+        set_policy("gpu_only")
+        c = max(plan.levels)
+        res, wall = asyncio.run(closed_loop(url, model, c, plan.duration_s, wl, extra={"keyacc": {"route": "cpu"}},
+                                            desc="cpu pool alone"))
+        cpu_alone = summarize(res, wall, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3)
+        log(f"{'cpu alone':<14} c={c:<3} tok/s={cpu_alone['output_tok_per_s']} failed={cpu_alone['failed']}")
+    report = {"plan": asdict(plan), "workload": asdict(wl), "policy_options": policy_options or {},
+              "runs": runs, "cpu_alone": cpu_alone, "timeline": timeline}
+    report.update(derive(runs, cpu_alone, plan))
+    return report
+
+
+async def _measure(url, model, c, duration_s, wl, record: bool, pol: str):
+    if not record:
+        res, wall = await closed_loop(url, model, c, duration_s, wl, desc=f"{pol} c={c}")
+        return res, wall, None
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(sample_metrics(url, stop, 0.5))
+    res, wall = await closed_loop(url, model, c, duration_s, wl, desc=f"{pol} c={c}")
+    stop.set()
+    return res, wall, await sampler

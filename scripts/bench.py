@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""The side-by-side report: gpu_only, full_offload, stage_offload and auto on the same
+workload at a sweep of concurrency levels, plus the CPU pool alone, in one run on this box;
+concurrency gain and harvest efficiency per policy; JSON and PNG plots.
+
+Starts the Serve graph once (a ~33M-parameter float32 Qwen3-shaped model; the "GPU" pools are
+emulated on CPU 0 with a KV budget of --gpu-kv-blocks, the CPU pool on CPU 1) and switches
+policies in place (the Router's `reconfigure`, no restart). Without --url it starts and stops
+its own Ray; with --url it measures a running keyacc-ray server (policy switching then needs
+--ray-address of that cluster).
+
+    python scripts/bench.py --quick                  # under 15 minutes here
+    python scripts/bench.py --levels 2 6 12 20 --duration 15 --out-dir results/full
+
+Its last line of output is one JSON object with harvest_efficiency and concurrency_gain.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from keyacc_ray.bench import side_by_side  # noqa: E402
+from keyacc_ray.bench.loadgen import Workload  # noqa: E402
+from keyacc_ray.bench.plots import plot_report  # noqa: E402
+
+MODEL_NAME = "medium-qwen3"
+
+
+def start(args) -> str:
+    import ray
+    from ray import serve
+
+    from keyacc_ray.serve.app import build_app
+
+    model = ROOT / "models" / MODEL_NAME
+    if not (model / "config.json").exists():
+        subprocess.run([sys.executable, str(ROOT / "scripts/make_tiny_model.py"), "--size", "medium",
+                        "--out", str(model)], check=True)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    cfg = {
+        "model": str(model), "max_model_len": 1024, "policy": "gpu_only",
+        "gpu": {"device": "auto", "max_num_seqs": 8, "num_kv_blocks": args.gpu_kv_blocks, "num_threads": 1,
+                "num_cpus": 0.5, "cpu_affinity": [0]},
+        "cpu": {"device": "cpu", "max_num_seqs": 32, "num_threads": 1, "num_cpus": 0.5, "cpu_affinity": [1]},
+    }
+    serve.run(build_app(cfg), name="keyacc", route_prefix="/")
+    return f"http://127.0.0.1:{args.port}"
+
+
+def policy_switcher(options: dict):
+    from ray import serve
+
+    def set_policy(name: str) -> None:
+        serve.get_deployment_handle("Router", "keyacc").reconfigure.remote(
+            {"policy": name, "policy_options": {} if name == "gpu_only" else options}).result(timeout_s=30)
+        time.sleep(0.5)  # let the previous policy's in-flight work settle
+
+    return set_policy
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="levels 2 6 12, 10 s each: under 15 minutes here")
+    ap.add_argument("--levels", type=int, nargs="+", default=[2, 6, 12, 20])
+    ap.add_argument("--duration", type=float, default=15.0)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--output-tokens", type=int, default=96)
+    ap.add_argument("--gpu-kv-blocks", type=int, default=40, help="emulated GPU KV budget (16-token blocks)")
+    ap.add_argument("--ttft-slo-ms", type=float, default=2000)
+    ap.add_argument("--tpot-slo-ms", type=float, default=150)
+    ap.add_argument("--policies", nargs="+", default=side_by_side.POLICIES)
+    ap.add_argument("--period", type=int, default=32, help="CPU decode period (tokens)")
+    ap.add_argument("--port", type=int, default=8021)
+    ap.add_argument("--url", help="measure a running server instead of starting one")
+    ap.add_argument("--ray-address", help="with --url: the cluster to reconfigure the Router on")
+    ap.add_argument("--model", default=MODEL_NAME, help="with --url: the served model name")
+    ap.add_argument("--out-dir", default=None, help="default results/bench-<time>")
+    args = ap.parse_args()
+    if args.quick:
+        args.levels, args.duration = [2, 6, 12], 10.0
+
+    out = Path(args.out_dir or ROOT / "results" / time.strftime("bench-%Y%m%d-%H%M%S"))
+    if args.url:
+        import ray
+
+        ray.init(address=args.ray_address or "auto", namespace="serve")
+        url = args.url
+    else:
+        url = start(args)
+    options = {"trigger_window_s": 0.3, "return_window_s": 1.0, "decode_period_tokens": args.period}
+    plan = side_by_side.Plan(levels=args.levels, duration_s=args.duration, policies=args.policies,
+                             ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms)
+    wl = Workload(prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens)
+    t0 = time.time()
+    report = side_by_side.run(url, args.model, wl, plan, policy_switcher(options), options,
+                              log=lambda m: print(m, flush=True))
+    report["wall_s"] = round(time.time() - t0, 1)
+    report["box"] = {"cpus": os.cpu_count(), "gpu": "emulated on CPU 0" if not args.url else "as served"}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    files = plot_report(report, out, title="keyacc-ray policies, this box")
+    print(f"report: {out / 'report.json'}; plots: {', '.join(f.name for f in files)}", flush=True)
+    if not args.url:
+        from ray import serve
+        import ray
+
+        serve.shutdown()
+        ray.shutdown()
+    last = {k: report[k] for k in ("harvest_efficiency", "concurrency_gain", "throughput_gain", "low_load")}
+    last["cpu_alone_tok_per_s"] = report["cpu_alone"]["output_tok_per_s"] if report["cpu_alone"] else None
+    last["report"] = str(out / "report.json")
+    print(json.dumps(last), flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

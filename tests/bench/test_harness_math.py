@@ -1,0 +1,123 @@
+"""The harness's arithmetic on fixed inputs: percentiles, TTFT/TPOT/ITL, goodput, token share
+and moves from traces, Poisson arrivals, the derived figures, the timeline, the plots."""
+import math
+import random
+
+import numpy as np
+import pytest
+
+from keyacc_ray.bench import side_by_side
+from keyacc_ray.bench.loadgen import Result, Workload, pct, poisson_arrivals, summarize
+from keyacc_ray.bench.plots import plot_report
+from keyacc_ray.bench.timeline import parse_prometheus, reduce_sample, to_series
+
+
+@pytest.mark.parametrize("p", [0, 10, 50, 90, 99, 100])
+def test_pct_matches_numpy(p):
+    xs = [random.Random(i).random() * 100 for i in range(37)]
+    assert pct(xs, p) == pytest.approx(float(np.percentile(xs, p)))
+    assert math.isnan(pct([], 50))
+
+
+def res(ttft, tpot, n=5, start=0.0, segments=None, ok=True):
+    times = [ttft + i * tpot for i in range(n)]
+    return Result(ok=ok, status=200, start_s=start, ttft_s=ttft, e2e_s=times[-1], token_times=times,
+                  output_tokens=n if ok else 0, segments=segments or [], wanted=n)
+
+
+def test_summarize_fixed_inputs():
+    seg_move = [{"pool": "gpu", "tokens": 2}, {"pool": "cpu", "tokens": 3}]
+    seg_gpu = [{"pool": "gpu", "tokens": 5}]
+    results = [res(0.1, 0.02, segments=seg_gpu), res(0.2, 0.05, segments=seg_move),
+               res(3.0, 0.02, segments=seg_gpu), res(0.1, 0.2, segments=seg_gpu), res(0.1, 0.1, ok=False)]
+    s = summarize(results, wall_s=2.0, ttft_slo_s=1.0, tpot_slo_s=0.1)
+    assert s["requests"] == 5 and s["failed"] == 1
+    assert s["req_per_s"] == 2.0 and s["output_tok_per_s"] == 10.0  # 4 ok x 5 tokens / 2 s
+    # goodput: #1 meets both; #2 (tpot 50 ms) meets both; #3 misses TTFT; #4 misses TPOT
+    assert s["goodput_req_per_s"] == 1.0
+    assert s["ttft_p50_ms"] == pytest.approx(150.0)  # of 100, 100, 200, 3000
+    assert s["tpot_p50_ms"] == pytest.approx(35.0)  # of 20, 20, 50, 200
+    assert s["itl_p50_ms"] == pytest.approx(35.0)  # gaps: 8 x 20, 4 x 50, 4 x 200
+    assert s["itl_p99_ms"] == pytest.approx(200.0)
+    assert s["token_share"] == {"cpu": 0.15, "gpu": 0.85}  # 3 of 20
+    assert s["moves"] == 1
+
+
+def test_workload_lengths_are_seeded_and_spread():
+    wl = Workload(prompt_tokens=40, output_tokens=10, prompt_spread=0.5, output_spread=0.2, seed=3)
+    a = [wl.sample(random.Random(3)) for _ in range(3)]
+    assert a == [wl.sample(random.Random(3)) for _ in range(3)]
+    rng = random.Random(9)
+    samples = [wl.sample(rng) for _ in range(300)]
+    plens = [len(p) for p, _ in samples]
+    assert min(plens) >= 20 and max(plens) <= 60 and len(set(plens)) > 10
+    assert all(8 <= n <= 12 for _, n in samples)
+    fixed = Workload(prompt_tokens=7, output_tokens=3)
+    assert all(len(p) == 7 and n == 3 for p, n in (fixed.sample(rng) for _ in range(20)))
+
+
+def test_poisson_arrivals_rate_and_seed():
+    a = poisson_arrivals(20.0, 100.0, seed=1)
+    assert a == poisson_arrivals(20.0, 100.0, seed=1) and a != poisson_arrivals(20.0, 100.0, seed=2)
+    assert 1800 < len(a) < 2200 and all(0 < x < 100 for x in a) and a == sorted(a)
+    gaps = np.diff(a)
+    assert np.mean(gaps) == pytest.approx(0.05, rel=0.1)
+    assert np.std(gaps) == pytest.approx(0.05, rel=0.15)  # exponential: std == mean
+
+
+def summary(tps, ttft99=100, tpot99=50, ttft50=50, tpot50=20, failed=0):
+    return {"output_tok_per_s": tps, "ttft_p99_ms": ttft99, "tpot_p99_ms": tpot99, "ttft_p50_ms": ttft50,
+            "tpot_p50_ms": tpot50, "failed": failed}
+
+
+def test_derived_figures():
+    plan = side_by_side.Plan(levels=[2, 8, 16], ttft_slo_ms=1000, tpot_slo_ms=100)
+    runs = {
+        "gpu_only": {2: summary(50), 8: summary(100, ttft99=1500), 16: summary(100, ttft99=4000)},
+        "full_offload": {2: summary(50, ttft50=55), 8: summary(150), 16: summary(190, tpot99=90)},
+        "auto": {2: summary(50, tpot50=30), 8: summary(140), 16: summary(180, failed=1)},
+    }
+    d = side_by_side.derive(runs, summary(100), plan)
+    assert d["concurrency_within_slo"] == {"gpu_only": 2, "full_offload": 16, "auto": 8}
+    assert d["concurrency_gain"] == {"gpu_only": 1.0, "full_offload": 8.0, "auto": 4.0}
+    assert d["throughput_gain"]["full_offload"] == 1.9
+    assert d["harvest_efficiency"] == {"gpu_only": 0.0, "full_offload": 0.9, "auto": 0.8}
+    assert d["low_load"]["full_offload"] == {"ttft_p50_ratio": 1.1, "tpot_p50_ratio": 1.0}
+    assert d["low_load"]["auto"]["tpot_p50_ratio"] == 1.5
+    none = side_by_side.derive(runs, None, plan)
+    assert none["harvest_efficiency"]["auto"] is None
+
+
+METRICS_A = """# HELP keyacc_queue_depth per replica
+keyacc_queue_depth{deployment="GpuDecode",pool="gpu",replica="a",emulated="1"} 3.0
+keyacc_queue_depth{deployment="CpuDecode",pool="cpu",replica="b",emulated="0"} 0.0
+keyacc_running_sequences{deployment="GpuDecode",pool="gpu",replica="a",emulated="1"} 4.0
+keyacc_tokens_generated_total{deployment="GpuDecode",pool="gpu",replica="a",emulated="1"} 100.0
+keyacc_tokens_generated_total{deployment="GpuPrefill",pool="gpu",replica="c",emulated="1"} 10.0
+keyacc_moves_total{from="gpu",to="cpu",reason="policy"} 2.0
+"""
+METRICS_B = METRICS_A.replace("} 100.0", "} 160.0").replace('reason="policy"} 2.0', 'reason="policy"} 5.0') + \
+    'keyacc_tokens_generated_total{deployment="CpuDecode",pool="cpu",replica="b",emulated="0"} 30.0\n' + \
+    'keyacc_moves_total{from="cpu",to="gpu",reason="return"} 1.0\n'
+
+
+def test_timeline_from_metrics():
+    a, b = reduce_sample(parse_prometheus(METRICS_A)), reduce_sample(parse_prometheus(METRICS_B))
+    assert a["queue"] == {"gpu": 3.0, "cpu": 0.0} and a["tokens"] == {"gpu": 110.0}
+    s = to_series([(0.0, a), (0.5, b)])
+    assert s["t"] == [0.5]
+    assert s["tokens_per_s"] == {"gpu": [120.0], "cpu": [60.0]}
+    assert s["moves"] == {"gpu->cpu": [3.0], "cpu->gpu": [1.0]}
+    assert s["queue"]["gpu"] == [3.0]
+
+
+def test_plots_are_written(tmp_path):
+    plan = side_by_side.Plan(levels=[2, 8])
+    runs = {p: {2: summary(50), 8: summary(90)} for p in ("gpu_only", "auto")}
+    a, b = reduce_sample(parse_prometheus(METRICS_A)), reduce_sample(parse_prometheus(METRICS_B))
+    report = {"plan": side_by_side.asdict(plan), "runs": runs, "cpu_alone": summary(40),
+              "timeline": {"policy": "auto", "concurrency": 8, **to_series([(0.0, a), (0.5, b), (1.0, b)])}}
+    files = plot_report(report, tmp_path)
+    assert {f.name for f in files} == {"throughput.png", "tpot_p99.png", "ttft_p99.png", "timeline.png"}
+    for f in files:
+        assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f.stat().st_size > 5000
