@@ -10,7 +10,7 @@ its own Ray; with --url it measures a running keyacc-ray server (policy switchin
 --ray-address of that cluster).
 
     python scripts/bench.py --quick                  # under 15 minutes here
-    python scripts/bench.py --levels 2 6 12 20 --duration 15 --out-dir results/full
+    python scripts/bench.py --levels 2 8 16 24 40 --duration 20 --out-dir results/full
 
 Its last line of output is one JSON object with harvest_efficiency and concurrency_gain.
 """
@@ -34,25 +34,40 @@ from keyacc_ray.bench.plots import plot_report  # noqa: E402
 MODEL_NAME = "medium-qwen3"
 
 
+def app_config(args, model: Path) -> dict:
+    if args.gpu:  # a real GPU host: both GPU pools on GPU 0, the CPU pool on the remaining cores
+        cores = os.cpu_count() or 4
+        cpu_threads = max(1, cores - 4)
+        return {
+            "model": str(model), "dtype": "bfloat16", "max_model_len": 2048, "policy": "gpu_only",
+            "gpu": {"device": "cuda", "max_num_seqs": args.gpu_seqs, "num_kv_blocks": None, "num_gpus": 0.45,
+                    "num_cpus": 1, "num_threads": 1, "kv_memory_fraction": 0.3},
+            "cpu": {"device": "cpu", "max_num_seqs": 16, "num_threads": cpu_threads, "num_cpus": cpu_threads},
+        }
+    return {  # this box: the "GPU" pools emulated on CPU 0, the CPU pool on CPU 1
+        "model": str(model), "max_model_len": 1024, "policy": "gpu_only",
+        "gpu": {"device": "auto", "max_num_seqs": 8, "num_kv_blocks": args.gpu_kv_blocks, "num_threads": 1,
+                "num_cpus": 0.5, "cpu_affinity": [0]},
+        "cpu": {"device": "cpu", "max_num_seqs": 32, "num_threads": 1, "num_cpus": 0.5, "cpu_affinity": [1]},
+    }
+
+
 def start(args) -> str:
     import ray
     from ray import serve
 
     from keyacc_ray.serve.app import build_app
 
-    model = ROOT / "models" / MODEL_NAME
+    model = Path(args.model_path) if args.model_path else ROOT / "models" / MODEL_NAME
     if not (model / "config.json").exists():
         subprocess.run([sys.executable, str(ROOT / "scripts/make_tiny_model.py"), "--size", "medium",
                         "--out", str(model)], check=True)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    if args.gpu:
+        ray.init(include_dashboard=False, log_to_driver=False)
+    else:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    cfg = {
-        "model": str(model), "max_model_len": 1024, "policy": "gpu_only",
-        "gpu": {"device": "auto", "max_num_seqs": 8, "num_kv_blocks": args.gpu_kv_blocks, "num_threads": 1,
-                "num_cpus": 0.5, "cpu_affinity": [0]},
-        "cpu": {"device": "cpu", "max_num_seqs": 32, "num_threads": 1, "num_cpus": 0.5, "cpu_affinity": [1]},
-    }
-    serve.run(build_app(cfg), name="keyacc", route_prefix="/")
+    serve.run(build_app(app_config(args, model)), name="keyacc", route_prefix="/")
     return f"http://127.0.0.1:{args.port}"
 
 
@@ -69,9 +84,11 @@ def policy_switcher(options: dict):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="levels 2 6 12, 10 s each: under 15 minutes here")
-    ap.add_argument("--levels", type=int, nargs="+", default=[2, 6, 12, 20])
-    ap.add_argument("--duration", type=float, default=15.0)
+    ap.add_argument("--quick", action="store_true", help="levels 2 8 24 40, 10 s each: under 15 minutes here")
+    ap.add_argument("--levels", type=int, nargs="+", default=[2, 8, 16, 24, 40],
+                    help="concurrency levels; the top one should saturate both pools (here: 4 GPU + 32 CPU slots)")
+    ap.add_argument("--duration", type=float, default=20.0)
+    ap.add_argument("--low-load-rounds", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--output-tokens", type=int, default=96)
     ap.add_argument("--gpu-kv-blocks", type=int, default=40, help="emulated GPU KV budget (16-token blocks)")
@@ -82,11 +99,15 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8021)
     ap.add_argument("--url", help="measure a running server instead of starting one")
     ap.add_argument("--ray-address", help="with --url: the cluster to reconfigure the Router on")
-    ap.add_argument("--model", default=MODEL_NAME, help="with --url: the served model name")
+    ap.add_argument("--model", default=None, help="the served model name (default: the model folder's name)")
+    ap.add_argument("--model-path", help="model to serve (default: models/medium-qwen3, made if missing)")
+    ap.add_argument("--gpu", action="store_true", help="a real GPU host: GPU pools on CUDA, CPU pool on the other cores")
+    ap.add_argument("--gpu-seqs", type=int, default=32, help="with --gpu: sequences per GPU replica")
     ap.add_argument("--out-dir", default=None, help="default results/bench-<time>")
     args = ap.parse_args()
     if args.quick:
-        args.levels, args.duration = [2, 6, 12], 10.0
+        args.levels, args.duration = [2, 8, 24, 40], 10.0
+    args.model = args.model or (Path(args.model_path).name if args.model_path else MODEL_NAME)
 
     out = Path(args.out_dir or ROOT / "results" / time.strftime("bench-%Y%m%d-%H%M%S"))
     if args.url:
@@ -98,13 +119,16 @@ def main() -> None:
         url = start(args)
     options = {"trigger_window_s": 0.3, "return_window_s": 1.0, "decode_period_tokens": args.period}
     plan = side_by_side.Plan(levels=args.levels, duration_s=args.duration, policies=args.policies,
-                             ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms)
+                             ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms,
+                             low_load_rounds=args.low_load_rounds)
     wl = Workload(prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens)
     t0 = time.time()
     report = side_by_side.run(url, args.model, wl, plan, policy_switcher(options), options,
                               log=lambda m: print(m, flush=True))
     report["wall_s"] = round(time.time() - t0, 1)
-    report["box"] = {"cpus": os.cpu_count(), "gpu": "emulated on CPU 0" if not args.url else "as served"}
+    report["box"] = {"cpus": os.cpu_count(), "gpu": ("as served" if args.url else "CUDA (see env.json)" if args.gpu
+                                                     else "emulated on CPU 0"), "config": None if args.url else
+                     app_config(args, Path(args.model_path or ROOT / "models" / MODEL_NAME))}
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     files = plot_report(report, out, title="keyacc-ray policies, this box")

@@ -32,7 +32,10 @@ SIZES = {
     "medium": (512, 1536, 8, 8, 4, 64, 8192, 2048),
     # The ~0.4B "bench" model of the CPU-kernel issue: 24 layers, hidden 1024, vocab 32000.
     "bench": (1024, 3072, 24, 16, 8, 128, 32000, 4096),
+    # Qwen3-14B's shape (14.8B parameters, 29.5 GB in bf16): the GPU host check; use --device cuda.
+    "qwen3-14b": (5120, 17408, 40, 40, 8, 128, 151936, 40960),
 }
+REAL_SHAPES = {"bench", "qwen3-14b"}  # random weights at the usual init scale, tied as Qwen ships them
 ARCHS = {
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": False}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": False}),
@@ -67,8 +70,17 @@ def build_tokenizer(vocab_size: int, max_len: int):
     # A small corpus yields fewer merges than the model's vocab: fill the rest with plain added
     # tokens so every id the model can produce decodes to text.
     missing = vocab_size - len(fast)
-    if missing > 0:
+    if 0 < missing <= 4096:
         fast.add_tokens([f"<|x{i}|>" for i in range(missing)])
+    elif missing > 0:  # a real-size vocab: filler entries in the BPE vocab itself (150k added tokens load slowly)
+        spec = json.loads(tok.to_str())
+        vocab = spec["model"]["vocab"]
+        n = len(tok.get_vocab())
+        for i in range(vocab_size - n):
+            vocab[f"<x{i}>"] = n + i
+        fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                       eos_token="<|im_end|>", bos_token=None, pad_token="<|endoftext|>",
+                                       unk_token=None, chat_template=CHAT_TEMPLATE, model_max_length=max_len)
     assert len(fast) == vocab_size, (len(fast), vocab_size)
     return fast
 
@@ -82,6 +94,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--init-std", type=float, default=None,
                     help="weight std; the default makes logits peaked so greedy decoding is far from ties")
+    ap.add_argument("--device", default="cpu", help="where to initialise the weights (cuda: a 14B model in seconds)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -103,15 +116,17 @@ def main() -> None:
         head_dim=head_dim,
         max_position_embeddings=max_pos,
         rms_norm_eps=1e-6,
-        initializer_range=args.init_std or (0.02 if args.size == "bench" else 0.08),
+        initializer_range=args.init_std or (0.02 if args.size in REAL_SHAPES else 0.08),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
         **extra,
     )
     torch.manual_seed(args.seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if args.size != "bench":
+    init_dtype = torch.float32 if args.size != "qwen3-14b" else getattr(torch, args.dtype)
+    with torch.device(args.device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=init_dtype)
+    if args.size not in REAL_SHAPES:
         # A larger final-norm gain makes the logits peaked: greedy choices are far from ties,
         # so float32 comparisons between batched and single runs are meaningful.
         with torch.no_grad():

@@ -33,6 +33,10 @@ class Plan:
     tpot_slo_ms: float = 150.0
     timeline_policy: str = "auto"  # the run whose timeline is recorded (at the top level)
     cpu_alone: bool = True
+    # Low load, policy against gpu_only: short runs at the lowest level, policies interleaved
+    # round by round and medians taken, so a drift of the machine does not land on one policy.
+    low_load_rounds: int = 3
+    low_load_s: float = 6.0
 
 
 def within_slo(runs: dict, plan: Plan) -> int:
@@ -62,6 +66,23 @@ def derive(runs: dict, cpu_alone: dict | None, plan: Plan) -> dict:
     return out
 
 
+def low_load_ratios(samples: dict[str, list[dict]]) -> dict:
+    """Per policy: median p50 TTFT and TPOT over rounds, as ratios to gpu_only's medians."""
+    def med(xs):
+        xs = sorted(xs)
+        n = len(xs)
+        return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+    m = {p: {k: med([s[k] for s in ss]) for k in ("ttft_p50_ms", "tpot_p50_ms")} for p, ss in samples.items() if ss}
+    base = m.get("gpu_only")
+    if not base:
+        return {}
+    return {p: {"ttft_p50_ratio": round(v["ttft_p50_ms"] / base["ttft_p50_ms"], 3),
+                "tpot_p50_ratio": round(v["tpot_p50_ms"] / base["tpot_p50_ms"], 3),
+                "ttft_p50_ms": round(v["ttft_p50_ms"], 1), "tpot_p50_ms": round(v["tpot_p50_ms"], 2)}
+            for p, v in m.items()}
+
+
 def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[str], None],
         policy_options: dict | None = None, log: Callable[[str], None] = print) -> dict:
     runs: dict = {}
@@ -88,9 +109,19 @@ def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[st
                                             desc="cpu pool alone"))
         cpu_alone = summarize(res, wall, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3)
         log(f"{'cpu alone':<14} c={c:<3} tok/s={cpu_alone['output_tok_per_s']} failed={cpu_alone['failed']}")
+    samples: dict[str, list[dict]] = {p: [] for p in plan.policies}
+    for r in range(plan.low_load_rounds):
+        for pol in plan.policies:
+            set_policy(pol)
+            c = min(plan.levels)
+            res, wall = asyncio.run(closed_loop(url, model, c, plan.low_load_s, wl, desc=f"low load {pol} #{r}"))
+            samples[pol].append(summarize(res, wall, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3))
     report = {"plan": asdict(plan), "workload": asdict(wl), "policy_options": policy_options or {},
               "runs": runs, "cpu_alone": cpu_alone, "timeline": timeline}
     report.update(derive(runs, cpu_alone, plan))
+    if plan.low_load_rounds:
+        report["low_load"] = low_load_ratios(samples)
+        log("low load (medians of %d interleaved rounds): %s" % (plan.low_load_rounds, report["low_load"]))
     return report
 
 

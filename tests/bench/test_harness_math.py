@@ -121,3 +121,14 @@ def test_plots_are_written(tmp_path):
     assert {f.name for f in files} == {"throughput.png", "tpot_p99.png", "ttft_p99.png", "timeline.png"}
     for f in files:
         assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f.stat().st_size > 5000
+
+
+def test_low_load_ratios_use_medians():
+    samples = {"gpu_only": [summary(0, ttft50=100, tpot50=10), summary(0, ttft50=300, tpot50=30),
+                            summary(0, ttft50=110, tpot50=12)],
+               "auto": [summary(0, ttft50=105, tpot50=11), summary(0, ttft50=900, tpot50=90),
+                        summary(0, ttft50=100, tpot50=10)]}
+    r = side_by_side.low_load_ratios(samples)
+    assert r["gpu_only"]["ttft_p50_ratio"] == 1.0
+    assert r["auto"] == {"ttft_p50_ratio": round(105 / 110, 3), "tpot_p50_ratio": round(11 / 12, 3),
+                         "ttft_p50_ms": 105, "tpot_p50_ms": 11}  # one slow round does not decide
