@@ -123,8 +123,10 @@ def main() -> None:
                              low_load_rounds=args.low_load_rounds)
     wl = Workload(prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens)
     t0 = time.time()
+    from keyacc_ray.bench import cpu_account
+
     report = side_by_side.run(url, args.model, wl, plan, policy_switcher(options), options,
-                              log=lambda m: print(m, flush=True))
+                              log=lambda m: print(m, flush=True), cpu_probe=cpu_account.snapshot)
     report["wall_s"] = round(time.time() - t0, 1)
     report["box"] = {"cpus": os.cpu_count(), "gpu": ("as served" if args.url else "CUDA (see env.json)" if args.gpu
                                                      else "emulated on CPU 0"), "config": None if args.url else

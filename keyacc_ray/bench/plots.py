@@ -31,7 +31,7 @@ def plot_report(report: dict, out_dir: str | Path, title: str = "") -> list[Path
             extra(ax)
         ax.set_xlabel("concurrent clients (closed loop)")
         ax.set_ylabel(ylabel)
-        ax.set_title(title or fname)
+        ax.set_title(f"{title}: {ylabel} vs concurrency" if title else fname)
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()

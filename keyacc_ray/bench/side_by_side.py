@@ -77,14 +77,25 @@ def low_load_ratios(samples: dict[str, list[dict]]) -> dict:
     base = m.get("gpu_only")
     if not base:
         return {}
-    return {p: {"ttft_p50_ratio": round(v["ttft_p50_ms"] / base["ttft_p50_ms"], 3),
-                "tpot_p50_ratio": round(v["tpot_p50_ms"] / base["tpot_p50_ms"], 3),
-                "ttft_p50_ms": round(v["ttft_p50_ms"], 1), "tpot_p50_ms": round(v["tpot_p50_ms"], 2)}
-            for p, v in m.items()}
+    out = {}
+    for p, v in m.items():
+        shares = [s.get("token_share", {}).get("gpu", 0.0) for s in samples[p]]
+        out[p] = {"ttft_p50_ratio": round(v["ttft_p50_ms"] / base["ttft_p50_ms"], 3),
+                  "tpot_p50_ratio": round(v["tpot_p50_ms"] / base["tpot_p50_ms"], 3),
+                  "ttft_p50_ms": round(v["ttft_p50_ms"], 1), "tpot_p50_ms": round(v["tpot_p50_ms"], 2),
+                  "rounds_ttft_p50_ms": [s["ttft_p50_ms"] for s in samples[p]],
+                  "rounds_tpot_p50_ms": [s["tpot_p50_ms"] for s in samples[p]],
+                  # the path taken: at low load every policy should leave everything on the GPU
+                  "gpu_token_share": round(min(shares), 3) if shares else None,
+                  "moves": sum(s.get("moves", 0) for s in samples[p])}
+    return out
 
 
 def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[str], None],
-        policy_options: dict | None = None, log: Callable[[str], None] = print) -> dict:
+        policy_options: dict | None = None, log: Callable[[str], None] = print,
+        cpu_probe: Callable[[], dict] | None = None) -> dict:
+    """`cpu_probe`, when given, returns cumulative CPU seconds per server component; each run then
+    records the cores each component used (`cores_used`)."""
     runs: dict = {}
     timeline = None
     for pol in plan.policies:
@@ -93,8 +104,13 @@ def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[st
         runs[pol] = {}
         for c in plan.levels:
             record = pol == plan.timeline_policy and c == max(plan.levels)
+            before = cpu_probe() if cpu_probe else None
             res, wall, tl = asyncio.run(_measure(url, model, c, plan.duration_s, wl, record, pol))
             s = summarize(res, wall, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3)
+            if cpu_probe:
+                from keyacc_ray.bench.cpu_account import delta
+
+                s["cores_used"] = delta(before, cpu_probe(), wall)
             runs[pol][c] = s
             if tl is not None:
                 timeline = {"policy": pol, "concurrency": c, **tl}
@@ -105,9 +121,14 @@ def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[st
     if plan.cpu_alone:
         set_policy("gpu_only")
         c = max(plan.levels)
+        before = cpu_probe() if cpu_probe else None
         res, wall = asyncio.run(closed_loop(url, model, c, plan.duration_s, wl, extra={"keyacc": {"route": "cpu"}},
                                             desc="cpu pool alone"))
         cpu_alone = summarize(res, wall, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3)
+        if cpu_probe:
+            from keyacc_ray.bench.cpu_account import delta
+
+            cpu_alone["cores_used"] = delta(before, cpu_probe(), wall)
         log(f"{'cpu alone':<14} c={c:<3} tok/s={cpu_alone['output_tok_per_s']} failed={cpu_alone['failed']}")
     samples: dict[str, list[dict]] = {p: [] for p in plan.policies}
     for r in range(plan.low_load_rounds):

@@ -37,6 +37,12 @@ class PoolLoad:
     total_blocks: int = 0
     block_size: int = 16
     known: bool = False  # False until the monitor has heard from it
+    tokens_per_s: float = 0.0  # what the pool produced lately (monitor); 0 = not known yet
+
+    def drain_s(self, extra_queue: int = 0) -> float | None:
+        """Rough seconds to work off this queue at the pool's recent rate (None: rate unknown).
+        Both pools serve the same request mix, so comparing two pools' figures is fair."""
+        return (self.queue + extra_queue) / self.tokens_per_s if self.tokens_per_s > 0 else None
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

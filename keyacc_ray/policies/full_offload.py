@@ -2,7 +2,13 @@
 
 New requests go to the CPU pool while the GPU queue stays above `gpu_queue_high`; the GPU gets
 new requests again only after its queue has stayed below `gpu_queue_safe` for `return_window_s`.
-The CPU pool is gated the same way (when both are overloaded, requests queue on the GPU).
+A flood is not a blip: while the GPU queue right now (the router's own in-flight count
+included) exceeds `gpu_queue_overflow`, new requests overflow to the CPU at once, without
+waiting out the trigger window (a burst of 40 requests arrives within milliseconds; waiting
+0.5 s would queue them all on the GPU).
+The CPU pool is gated the same way. When both are overloaded a request has to queue somewhere:
+it goes to the pool that works off its queue sooner at its recent rate (queue / tokens per
+second, both from the monitor), and to the GPU while either rate is unknown.
 Requests running on the CPU decode in periods of `decode_period_tokens`; after each, the decode
 moves back to the GPU if the GPU is accepting again and the memory check passes, otherwise it
 keeps running on the CPU.
@@ -12,7 +18,7 @@ from keyacc_ray.policies.base import LoadView, Policy, RequestView
 from keyacc_ray.policies.hysteresis import gate, return_decision
 
 DEFAULTS = {
-    "gpu_queue_high": 2, "gpu_queue_safe": 1, "cpu_queue_high": 4, "cpu_queue_safe": 1,
+    "gpu_queue_high": 2, "gpu_queue_safe": 1, "gpu_queue_overflow": 24, "cpu_queue_high": 4, "cpu_queue_safe": 1,
     "trigger_window_s": 0.5, "return_window_s": 2.0, "decode_period_tokens": 16,
     "min_gpu_free_bytes": 1 << 30,
 }
@@ -36,7 +42,17 @@ class FullOffload(Policy):
 
     def route(self, req: RequestView, load: LoadView) -> str:
         self.observe(load)
-        if self.gpu.overloaded and not self.cpu.overloaded:
+        flood = load.gpu_queue > self.options["gpu_queue_overflow"]
+        if not self.gpu.overloaded and not flood:
+            return "gpu"
+        if not self.cpu.overloaded:
+            if not self.gpu.overloaded:
+                self.count("overflow_to_cpu")
+            return "cpu"
+        gpu_tps = load.gpu_prefill.tokens_per_s + load.gpu_decode.tokens_per_s
+        cpu_wait = load.cpu.drain_s()
+        if gpu_tps > 0 and cpu_wait is not None and cpu_wait < load.gpu_queue / gpu_tps:
+            self.count("both_overloaded_to_cpu")
             return "cpu"
         return "gpu"
 

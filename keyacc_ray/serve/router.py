@@ -103,14 +103,16 @@ class Router:
             loads[hop] = PoolLoad(queue=max(v.num_waiting, self.inflight[hop] - v.max_num_seqs),
                                   running=v.num_running,
                                   free_blocks=max(0, v.max_free_blocks - self._pending_blocks[hop]),
-                                  total_blocks=v.num_total_blocks, block_size=v.block_size, known=True)
+                                  total_blocks=v.num_total_blocks, block_size=v.block_size, known=True,
+                                  tokens_per_s=v.tokens_per_s)
         free = None
         if gpu.get("available"):
             free = min(g["mem_free_bytes"] for g in gpu["gpus"])
         cpus = [loads[k] for k in self.cpu_keys]
         cpu = PoolLoad(queue=sum(c.queue for c in cpus), running=sum(c.running for c in cpus),
                        free_blocks=max(c.free_blocks for c in cpus), total_blocks=sum(c.total_blocks for c in cpus),
-                       block_size=cpus[0].block_size, known=any(c.known for c in cpus))
+                       block_size=cpus[0].block_size, known=any(c.known for c in cpus),
+                       tokens_per_s=sum(c.tokens_per_s for c in cpus))
         self._cpu_loads = cpus
         return LoadView(loads["gpu_prefill"], loads["gpu_decode"], cpu, free)
 

@@ -67,6 +67,33 @@ def test_full_offload_cpu_gate_keeps_requests_on_gpu_when_cpu_is_full():
     assert routes[-1] == "gpu"
 
 
+def test_full_offload_flood_overflows_at_once_but_a_small_spike_waits_the_window():
+    clock = Clock()
+    p = make_policy("full_offload", {"trigger_window_s": 0.5, "return_window_s": 1.0}, clock=clock)
+    assert p.route(REQ, view(gpu_queue=4)) == "gpu"  # above high, within the window: no flip yet
+    assert p.route(REQ, view(gpu_queue=30)) == "cpu"  # a flood: beyond gpu_queue_overflow (24) now
+    assert p.counters["overflow_to_cpu"] == 1
+    assert p.route(REQ, view(gpu_queue=0)) == "gpu"
+
+
+def test_full_offload_both_overloaded_queues_where_it_drains_sooner():
+    clock = Clock()
+    p = make_policy("full_offload", {"trigger_window_s": 0.2, "return_window_s": 1.0}, clock=clock)
+
+    def loaded(gpu_q, cpu_q, gpu_tps, cpu_tps):
+        v = view(gpu_queue=gpu_q, cpu_queue=cpu_q)
+        v.gpu_decode.tokens_per_s, v.cpu.tokens_per_s = gpu_tps, cpu_tps
+        return lambda t: v
+
+    # GPU: 30 queued at 100 tok/s (0.3 s); CPU: 6 queued at 200 tok/s (0.03 s) -> CPU
+    assert drive(p, clock, loaded(30, 6, 100.0, 200.0), 1.0)[-1] == "cpu"
+    assert p.counters.get("both_overloaded_to_cpu", 0) > 0
+    # a fast GPU with the same queues works them off sooner -> GPU
+    assert drive(p, clock, loaded(30, 6, 5000.0, 200.0), 0.5)[-1] == "gpu"
+    # rates not known yet: the GPU, as before
+    assert drive(p, clock, loaded(30, 6, 0.0, 0.0), 0.5)[-1] == "gpu"
+
+
 def test_return_blocked_by_memory_check_waits_then_happens():
     clock = Clock()
     p = make_policy("full_offload", {"trigger_window_s": 0.2, "return_window_s": 0.5}, clock=clock)

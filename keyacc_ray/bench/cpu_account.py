@@ -1,0 +1,46 @@
+"""Where the box's CPU went during a run: CPU seconds of this host's Ray Serve processes by
+component (engine pools, router, ingress, proxy, controller, the rest of Ray) and of the load
+generator itself. Only meaningful when the server runs on the same host as the benchmark."""
+from __future__ import annotations
+
+import os
+
+import psutil
+
+COMPONENTS = [("GpuPrefill", "gpu_prefill"), ("GpuDecode", "gpu_decode"), ("CpuDecode", "cpu_decode"),
+              ("Router", "router"), ("Ingress", "ingress"), ("ProxyActor", "proxy"),
+              ("ServeController", "controller"), ("LoadMonitor", "monitor")]
+
+
+def _component(cmdline: str) -> str | None:
+    for key, name in COMPONENTS:
+        if key in cmdline:
+            return name
+    if "ray::" in cmdline or "raylet" in cmdline or "gcs_server" in cmdline or "/ray/" in cmdline:
+        return "ray_other"
+    return None
+
+
+def snapshot() -> dict[str, float]:
+    """Cumulative CPU seconds per component now (processes that exited are not counted)."""
+    out: dict[str, float] = {}
+    me = os.getpid()
+    for p in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
+        try:
+            if p.info["pid"] == me:
+                name = "load_generator"
+            else:
+                name = _component(" ".join(p.info["cmdline"] or []) or p.name())
+            if name is None:
+                continue
+            t = p.info["cpu_times"]
+            out[name] = out.get(name, 0.0) + t.user + t.system
+        except (psutil.NoSuchProcess, psutil.AccessDenied, TypeError):
+            continue
+    return out
+
+
+def delta(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
+    """Cores used per component over the interval (CPU seconds / wall seconds)."""
+    return {k: round(max(0.0, after.get(k, 0.0) - before.get(k, 0.0)) / max(wall_s, 1e-6), 3)
+            for k in sorted(set(before) | set(after))}
