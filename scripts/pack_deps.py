@@ -28,7 +28,7 @@ ROOTS = ["ray", "psutil", "nvidia-ml-py", "httpx", "ninja", "matplotlib"]
 EXTRAS = {"ray": {"serve"}}
 # On the host already (torch and transformers bring them), or not needed by the app.
 SKIP = {"torch", "transformers", "numpy", "pyyaml", "requests", "filelock", "packaging", "jinja2", "markupsafe",
-        "typing-extensions", "certifi", "idna", "charset-normalizer", "urllib3", "fsspec", "sympy", "mpmath",
+        "certifi", "idna", "charset-normalizer", "urllib3", "fsspec", "sympy", "mpmath",
         "networkx", "tqdm", "huggingface-hub", "safetensors", "tokenizers", "regex", "py-spy", "setuptools",
         "triton"}
 DROP = ["ray/dashboard/client", "ray/tests", "ray/serve/tests", "ray/data", "ray/train", "ray/tune", "ray/rllib",

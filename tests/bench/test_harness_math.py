@@ -73,7 +73,7 @@ def summary(tps, ttft99=100, tpot99=50, ttft50=50, tpot50=20, failed=0):
 def test_derived_figures():
     plan = side_by_side.Plan(levels=[2, 8, 16], ttft_slo_ms=1000, tpot_slo_ms=100)
     runs = {
-        "gpu_only": {2: summary(50), 8: summary(100, ttft99=1500), 16: summary(100, ttft99=4000)},
+        "gpu_only": {2: summary(50), 8: summary(100, ttft99=1500), 16: summary(90, ttft99=4000)},  # peak 100
         "full_offload": {2: summary(50, ttft50=55), 8: summary(150), 16: summary(190, tpot99=90)},
         "auto": {2: summary(50, tpot50=30), 8: summary(140), 16: summary(180, failed=1)},
     }
@@ -81,6 +81,7 @@ def test_derived_figures():
     assert d["concurrency_within_slo"] == {"gpu_only": 2, "full_offload": 16, "auto": 8}
     assert d["concurrency_gain"] == {"gpu_only": 1.0, "full_offload": 8.0, "auto": 4.0}
     assert d["throughput_gain"]["full_offload"] == 1.9
+    assert d["peak_output_tok_per_s"]["gpu_only"] == 100
     assert d["harvest_efficiency"] == {"gpu_only": 0.0, "full_offload": 0.9, "auto": 0.8}
     assert d["low_load"]["full_offload"] == {"ttft_p50_ratio": 1.1, "tpot_p50_ratio": 1.0}
     assert d["low_load"]["auto"]["tpot_p50_ratio"] == 1.5
