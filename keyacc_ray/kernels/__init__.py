@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -27,6 +28,20 @@ def cache_dir() -> Path:
     return Path(base) / f"torch-{torch.__version__}"
 
 
+def _ninja_on_path() -> None:
+    """torch's extension builder runs `ninja` from PATH; the pip `ninja` package (a dependency)
+    puts it next to this interpreter, which a venv's python run by path does not have on PATH."""
+    dirs = [os.path.dirname(sys.executable)]
+    try:
+        import ninja
+
+        dirs.insert(0, ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    os.environ["PATH"] = os.pathsep.join([d for d in dirs if d not in path] + path)
+
+
 def load(verbose: bool = False):
     """The compiled kernels, or None (with the reason logged once) when they cannot be built."""
     global _mod, _failed
@@ -36,6 +51,7 @@ def load(verbose: bool = False):
         try:
             from torch.utils.cpp_extension import load as build
 
+            _ninja_on_path()
             out = cache_dir()
             out.mkdir(parents=True, exist_ok=True)
             _mod = build(name="keyacc_cpu_kernels", sources=[str(_SRC)], build_directory=str(out),
