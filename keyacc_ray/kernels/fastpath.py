@@ -169,7 +169,12 @@ def apply(model: nn.Module, kernels, attention: bool = True, quant: str | None =
 def _walk(kernels, mod: nn.Module, prefix: str, rep: FastPathReport, quant, head) -> None:
     for cname, child in list(mod.named_children()):
         full = f"{prefix}.{cname}" if prefix else cname
-        new = _swap(kernels, child, full, rep, None if child is head else quant)
+        try:
+            new = _swap(kernels, child, full, rep, None if child is head else quant)
+        except Exception as e:  # noqa: BLE001 - a module the probe cannot drive stays as it is
+            log.debug("fast path: %s kept (%s)", full, e)
+            rep.kept.append(full)
+            new = None
         if new is not None:
             setattr(mod, cname, new)
         else:

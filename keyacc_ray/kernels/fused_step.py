@@ -50,8 +50,9 @@ class FusedDecodeStep:
         if lm_head is None:
             return None
         layers = []
+        types = getattr(getattr(model, "config", None), "layer_types", None)
         for i, layer in enumerate(inner.layers):
-            got = cls._layer(layer, i)
+            got = cls._layer(layer, i, types[i] if types and i < len(types) else None)
             if got is None:
                 return None
             layers.append(got)
@@ -59,7 +60,7 @@ class FusedDecodeStep:
         return cls(kernels, inner.embed_tokens, inner.rotary_emb, layers, inner.norm, lm_head, dtype)
 
     @staticmethod
-    def _layer(layer: nn.Module, i: int) -> _Layer | None:
+    def _layer(layer: nn.Module, i: int, layer_type: str | None = None) -> _Layer | None:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         ln1, ln2 = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
         if not (isinstance(ln1, FusedRMSNorm) and isinstance(ln2, FusedRMSNorm) and isinstance(mlp, FusedGateUpMLP)):
@@ -83,7 +84,7 @@ class FusedDecodeStep:
         out.qk_eps = 0.0 if qn is None else qn.eps
         out.gate_up, out.down = _linear(mlp.gate_up), down
         out.scale = float(attn.scaling)
-        out.kind = getattr(layer, "attention_type", "full_attention")
+        out.kind = getattr(layer, "attention_type", None) or layer_type or "full_attention"
         out.idx = i
         return out
 

@@ -121,3 +121,42 @@ def test_without_kernels_auto_falls_back_and_on_fails(qwen3_path, monkeypatch):
 def test_off_is_plain_transformers(qwen3_path):
     eng = engine(qwen3_path, "off")
     assert eng.runner.fast_path is None and eng.runner.model.config._attn_implementation == "sdpa"
+
+
+def _random_model(tmp_path, cls: str, **kw) -> str:
+    """A 2-layer random model of another architecture, with the tiny tokenizer beside it."""
+    import shutil
+
+    import transformers
+
+    cfg = getattr(transformers, cls)(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                     pad_token_id=0, eos_token_id=1, bos_token_id=None, **kw)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)  # peaked logits: greedy far from ties
+    model.save_pretrained(tmp_path)
+    src = tiny_model("qwen3")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        try:
+            shutil.copy(f"{src}/{f}", tmp_path / f)
+        except FileNotFoundError:
+            pass
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("cls,kw,fused", [
+    # per-layer sliding windows (layer_types): the fused step picks each layer's mask
+    ("Qwen3Config", {"head_dim": 16, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8,
+                     "use_sliding_window": True}, True),
+    # Gemma's RMSNorm scales by (1 + w) and its embedding by sqrt(hidden): the checks keep them
+    ("GemmaConfig", {"head_dim": 16}, False),
+])
+def test_other_architectures_stay_exact(tmp_path, cls, kw, fused):
+    path = _random_model(tmp_path, cls, **kw)
+    fast, plain = engine(path, "auto"), engine(path, "off")
+    assert (fast.runner.fused_step is not None) == fused
+    prompts = [list(range(5, 5 + n)) for n in (3, 11, 20)]  # past the 8-token window
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)] * 3
+    assert fast.generate(prompts, params) == plain.generate(prompts, params)
