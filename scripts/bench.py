@@ -41,14 +41,17 @@ def app_config(args, model: Path) -> dict:
         return {
             "model": str(model), "dtype": "bfloat16", "max_model_len": 2048, "policy": "gpu_only",
             "gpu": {"device": "cuda", "max_num_seqs": args.gpu_seqs, "num_kv_blocks": None, "num_gpus": 0.45,
-                    "num_cpus": 1, "num_threads": 1, "kv_memory_fraction": 0.3},
-            "cpu": {"device": "cpu", "max_num_seqs": 16, "num_threads": cpu_threads, "num_cpus": cpu_threads},
+                    "num_cpus": 1, "num_threads": 1, "kv_memory_fraction": 0.3,
+                    "stream_interval_ms": args.stream_interval_ms},
+            "cpu": {"device": "cpu", "max_num_seqs": 16, "num_threads": cpu_threads, "num_cpus": cpu_threads,
+                    "stream_interval_ms": args.stream_interval_ms},
         }
     return {  # this box: the "GPU" pools emulated on CPU 0, the CPU pool on CPU 1
         "model": str(model), "max_model_len": 1024, "policy": "gpu_only",
         "gpu": {"device": "auto", "max_num_seqs": 8, "num_kv_blocks": args.gpu_kv_blocks, "num_threads": 1,
-                "num_cpus": 0.5, "cpu_affinity": [0]},
-        "cpu": {"device": "cpu", "max_num_seqs": 32, "num_threads": 1, "num_cpus": 0.5, "cpu_affinity": [1]},
+                "num_cpus": 0.5, "cpu_affinity": [0], "stream_interval_ms": args.stream_interval_ms},
+        "cpu": {"device": "cpu", "max_num_seqs": 32, "num_threads": 1, "num_cpus": 0.5, "cpu_affinity": [1],
+                "stream_interval_ms": args.stream_interval_ms},
     }
 
 
@@ -103,6 +106,7 @@ def main() -> None:
     ap.add_argument("--model-path", help="model to serve (default: models/medium-qwen3, made if missing)")
     ap.add_argument("--gpu", action="store_true", help="a real GPU host: GPU pools on CUDA, CPU pool on the other cores")
     ap.add_argument("--gpu-seqs", type=int, default=32, help="with --gpu: sequences per GPU replica")
+    ap.add_argument("--stream-interval-ms", type=float, default=5.0, help="pools' stream interval (see README)")
     ap.add_argument("--out-dir", default=None, help="default results/bench-<time>")
     args = ap.parse_args()
     if args.quick:

@@ -63,7 +63,8 @@ def main() -> None:
     if not args.url:
         import bench
 
-        bench_args = argparse.Namespace(gpu=False, model_path=None, port=args.port, gpu_kv_blocks=40)
+        bench_args = argparse.Namespace(gpu=False, model_path=None, port=args.port, gpu_kv_blocks=40,
+                                        stream_interval_ms=5.0)
         url = bench.start(bench_args)
     else:
         url = args.url

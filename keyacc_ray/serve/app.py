@@ -41,10 +41,16 @@ class PoolConfig:
     numa: str = "off"  # CPU pool: "auto" = one deployment per NUMA node (from the cluster or this host)
     cpu_kernels: str = "auto"  # engines on CPU: the fast-path kernels (auto / on / off)
     cpu_weight_quant: str = "none"  # engines on CPU: "int8" = weight-only int8 linears on the fast path
+    # A stream's tokens leave a replica at most once per interval (the first at once): each
+    # Serve hop costs CPU per chunk, so a longer interval trades burstier inter-token arrival
+    # for less serving-stack CPU per token (vLLM's stream_interval, in time).
+    stream_interval_ms: float = 5.0
 
     def __post_init__(self):
         if self.replicas < 1 or self.max_num_seqs < 1 or self.num_cpus < 0:
             raise ConfigError(f"PoolConfig: replicas/max_num_seqs must be >= 1 and num_cpus >= 0, got {self}")
+        if not 0 <= self.stream_interval_ms <= 10_000:
+            raise ConfigError(f"PoolConfig.stream_interval_ms must be in [0, 10000], got {self.stream_interval_ms}")
         if self.numa not in ("off", "auto"):
             raise ConfigError(f"PoolConfig.numa must be 'off' or 'auto', got {self.numa!r}")
 
@@ -162,7 +168,7 @@ def build_app(args: dict | None = None):
         else:
             opts["ray_actor_options"] = {"num_cpus": p.num_cpus, "num_gpus": num_gpus, "resources": resources}
         return serve.deployment(cls, name=name).options(**opts).bind(
-            cfg.engine(p), name, p.emulate_if_no_cuda, p.cpu_affinity, numa_node)
+            cfg.engine(p), name, p.emulate_if_no_cuda, p.cpu_affinity, numa_node, p.stream_interval_ms)
 
     cluster = ray.cluster_resources() if ray.is_initialized() else {}
     gpu_prefill = pool(GpuPrefill, "GpuPrefill", cfg.gpu, gpu_gpus)

@@ -52,7 +52,8 @@ class EnginePool:
     role = "whole"
 
     def __init__(self, engine: dict, deployment: str | None = None, emulated_gpu: bool = False,
-                 cpu_affinity: list[int] | None = None, numa_node: int | None = None):
+                 cpu_affinity: list[int] | None = None, numa_node: int | None = None,
+                 stream_interval_ms: float = 5.0):
         self.deployment = deployment or type(self).__name__
         cfg = EngineConfig.from_dict(engine)
         if numa_node is not None and not cpu_affinity:
@@ -81,7 +82,7 @@ class EnginePool:
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         self._calls = 0
         self._held: collections.deque = collections.deque()
-        self.loop = AsyncEngine(self.engine, on_export=self._to_handoff)
+        self.loop = AsyncEngine(self.engine, on_export=self._to_handoff, stream_interval_s=stream_interval_ms / 1e3)
         label = ("EMULATED GPU: runs on CPU cores with an emulated KV budget of "
                  f"{self.engine.blocks.num_blocks} blocks x {self.engine.blocks.block_size} tokens"
                  if self.emulated else self.engine.runner.device_label())

@@ -30,6 +30,10 @@ def test_bad_app_config_names_the_field():
         AppConfig.from_dict({"policy": "fastest"})
     with pytest.raises(ConfigError, match="numa"):
         PoolConfig(numa="yes")
+    with pytest.raises(ConfigError, match="stream_interval_ms"):
+        PoolConfig(stream_interval_ms=-1)
+    with pytest.raises(ConfigError, match="cpu_kernels"):
+        AppConfig.from_dict({}).engine(PoolConfig(cpu_kernels="fast"))
 
 
 def test_cluster_yaml_matches_the_autoscaler_schema():
