@@ -65,21 +65,22 @@ bool have_avx512bf16() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Linear, bf16 weights. Packed layout: [N/64 groups][K/2 pairs][4 blocks][16 rows][2]: one
-// 64-byte load holds a k-pair for 16 output rows (the AVX512-BF16 dot-product operand), and a
-// group of 64 output rows is one sequential stream (256 bytes per k-pair), which is what the
-// hardware prefetcher streams at full speed. Threads take contiguous runs of groups.
+// Linear layers from prepacked weights, bf16 or int8. Packed layout: [N/64 groups][K/2 pairs]
+// [4 blocks][16 rows][2]: one load holds a k-pair for 16 output rows (the AVX512-BF16
+// dot-product operand), and a group of 64 output rows is one sequential stream (256 bytes per
+// k-pair for bf16), which is what the hardware prefetcher streams at full speed. Threads take
+// contiguous runs of groups.
+// Weight-only int8 uses per-output-row scales (max |w| / 127) and the same layout with int8
+// elements: the kernel widens each int8 pair to bf16 (exact for |q| <= 127), runs the same bf16
+// dot products and scales the row sums once at the end: half the bytes streamed at batch 1.
 constexpr int NB = 16;
 constexpr int GB = 4;  // blocks per group
 
-torch::Tensor pack_bf16(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "pack_bf16: want [N, K] bfloat16");
-  w = w.contiguous();
-  const int64_t N = w.size(0), K = w.size(1);
+template <typename W>
+torch::Tensor pack_groups(const W* src, int64_t N, int64_t K, torch::ScalarType dtype) {
   const int64_t ng = (N + NB * GB - 1) / (NB * GB), kp = (K + 1) / 2;
-  auto out = torch::zeros({ng, kp, GB, NB, 2}, torch::dtype(torch::kBFloat16));
-  const bf16_t* src = reinterpret_cast<const bf16_t*>(w.data_ptr());
-  bf16_t* dst = reinterpret_cast<bf16_t*>(out.data_ptr());
+  auto out = torch::zeros({ng, kp, GB, NB, 2}, torch::dtype(dtype));
+  W* dst = reinterpret_cast<W*>(out.data_ptr());
   at::parallel_for(0, ng, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t j = 0; j < GB; ++j)
@@ -92,21 +93,48 @@ torch::Tensor pack_bf16(torch::Tensor w) {
   return out;
 }
 
+torch::Tensor pack_bf16(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "pack_bf16: want [N, K] bfloat16");
+  w = w.contiguous();
+  return pack_groups(reinterpret_cast<const bf16_t*>(w.data_ptr()), w.size(0), w.size(1), torch::kBFloat16);
+}
+
+std::vector<torch::Tensor> pack_int8(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2, "pack_int8: want [N, K]");
+  auto wf = w.to(torch::kFloat32).contiguous();
+  auto scales = (wf.abs().amax({1}) / 127.0).clamp_min(1e-12).contiguous();
+  auto q = torch::round(wf / scales.unsqueeze(1)).clamp(-127, 127).to(torch::kInt8).contiguous();
+  return {pack_groups(q.data_ptr<int8_t>(), wf.size(0), wf.size(1), torch::kInt8), scales};
+}
+
+inline float w_to_f(bf16_t v) { return bf2f(v); }
+inline float w_to_f(int8_t v) { return static_cast<float>(v); }
+
 #if KEYACC_X86
-// One group (GB blocks of 16 rows) x MT input rows per tile: GB*MT accumulators.
-template <int MT>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void tile_bf16(
-    const bf16_t* G, int64_t kp, int64_t n_base, const bf16_t* x, int64_t ldx, int64_t m0, int mt,
-    const float* bias, bf16_t* y, int64_t ldy, int64_t N) {
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// A k-pair of 16 rows as the bf16 dot-product operand.
+AVX512BF16 inline __m512i load_pair(const bf16_t* p) { return _mm512_loadu_si512(p); }
+AVX512BF16 inline __m512i load_pair(const int8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// One group (GB blocks of 16 rows) x MT input rows per tile: GB*MT accumulators. Row sums are
+// scaled (int8: by `sc`; bf16: by 1, exact) and the bias added before one rounding to bf16.
+template <typename W, int MT>
+AVX512BF16 inline void tile(const W* G, int64_t kp, int64_t n_base, const bf16_t* x, int64_t ldx, int64_t m0, int mt,
+                            const float* sc, const float* bias, bf16_t* y, int64_t ldy, int64_t N) {
   __m512 acc[GB][MT];
   for (int j = 0; j < GB; ++j)
     for (int m = 0; m < MT; ++m) acc[j][m] = _mm512_setzero_ps();
   const int32_t* xr[MT];
   for (int m = 0; m < MT; ++m) xr[m] = reinterpret_cast<const int32_t*>(x + (m0 + (m < mt ? m : 0)) * ldx);
   for (int64_t p = 0; p < kp; ++p) {
-    const bf16_t* wp = G + p * GB * NB * 2;
+    const W* wp = G + p * GB * NB * 2;
     __m512i w[GB];
-    for (int j = 0; j < GB; ++j) w[j] = _mm512_loadu_si512(wp + j * NB * 2);
+    for (int j = 0; j < GB; ++j) w[j] = load_pair(wp + j * NB * 2);
     for (int m = 0; m < MT; ++m) {
       const __m512i xb = _mm512_set1_epi32(xr[m][p]);
       for (int j = 0; j < GB; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], (__m512bh)w[j], (__m512bh)xb);
@@ -117,55 +145,59 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void tile
     if (n0 >= N) break;
     const int64_t rem = N - n0;
     const __mmask16 mask = rem >= NB ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1);
-    __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    const __m512 sv = sc ? _mm512_maskz_loadu_ps(mask, sc + n0) : _mm512_set1_ps(1.f);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
     for (int m = 0; m < mt; ++m) {
-      __m256bh r = _mm512_cvtneps_pbh(_mm512_add_ps(acc[j][m], bv));
+      __m256bh r = _mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[j][m], sv, bv));
       _mm256_mask_storeu_epi16(y + (m0 + m) * ldy + n0, mask, (__m256i)r);
     }
   }
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void group_bf16(
-    const bf16_t* G, int64_t kp, int64_t n_base, const bf16_t* x, int64_t ldx, int64_t M, const float* bias,
-    bf16_t* y, int64_t ldy, int64_t N) {
+template <typename W>
+AVX512BF16 void group_avx512(const W* G, int64_t kp, int64_t n_base, const bf16_t* x, int64_t ldx, int64_t M,
+                             const float* sc, const float* bias, bf16_t* y, int64_t ldy, int64_t N) {
   constexpr int MT = 6;
   int64_t m0 = 0;
-  for (; m0 + MT <= M; m0 += MT) tile_bf16<MT>(G, kp, n_base, x, ldx, m0, MT, bias, y, ldy, N);
+  for (; m0 + MT <= M; m0 += MT) tile<W, MT>(G, kp, n_base, x, ldx, m0, MT, sc, bias, y, ldy, N);
   const int r = static_cast<int>(M - m0);
   switch (r) {  // the tail: an exact tile so no accumulator is wasted at batch 1
     case 0: break;
-    case 1: tile_bf16<1>(G, kp, n_base, x, ldx, m0, 1, bias, y, ldy, N); break;
-    case 2: tile_bf16<2>(G, kp, n_base, x, ldx, m0, 2, bias, y, ldy, N); break;
-    case 3: tile_bf16<3>(G, kp, n_base, x, ldx, m0, 3, bias, y, ldy, N); break;
-    case 4: tile_bf16<4>(G, kp, n_base, x, ldx, m0, 4, bias, y, ldy, N); break;
-    default: tile_bf16<5>(G, kp, n_base, x, ldx, m0, 5, bias, y, ldy, N); break;
+    case 1: tile<W, 1>(G, kp, n_base, x, ldx, m0, 1, sc, bias, y, ldy, N); break;
+    case 2: tile<W, 2>(G, kp, n_base, x, ldx, m0, 2, sc, bias, y, ldy, N); break;
+    case 3: tile<W, 3>(G, kp, n_base, x, ldx, m0, 3, sc, bias, y, ldy, N); break;
+    case 4: tile<W, 4>(G, kp, n_base, x, ldx, m0, 4, sc, bias, y, ldy, N); break;
+    default: tile<W, 5>(G, kp, n_base, x, ldx, m0, 5, sc, bias, y, ldy, N); break;
   }
 }
 #endif
 
-CLONES void group_portable(const bf16_t* G, int64_t kp, int64_t n_base, const bf16_t* x, int64_t ldx, int64_t M,
-                           const float* bias, bf16_t* y, int64_t ldy, int64_t N) {
+template <typename W>
+CLONES void group_portable(const W* G, int64_t kp, int64_t n_base, const bf16_t* x, int64_t ldx, int64_t M,
+                           const float* sc, const float* bias, bf16_t* y, int64_t ldy, int64_t N) {
   for (int64_t m = 0; m < M; ++m) {
     float acc[GB * NB] = {0};
     const bf16_t* xm = x + m * ldx;
     for (int64_t p = 0; p < kp; ++p) {
       const float x0 = bf2f(xm[2 * p]), x1 = bf2f(xm[2 * p + 1]);
-      const bf16_t* w = G + p * GB * NB * 2;
-      for (int i = 0; i < GB * NB; ++i) acc[i] += bf2f(w[2 * i]) * x0 + bf2f(w[2 * i + 1]) * x1;
+      const W* w = G + p * GB * NB * 2;
+      for (int i = 0; i < GB * NB; ++i) acc[i] += w_to_f(w[2 * i]) * x0 + w_to_f(w[2 * i + 1]) * x1;
     }
     for (int i = 0; i < GB * NB && n_base + i < N; ++i)
-      y[m * ldy + n_base + i] = f2bf(acc[i] + (bias ? bias[n_base + i] : 0.f));
+      y[m * ldy + n_base + i] = f2bf(acc[i] * (sc ? sc[n_base + i] : 1.f) + (bias ? bias[n_base + i] : 0.f));
   }
 }
 
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16,
-              "linear_bf16: bfloat16 input and weights");
-  TORCH_CHECK(packed.dim() == 5 && packed.size(2) == GB && packed.size(3) == NB, "linear_bf16: not a packed weight");
+// y = x @ (sc * W)^T + b over a packed weight of element type W; x bf16 with any leading dims.
+template <typename W>
+torch::Tensor linear_packed(const char* name, torch::Tensor x, const torch::Tensor& packed, const float* sc, int64_t N,
+                            const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, name, ": bfloat16 input");
+  TORCH_CHECK(packed.dim() == 5 && packed.size(2) == GB && packed.size(3) == NB, name, ": not a packed weight");
   const int64_t ng = packed.size(0), kp = packed.size(1);
   auto shape = x.sizes().vec();
   const int64_t K = shape.back();
-  TORCH_CHECK(kp == (K + 1) / 2, "linear_bf16: input features ", K, " do not match the packed weight");
+  TORCH_CHECK(kp == (K + 1) / 2, name, ": input features ", K, " do not match the packed weight");
   auto x2 = x.reshape({-1, K});
   if (K % 2 || x2.stride(1) != 1 || x2.stride(0) != K) {  // pad to an even row so k-pairs are whole
     auto xp = torch::zeros({x2.size(0), 2 * kp}, x.options());
@@ -175,168 +207,42 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
   const int64_t M = x2.size(0), ldx = x2.size(1);
   shape.back() = N;
   auto y = torch::empty(shape, x.options());
+  if (M == 0) return y;
   torch::Tensor bias_f;
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     bias_f = bias->to(torch::kFloat32).contiguous();
     bp = bias_f.data_ptr<float>();
   }
-  const bf16_t* P = reinterpret_cast<const bf16_t*>(packed.data_ptr());
+  const W* P = reinterpret_cast<const W*>(packed.data_ptr());
   const bf16_t* xp = reinterpret_cast<const bf16_t*>(x2.data_ptr());
   bf16_t* yp = reinterpret_cast<bf16_t*>(y.data_ptr());
-  if (M == 0) return y;
   const bool fast = have_avx512bf16();
   const int64_t gstride = kp * GB * NB * 2;
   at::parallel_for(0, ng, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
 #if KEYACC_X86
       if (fast) {
-        group_bf16(P + g * gstride, kp, g * GB * NB, xp, ldx, M, bp, yp, N, N);
+        group_avx512<W>(P + g * gstride, kp, g * GB * NB, xp, ldx, M, sc, bp, yp, N, N);
         continue;
       }
 #endif
-      group_portable(P + g * gstride, kp, g * GB * NB, xp, ldx, M, bp, yp, N, N);
+      group_portable<W>(P + g * gstride, kp, g * GB * NB, xp, ldx, M, sc, bp, yp, N, N);
     }
   });
   return y;
 }
 
-// ---------------------------------------------------------------------------------------------
-// Weight-only int8: per-output-row scales (max |w| / 127), the same group layout as bf16 with
-// int8 elements. The kernel widens each int8 pair to bf16 (exact for |q| <= 127), runs the same
-// bf16 dot products and scales the row sums once at the end: half the bytes streamed at batch 1.
-std::vector<torch::Tensor> pack_int8(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2, "pack_int8: want [N, K]");
-  auto wf = w.to(torch::kFloat32).contiguous();
-  const int64_t N = wf.size(0), K = wf.size(1);
-  auto scales = (wf.abs().amax({1}) / 127.0).clamp_min(1e-12).contiguous();
-  auto q = torch::round(wf / scales.unsqueeze(1)).clamp(-127, 127).to(torch::kInt8).contiguous();
-  const int64_t ng = (N + NB * GB - 1) / (NB * GB), kp = (K + 1) / 2;
-  auto out = torch::zeros({ng, kp, GB, NB, 2}, torch::dtype(torch::kInt8));
-  const int8_t* src = q.data_ptr<int8_t>();
-  int8_t* dst = out.data_ptr<int8_t>();
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t g = n / (NB * GB), j = (n / NB) % GB, i = n % NB;
-    for (int64_t k = 0; k < K; ++k) dst[(((g * kp + k / 2) * GB + j) * NB + i) * 2 + (k & 1)] = src[n * K + k];
-  }
-  return {out, scales};
-}
-
-#if KEYACC_X86
-template <int MT>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void tile_int8(
-    const int8_t* G, int64_t kp, int64_t n_base, const bf16_t* x, int64_t ldx, int64_t m0, int mt, const float* sc,
-    const float* bias, bf16_t* y, int64_t ldy, int64_t N) {
-  __m512 acc[GB][MT];
-  for (int j = 0; j < GB; ++j)
-    for (int m = 0; m < MT; ++m) acc[j][m] = _mm512_setzero_ps();
-  const int32_t* xr[MT];
-  for (int m = 0; m < MT; ++m) xr[m] = reinterpret_cast<const int32_t*>(x + (m0 + (m < mt ? m : 0)) * ldx);
-  for (int64_t p = 0; p < kp; ++p) {
-    const int8_t* wp = G + p * GB * NB * 2;
-    __m512i w[GB];
-    for (int j = 0; j < GB; ++j) {
-      const __m128i lo = _mm_loadu_si128((const __m128i*)(wp + j * NB * 2));
-      const __m128i hi = _mm_loadu_si128((const __m128i*)(wp + j * NB * 2 + 16));
-      const __m512 flo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
-      const __m512 fhi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
-      w[j] = (__m512i)_mm512_cvtne2ps_pbh(fhi, flo);
-    }
-    for (int m = 0; m < MT; ++m) {
-      const __m512i xb = _mm512_set1_epi32(xr[m][p]);
-      for (int j = 0; j < GB; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], (__m512bh)w[j], (__m512bh)xb);
-    }
-  }
-  for (int j = 0; j < GB; ++j) {
-    const int64_t n0 = n_base + j * NB;
-    if (n0 >= N) break;
-    const int64_t rem = N - n0;
-    const __mmask16 mask = rem >= NB ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1);
-    const __m512 sv = _mm512_maskz_loadu_ps(mask, sc + n0);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-    for (int m = 0; m < mt; ++m) {
-      __m256bh r = _mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[j][m], sv, bv));
-      _mm256_mask_storeu_epi16(y + (m0 + m) * ldy + n0, mask, (__m256i)r);
-    }
-  }
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void group_int8(
-    const int8_t* G, int64_t kp, int64_t n_base, const bf16_t* x, int64_t ldx, int64_t M, const float* sc,
-    const float* bias, bf16_t* y, int64_t ldy, int64_t N) {
-  constexpr int MT = 6;
-  int64_t m0 = 0;
-  for (; m0 + MT <= M; m0 += MT) tile_int8<MT>(G, kp, n_base, x, ldx, m0, MT, sc, bias, y, ldy, N);
-  const int r = static_cast<int>(M - m0);
-  switch (r) {
-    case 0: break;
-    case 1: tile_int8<1>(G, kp, n_base, x, ldx, m0, 1, sc, bias, y, ldy, N); break;
-    case 2: tile_int8<2>(G, kp, n_base, x, ldx, m0, 2, sc, bias, y, ldy, N); break;
-    case 3: tile_int8<3>(G, kp, n_base, x, ldx, m0, 3, sc, bias, y, ldy, N); break;
-    case 4: tile_int8<4>(G, kp, n_base, x, ldx, m0, 4, sc, bias, y, ldy, N); break;
-    default: tile_int8<5>(G, kp, n_base, x, ldx, m0, 5, sc, bias, y, ldy, N); break;
-  }
-}
-#endif
-
-CLONES void group_int8_portable(const int8_t* G, int64_t kp, int64_t n_base, const bf16_t* x, int64_t ldx, int64_t M,
-                                const float* sc, const float* bias, bf16_t* y, int64_t ldy, int64_t N) {
-  for (int64_t m = 0; m < M; ++m) {
-    float acc[GB * NB] = {0};
-    const bf16_t* xm = x + m * ldx;
-    for (int64_t p = 0; p < kp; ++p) {
-      const float x0 = bf2f(xm[2 * p]), x1 = bf2f(xm[2 * p + 1]);
-      const int8_t* w = G + p * GB * NB * 2;
-      for (int i = 0; i < GB * NB; ++i) acc[i] += static_cast<float>(w[2 * i]) * x0 + static_cast<float>(w[2 * i + 1]) * x1;
-    }
-    for (int i = 0; i < GB * NB && n_base + i < N; ++i)
-      y[m * ldy + n_base + i] = f2bf(acc[i] * sc[n_base + i] + (bias ? bias[n_base + i] : 0.f));
-  }
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16, "linear_bf16: bfloat16 weights");
+  return linear_packed<bf16_t>("linear_bf16", x, packed, nullptr, N, bias);
 }
 
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N,
                           c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kInt8, "linear_int8: bf16 x, int8 W");
-  TORCH_CHECK(packed.dim() == 5 && packed.size(2) == GB && packed.size(3) == NB, "linear_int8: not a packed weight");
+  TORCH_CHECK(packed.scalar_type() == torch::kInt8, "linear_int8: int8 weights");
   TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.numel() == N && scales.is_contiguous(), "linear_int8: scales");
-  const int64_t ng = packed.size(0), kp = packed.size(1);
-  auto shape = x.sizes().vec();
-  const int64_t K = shape.back();
-  TORCH_CHECK(kp == (K + 1) / 2, "linear_int8: input features do not match the packed weight");
-  auto x2 = x.reshape({-1, K});
-  if (K % 2 || x2.stride(1) != 1 || x2.stride(0) != K) {
-    auto xp = torch::zeros({x2.size(0), 2 * kp}, x.options());
-    xp.narrow(1, 0, K).copy_(x2);
-    x2 = xp;
-  }
-  const int64_t M = x2.size(0), ldx = x2.size(1);
-  shape.back() = N;
-  auto y = torch::empty(shape, x.options());
-  if (M == 0) return y;
-  torch::Tensor bias_f;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    bias_f = bias->to(torch::kFloat32).contiguous();
-    bp = bias_f.data_ptr<float>();
-  }
-  const int8_t* P = packed.data_ptr<int8_t>();
-  const bf16_t* xp = reinterpret_cast<const bf16_t*>(x2.data_ptr());
-  bf16_t* yp = reinterpret_cast<bf16_t*>(y.data_ptr());
-  const float* sc = scales.data_ptr<float>();
-  const bool fast = have_avx512bf16();
-  const int64_t gstride = kp * GB * NB * 2;
-  at::parallel_for(0, ng, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-#if KEYACC_X86
-      if (fast) {
-        group_int8(P + g * gstride, kp, g * GB * NB, xp, ldx, M, sc, bp, yp, N, N);
-        continue;
-      }
-#endif
-      group_int8_portable(P + g * gstride, kp, g * GB * NB, xp, ldx, M, sc, bp, yp, N, N);
-    }
-  });
-  return y;
+  return linear_packed<int8_t>("linear_int8", x, packed, scales.data_ptr<float>(), N, bias);
 }
 
 // ---------------------------------------------------------------------------------------------
