@@ -38,7 +38,7 @@ def weight_bytes_per_step(model) -> int:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     emb = model.get_input_embeddings().weight
     out = model.get_output_embeddings().weight
-    if emb.data_ptr() != out.data_ptr():
+    if emb is not out:  # tied weights are one Parameter (this also holds for a meta-device model)
         total -= emb.numel() * emb.element_size()
     return total
 
@@ -132,12 +132,14 @@ def main() -> None:
     args = ap.parse_args()
 
     from keyacc_ray.engine.request import SamplingParams
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     rng = random.Random(args.seed)
     torch.set_num_threads(args.threads)
     bw = read_bandwidth_gbs(args.threads)
-    wbytes = weight_bytes_per_step(AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)))
+    with torch.device("meta"):  # shapes and dtypes only: no second copy of the weights
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model), dtype=getattr(torch, args.dtype))
+    wbytes = weight_bytes_per_step(meta)
     roofline_ms = wbytes / (bw * 1e9) * 1e3
     res: dict = {"model": args.model, "dtype": args.dtype, "threads": args.threads,
                  "weight_bytes_per_step": wbytes, "read_bw_gbs": round(bw, 1), "roofline_ms_bs1": round(roofline_ms, 2)}
