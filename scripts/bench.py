@@ -17,6 +17,7 @@ Its last line of output is one JSON object with harvest_efficiency and concurren
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
@@ -65,6 +66,10 @@ def start(args) -> str:
     if not (model / "config.json").exists():
         subprocess.run([sys.executable, str(ROOT / "scripts/make_tiny_model.py"), "--size", "medium",
                         "--out", str(model)], check=True)
+    if args.stack_cpus:
+        # Ray, Serve, the router, ingress and this load generator start here and inherit this
+        # mask; the pools pin themselves (the CPU pool's cores are its own).
+        os.sched_setaffinity(0, set(args.stack_cpus))
     if args.gpu:
         ray.init(include_dashboard=False, log_to_driver=False)
     else:
@@ -75,11 +80,21 @@ def start(args) -> str:
 
 
 def policy_switcher(options: dict):
+    import threading
+
     from ray import serve
 
+    # One event loop for the driver's handle calls (with RAY_SERVE_THROUGHPUT_OPTIMIZED a handle
+    # needs a running loop and stays bound to it).
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True, name="bench-handles").start()
+
+    async def call(name: str) -> None:
+        handle = serve.get_deployment_handle("Router", "keyacc")
+        await handle.reconfigure.remote({"policy": name, "policy_options": {} if name == "gpu_only" else options})
+
     def set_policy(name: str) -> None:
-        serve.get_deployment_handle("Router", "keyacc").reconfigure.remote(
-            {"policy": name, "policy_options": {} if name == "gpu_only" else options}).result(timeout_s=30)
+        asyncio.run_coroutine_threadsafe(call(name), loop).result(timeout=30)
         time.sleep(0.5)  # let the previous policy's in-flight work settle
 
     return set_policy
@@ -107,6 +122,8 @@ def main() -> None:
     ap.add_argument("--gpu", action="store_true", help="a real GPU host: GPU pools on CUDA, CPU pool on the other cores")
     ap.add_argument("--gpu-seqs", type=int, default=32, help="with --gpu: sequences per GPU replica")
     ap.add_argument("--stream-interval-ms", type=float, default=5.0, help="pools' stream interval (see README)")
+    ap.add_argument("--stack-cpus", type=int, nargs="*", default=None,
+                    help="CPUs for Ray, Serve, router, ingress and the load generator (default: 0 here)")
     ap.add_argument("--out-dir", default=None, help="default results/bench-<time>")
     args = ap.parse_args()
     if args.quick:

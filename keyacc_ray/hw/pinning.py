@@ -12,11 +12,18 @@ log = logging.getLogger(__name__)
 
 
 def pin_process(cpus: list[int]) -> list[int]:
-    """Returns the CPUs actually applied (those this process may use)."""
-    allowed = os.sched_getaffinity(0)
-    target = sorted(set(cpus) & allowed) or sorted(allowed)
-    if set(cpus) - allowed:
-        log.warning("CPUs %s are not available to this process; pinning to %s", sorted(set(cpus) - allowed), target)
+    """Returns the CPUs actually applied. The mask this process inherited does not limit the
+    choice (a replica started by a driver that kept itself off the CPU pool's cores may still
+    pin to them); CPUs the kernel refuses (offline, outside the cgroup) are dropped."""
+    target = sorted(set(cpus))
+    try:
+        os.sched_setaffinity(0, target)
+        target = sorted(os.sched_getaffinity(0))  # what the kernel applied (cgroup cpuset)
+    except OSError:
+        allowed = os.sched_getaffinity(0)
+        usable = sorted(set(cpus) & allowed) or sorted(allowed)
+        log.warning("CPUs %s are not all usable here; pinning to %s", target, usable)
+        target = usable
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), target)

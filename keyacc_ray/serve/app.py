@@ -1,6 +1,10 @@
 """The app builder: validates the config and binds the Serve graph
 
-    Ingress -> Router -> {GpuPrefill, GpuDecode, CpuDecode}   (+ the LoadMonitor actor)
+    Ingress --(decisions: begin / advance / finish)--> Router --(snapshots)--> LoadMonitor actor
+       \--(token streams, hop by hop)--> {GpuPrefill, GpuDecode, CpuDecode}
+
+The router wires the pools (it decides every hop); the ingress calls the pool it names, so a
+token crosses one Serve hop on its way to the client.
 
 `deployments/app.yaml` names `keyacc_ray.serve.app:build_app` in its import_path.
 """
@@ -146,7 +150,7 @@ def build_app(args: dict | None = None):
 
     from keyacc_ray.serve.ingress import Ingress
     from keyacc_ray.serve.pools import CpuDecode, GpuDecode, GpuPrefill
-    from keyacc_ray.serve.router import Router
+    from keyacc_ray.serve.router import Router, hop_keys
 
     cfg = AppConfig.from_dict(args)
     max_len = _max_model_len(cfg)
@@ -185,10 +189,11 @@ def build_app(args: dict | None = None):
         max_ongoing_requests=4096,
         ray_actor_options={"num_cpus": cfg.router_num_cpus, "resources": dict(cfg.control_resources)},
         user_config={"policy": cfg.policy, "policy_options": cfg.policy_options},
-    ).bind(gpu_prefill, gpu_decode, cpu_decode, allow_route_pinning=cfg.allow_route_pinning,
-           cpu_deployments=cpu_names)
+    ).bind(cpu_deployments=cpu_names, allow_route_pinning=cfg.allow_route_pinning)
+    cpu_list = cpu_decode if isinstance(cpu_decode, list) else [cpu_decode]
+    pools = dict(zip(hop_keys(len(cpu_list)), [gpu_prefill, gpu_decode, *cpu_list]))
     return serve.deployment(Ingress, name="Ingress").options(
         max_ongoing_requests=4096, max_queued_requests=cfg.max_queued_requests,
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus, "resources": dict(cfg.control_resources)},
-    ).bind(router, cfg.model, cfg.served_model_name, max_len, cfg.allow_route_pinning, cfg.max_body_bytes,
+    ).bind(router, pools, cfg.model, cfg.served_model_name, max_len, cfg.allow_route_pinning, cfg.max_body_bytes,
            cfg.api_keys_file, cfg.operator_keys_file)

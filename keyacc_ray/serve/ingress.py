@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP ingress (FastAPI): parses and validates, tokenizes, streams
 server-sent events, formats errors in OpenAI's shape, and serves /v1/models, /health and
-/metrics. KV never passes through here: only token chunks and the final trace."""
+/metrics. Each request is walked through its hops by a `RequestDriver` (the router decides, the
+pools' token streams come straight here). KV never passes through here: hand-offs carry only a
+reference to it, from one pool to the next."""
 
 import hmac
 import json
@@ -11,12 +13,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 
 from keyacc_ray.config import env_api_keys, env_operator_keys
 from keyacc_ray.errors import InvalidRequest, KeyaccError
 from keyacc_ray.serve import metrics as prom
 from keyacc_ray.serve import protocol
+from keyacc_ray.serve.driver import RemoteRouter, RequestDriver
 from keyacc_ray.serve.messages import ErrorItem, TokenChunk, Trace
 
 log = logging.getLogger("ray.serve")
@@ -47,12 +49,15 @@ def _sse(obj) -> str:
 
 @serve.ingress(app)  # FastAPI routing only; serve.deployment(...) is applied in app.py
 class Ingress:
-    def __init__(self, router, model: str, served_model_name: str, max_model_len: int,
+    def __init__(self, router, pools: dict, model: str, served_model_name: str, max_model_len: int,
                  allow_route_pinning: bool | str = True, max_body_bytes: int = 1 << 20,
                  api_keys_file: str | None = None, operator_keys_file: str | None = None):
+        """router: the Router deployment's handle; pools: the pool handles by hop key
+        ("gpu_prefill", "gpu_decode", "cpu_decode/0", ...)."""
         from transformers import AutoTokenizer
 
         self.router = router
+        self.driver = RequestDriver(RemoteRouter(router), pools)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.model_name = served_model_name
         self.max_model_len = max_model_len
@@ -133,21 +138,15 @@ class Ingress:
         except (TypeError, ValueError, OverflowError) as e:
             err = InvalidRequest(f"invalid request: {e}")
             return error_response(400, err.to_dict())
-        stream = self.router.options(stream=True).generate.remote(p.request)
-        it = stream.__aiter__()
+        it = self.driver.run(p.request).__aiter__()
         # Wait for the first tokens before answering, so an error found downstream still gets
         # a proper status code instead of a 200 stream.
         try:
             first = await it.__anext__()
         except StopAsyncIteration:
             first = []
-        except BackPressureError:
-            self._count("errors_503")
-            return error_response(503, {"error": {"message": "the server is overloaded; retry later",
-                                                  "type": "overloaded_error", "param": None, "code": None}},
-                                  {"Retry-After": "1"})
-        except Exception as e:  # noqa: BLE001
-            log.exception("router failed for %s", p.request.request_id)
+        except Exception as e:  # noqa: BLE001 - a bug in the request path: this request only
+            log.exception("request %s failed", p.request.request_id)
             return error_response(503, {"error": {"message": f"service unavailable: {e.__class__.__name__}",
                                                   "type": "unavailable", "param": None, "code": None}},
                                   {"Retry-After": "1"})

@@ -87,3 +87,39 @@ class Trace:
 
     def to_dict(self) -> dict:
         return {"segments": self.segments, "moves": max(0, len(self.segments) - 1)}
+
+
+@dataclass
+class Ticket:
+    """A request's routing state between the ingress (which streams it, hop by hop) and the
+    router (which decides each hop). The router keeps nothing per request that it cannot lose:
+    this travels with every call, so any router replica can answer the next one."""
+
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    pinned_route: str | None = None  # the client's pin ("gpu", "cpu", "stage"), if allowed
+    migrate_back_after: int | None = None
+    route: str = ""  # the first route taken: "gpu", "cpu" or "stage"
+    hop: str | None = None  # where to go now: "gpu_prefill", "gpu_decode", "cpu_decode/<i>"; None: stop
+    export_after: int | None = None  # hand the sequence off after this many tokens there
+    last_cpu: str | None = None  # the CPU deployment of the last CPU period (stay there if possible)
+    recoveries: int = 0
+    backpressured: bool = False
+    error: ErrorItem | None = None  # set: answer with this and stop
+
+    @classmethod
+    def of(cls, req: GenerateRequest) -> "Ticket":
+        return cls(req.request_id, len(req.prompt_token_ids), int(req.params.get("max_tokens", 16)),
+                   req.route, req.migrate_back_after)
+
+
+@dataclass
+class HopEnd:
+    """How a hop ended, as the ingress reports it to the router."""
+
+    outcome: str  # "handoff", "backpressure", "failed", or "done" (finished, errored or cancelled)
+    seconds: float
+    num_output_tokens: int  # generated so far, over every hop
+    has_handoff: bool = False  # the hop was entered with (or, failed, left) a sequence to continue
+    error: str = ""  # the exception's class name, when failed

@@ -1,10 +1,12 @@
-"""The router: picks the pool for each request and each phase, and chains the phases.
+"""The router: decides where each request runs, phase by phase.
 
 It reads a cached monitor snapshot, refreshed by a background task (never a blocking call on
-the request path; if the monitor is gone it keeps its last snapshot), asks the policy, and
-walks the request through its hops: GPU prefill -> (hand-off) -> GPU or CPU decode, with
-CPU decode in periods after which the policy may move the decode back. Tokens stream up as they
-come; the `Trace` of the segments goes out last.
+the request path; if the monitor is gone it keeps its last snapshot), and asks the policy. The
+ingress's `RequestDriver` walks each request through its hops and calls the router at each
+turn: `begin` (the first hop), `advance` (after a hand-off, a full queue or a failure: GPU
+prefill -> GPU or CPU decode, CPU decode in periods after which the policy may move the decode
+back), `finish`. Tokens never pass through here: a few small calls per request, not per token.
+The router counts each request on its current hop (in flight) to correct the snapshot.
 """
 from __future__ import annotations
 
@@ -13,47 +15,44 @@ import logging
 import time
 
 import ray
-from ray.serve.exceptions import BackPressureError
 
 from keyacc_ray.policies import LoadView, PoolLoad, RequestView, make_policy
-from keyacc_ray.serve.messages import ErrorItem, GenerateRequest, Handoff, SegmentStart, TokenChunk, Trace
+from keyacc_ray.serve.driver import FAILOVER, MAX_RECOVERIES, error_item as _err
+from keyacc_ray.serve.messages import HopEnd, Ticket
 from keyacc_ray.serve.monitor import LoadMonitor
 from keyacc_ray.serve.pools import MONITOR_NAME, MONITOR_NAMESPACE
 
 log = logging.getLogger("ray.serve")
 REFRESH_EVERY_S = 0.1
-MAX_RECOVERIES = 2
-# Where a request goes on when a replica dies under it (the dead one is being replaced).
-FAILOVER = {"gpu_prefill": "cpu_decode", "gpu_decode": "cpu_decode", "cpu_decode": "gpu_decode"}
+ACTIVE_TTL_S = 1800.0  # a request not heard of for this long no longer counts as in flight
 
 
-def _err(status: int, message: str, type_: str = "internal_error") -> ErrorItem:
-    return ErrorItem(status, {"error": {"message": message, "type": type_, "param": None, "code": None}})
+def hop_keys(num_cpu_deployments: int) -> list[str]:
+    """The hops a request can take: both GPU pools, and one key per CPU decode deployment."""
+    return ["gpu_prefill", "gpu_decode"] + [f"cpu_decode/{i}" for i in range(num_cpu_deployments)]
 
 
 class Router:
-    def __init__(self, gpu_prefill, gpu_decode, cpu_decode, policy: str = "gpu_only",
-                 policy_options: dict | None = None, allow_route_pinning: bool = True,
-                 cpu_deployments: list[str] | None = None):
-        """cpu_decode: one handle, or a list (one CPU decode deployment per NUMA node, named in
-        `cpu_deployments`): each is separate capacity and the router balances across them."""
-        cpu_handles = cpu_decode if isinstance(cpu_decode, list) else [cpu_decode]
-        cpu_names = cpu_deployments or ["CpuDecode"] * len(cpu_handles)
-        self.cpu_keys = [f"cpu_decode/{i}" for i in range(len(cpu_handles))]
-        self.hops = {"gpu_prefill": gpu_prefill, "gpu_decode": gpu_decode, **dict(zip(self.cpu_keys, cpu_handles))}
+    def __init__(self, cpu_deployments: list[str] | None = None, policy: str = "gpu_only",
+                 policy_options: dict | None = None, allow_route_pinning: bool = True, monitor=None):
+        """cpu_deployments: the CPU decode deployments' names (one per NUMA node where there are
+        several): each is separate capacity and the router balances across them."""
+        cpu_names = cpu_deployments or ["CpuDecode"]
+        self.cpu_keys = hop_keys(len(cpu_names))[2:]
         self.deployment_of = {"gpu_prefill": "GpuPrefill", "gpu_decode": "GpuDecode",
                               **dict(zip(self.cpu_keys, cpu_names))}
         self.policy = make_policy(policy, policy_options)
         self.allow_pinning = allow_route_pinning
-        self.inflight = {h: 0 for h in self.hops}  # this router's requests on each hop, right now
-        self._pending_blocks = {h: 0 for h in self.hops}  # blocks sent there since the last snapshot
+        self.inflight = {h: 0 for h in self.deployment_of}  # requests on each hop, right now
+        self._active: dict[str, tuple[str, float]] = {}  # request id -> (hop, since)
+        self._pending_blocks = {h: 0 for h in self.deployment_of}  # blocks sent there since the last snapshot
         self._policy_counted: dict[str, int] = {}
         self._cpu_loads: list[PoolLoad] = [PoolLoad() for _ in self.cpu_keys]
         self.snapshot = None
         self.snapshot_age_s = float("inf")
         self._counters: dict[str, float] = {}
         self._refresher: asyncio.Task | None = None
-        self.monitor = ray.remote(LoadMonitor).options(
+        self.monitor = monitor if monitor is not None else ray.remote(LoadMonitor).options(
             name=MONITOR_NAME, namespace=MONITOR_NAMESPACE, get_if_exists=True, lifetime="detached",
             max_restarts=-1, num_cpus=0).remote()
 
@@ -68,7 +67,7 @@ class Router:
             try:
                 snap = await asyncio.wait_for(self.monitor.snapshot.remote(), timeout=2.0)
                 self.snapshot, last_ok = snap, time.monotonic()
-                self._pending_blocks = {h: 0 for h in self.hops}
+                self._pending_blocks = {h: 0 for h in self.deployment_of}
                 self.policy.observe(self.load_view())
                 self._collect_policy_counters()
                 if self._counters:
@@ -76,7 +75,8 @@ class Router:
                     self.monitor.add_counters.remote(deltas)
             except Exception:  # noqa: BLE001 - monitor restarting or gone: keep the last snapshot
                 try:
-                    self.monitor = ray.get_actor(MONITOR_NAME, namespace=MONITOR_NAMESPACE)
+                    if ray.is_initialized():
+                        self.monitor = ray.get_actor(MONITOR_NAME, namespace=MONITOR_NAMESPACE)
                 except Exception:  # noqa: BLE001
                     pass
             self.snapshot_age_s = time.monotonic() - last_ok
@@ -144,125 +144,105 @@ class Router:
     def _count(self, key: str, n: float = 1) -> None:
         self._counters[key] = self._counters.get(key, 0) + n
 
-    # ---- requests ----------------------------------------------------------------------
-    def _first_route(self, req: GenerateRequest, view: RequestView) -> tuple[str, str]:
-        if req.route is not None:
-            if not self.allow_pinning:
-                raise PermissionError("route pinning is turned off on this server")
-            return req.route, "pinned"
-        return self.policy.route(view, self.load_view()), "policy"
+    # ---- requests: decisions (the ingress's RequestDriver streams the tokens) --------------
+    def _enter(self, t: Ticket, hop: str, export_after: int | None) -> Ticket:
+        """Send the request to `hop` next: picks the CPU deployment, counts it in flight."""
+        if hop == "cpu_decode":
+            hop = t.last_cpu = self._pick_cpu(prefer=t.last_cpu)
+        t.hop, t.export_after, t.error = hop, export_after, None
+        self._active[t.request_id] = (hop, time.monotonic())
+        self.inflight[hop] += 1
+        return t
 
-    async def generate(self, req: GenerateRequest):
+    def _leave(self, t: Ticket, end: HopEnd) -> None:
+        """The request left its hop: no longer in flight there (if this replica counted it)."""
+        entry = self._active.pop(t.request_id, None)
+        if entry is not None and entry[0] in self.inflight:
+            self.inflight[entry[0]] -= 1
+        if t.hop:
+            pool = "gpu" if t.hop.startswith("gpu") else "cpu"
+            self._count(f"pool_seconds_total|pool={pool}", end.seconds)
+
+    def _expire(self) -> None:
+        """Forget requests whose ingress never reported back (it died): they stop counting."""
+        now = time.monotonic()
+        for rid, (hop, since) in list(self._active.items()):
+            if now - since > ACTIVE_TTL_S:
+                del self._active[rid]
+                self.inflight[hop] -= 1
+
+    def _stop(self, t: Ticket, error) -> Ticket:
+        t.hop, t.export_after, t.error = None, None, error
+        return t
+
+    async def begin(self, t: Ticket) -> Ticket:
+        """The first hop of a new request."""
         self._ensure_refresher()
-        max_tokens = int(req.params.get("max_tokens", 16))
-        view = RequestView(len(req.prompt_token_ids), 0, max_tokens)
-        try:
-            route, why = self._first_route(req, view)
-        except PermissionError as e:
-            yield [_err(403, str(e), "permission_error")]
-            return
-        self._count(f"requests_started_total|route={route},reason={why}")
-        trace = Trace()
-        handoff: Handoff | None = None
-        generated: list[int] = []  # every token streamed to the client so far
-        emitted_chars = 0
-        recoveries = 0
-        backpressured = False
-        if route == "cpu":
-            hop, export_after = "cpu_decode", self._cpu_period(req)
+        self._expire()
+        if t.pinned_route is not None:
+            if not self.allow_pinning:
+                return self._stop(t, _err(403, "route pinning is turned off on this server", "permission_error"))
+            t.route, why = t.pinned_route, "pinned"
         else:
-            hop, export_after = "gpu_prefill", 1
-        last_cpu = None
-        while hop is not None:
-            started = time.monotonic()
-            if hop == "cpu_decode":  # the CPU pool: pick one of its deployments (NUMA nodes)
-                hop = last_cpu = self._pick_cpu(prefer=last_cpu)
-            handle = self.hops[hop]
-            next_handoff = None
-            cur = hop
-            self.inflight[cur] += 1
-            try:
-                stream = handle.options(stream=True).generate.remote(req, handoff, export_after)
-                async for items in stream:
-                    out = []
-                    for it in items:
-                        if isinstance(it, SegmentStart):
-                            trace.start(it)
-                        elif isinstance(it, Handoff):
-                            next_handoff = it
-                        else:
-                            if isinstance(it, TokenChunk):
-                                trace.add_tokens(len(it.token_ids))
-                                generated.extend(it.token_ids)
-                                emitted_chars += len(it.text)
-                            out.append(it)
-                    if out:
-                        yield out
-                    if any(isinstance(i, ErrorItem) for i in out):
-                        return
-            except BackPressureError:  # the pool's bounded queue is full: not a fault
-                self._count(f"rejected_total|hop={cur.split('/')[0]}")
-                if cur == "gpu_decode" and req.route is None and handoff is not None and not backpressured:
-                    # prefilled, but the GPU decode pool is full: decode on the CPU pool instead
-                    backpressured = True
-                    self._count("moves_total|from=gpu,to=cpu,reason=backpressure")
-                    hop, export_after, last_cpu = "cpu_decode", self._cpu_period(req), None
-                    continue
-                yield [_err(503, f"the {cur.split('/')[0]} pool is overloaded; retry later", "overloaded_error")]
-                return
-            except Exception as e:  # noqa: BLE001 - a replica died or the stream broke
-                if recoveries >= MAX_RECOVERIES:
-                    log.exception("hop %s of %s failed; giving up", hop, req.request_id)
-                    yield [_err(503, f"the {hop} replica failed mid-request ({e.__class__.__name__}) "
-                                     "and recovery failed", "unavailable")]
-                    return
-                # Go on elsewhere from what the client already has: prompt + tokens so far, no KV
-                # (prefilled again there); greedy output stays exact.
-                recoveries += 1
-                log.warning("hop %s of %s failed (%s); continuing on %s after %d tokens", hop,
-                            req.request_id, e.__class__.__name__, FAILOVER[hop.split("/")[0]], len(generated))
-                self._count(f"recoveries_total|hop={hop.split('/')[0]}")
-                if trace.segments:
-                    trace.segments[-1]["failed"] = True
-                handoff = Handoff(req.request_id, None, [], list(req.prompt_token_ids) + generated,
-                                  len(req.prompt_token_ids), req.params, None, emitted_chars)
-                hop = FAILOVER[hop.split("/")[0]]
-                last_cpu = None
-                export_after = self._cpu_period(req) if hop == "cpu_decode" else None
-                if not generated:
-                    handoff = None  # nothing streamed yet: start the request over there
-                continue
-            finally:
-                self.inflight[cur] -= 1
-            pool = "gpu" if hop.startswith("gpu") else "cpu"
-            self._count(f"pool_seconds_total|pool={pool}", time.monotonic() - started)
-            hop = hop.split("/")[0]
-            if next_handoff is None:
-                break  # finished
-            handoff = next_handoff
-            view = RequestView(handoff.num_prompt_tokens, handoff.num_output_tokens, max_tokens)
-            prev = hop
-            hop, export_after = self._next_hop(req, hop, view, route)
-            if hop == "gpu_decode":
-                self._pending_blocks[hop] += self.load_view().gpu_decode.blocks_for(view.total_tokens)
-            src, dst = ("cpu" if prev == "cpu_decode" else "gpu"), ("cpu" if hop == "cpu_decode" else "gpu")
-            if src != dst:
-                reason = "pinned" if req.route else ("offload" if dst == "cpu" else "return")
-                self._count(f"moves_total|from={src},to={dst},reason={reason}")
-        yield [trace]
+            t.route, why = self.policy.route(RequestView(t.num_prompt_tokens, 0, t.max_tokens), self.load_view()), "policy"
+        self._count(f"requests_started_total|route={t.route},reason={why}")
+        if t.route == "cpu":
+            return self._enter(t, "cpu_decode", self._cpu_period(t))
+        return self._enter(t, "gpu_prefill", 1)
 
-    def _cpu_period(self, req: GenerateRequest) -> int | None:
-        if req.migrate_back_after is not None:
-            return req.migrate_back_after
+    async def advance(self, t: Ticket, end: HopEnd) -> Ticket:
+        """The request's hop ended with a hand-off, a full queue or a failure: where next."""
+        self._ensure_refresher()
+        self._leave(t, end)
+        kind = t.hop.split("/")[0]
+        if end.outcome == "backpressure":  # the pool's bounded queue is full: not a fault
+            self._count(f"rejected_total|hop={kind}")
+            if kind == "gpu_decode" and t.pinned_route is None and end.has_handoff and not t.backpressured:
+                # prefilled, but the GPU decode pool is full: decode on the CPU pool instead
+                t.backpressured, t.last_cpu = True, None
+                self._count("moves_total|from=gpu,to=cpu,reason=backpressure")
+                return self._enter(t, "cpu_decode", self._cpu_period(t))
+            return self._stop(t, _err(503, f"the {kind} pool is overloaded; retry later", "overloaded_error"))
+        if end.outcome == "failed":
+            if t.recoveries >= MAX_RECOVERIES:
+                log.error("hop %s of %s failed (%s); giving up", t.hop, t.request_id, end.error)
+                return self._stop(t, _err(503, f"the {kind} replica failed mid-request ({end.error}) "
+                                               "and recovery failed", "unavailable"))
+            t.recoveries += 1
+            nxt = FAILOVER[kind]
+            log.warning("hop %s of %s failed (%s); continuing on %s after %d tokens", t.hop, t.request_id,
+                        end.error, nxt, end.num_output_tokens)
+            self._count(f"recoveries_total|hop={kind}")
+            t.last_cpu = None
+            return self._enter(t, nxt, self._cpu_period(t) if nxt == "cpu_decode" else None)
+        # a hand-off: the policy says where the sequence goes on
+        view = RequestView(t.num_prompt_tokens, end.num_output_tokens, t.max_tokens)
+        nxt, export_after = self._next_hop(t, kind, view)
+        if nxt == "gpu_decode":
+            self._pending_blocks[nxt] += self.load_view().gpu_decode.blocks_for(view.total_tokens)
+        src, dst = ("cpu" if kind == "cpu_decode" else "gpu"), ("cpu" if nxt == "cpu_decode" else "gpu")
+        if src != dst:
+            reason = "pinned" if t.pinned_route else ("offload" if dst == "cpu" else "return")
+            self._count(f"moves_total|from={src},to={dst},reason={reason}")
+        return self._enter(t, nxt, export_after)
+
+    async def finish(self, t: Ticket, end: HopEnd) -> None:
+        """The request is done (finished, failed with an error, or its client went away)."""
+        self._leave(t, end)
+
+    def _cpu_period(self, t: Ticket) -> int | None:
+        if t.migrate_back_after is not None:
+            return t.migrate_back_after
         return self.policy.decode_period_tokens()
 
-    def _next_hop(self, req: GenerateRequest, prev: str, view: RequestView, route: str) -> tuple[str, int | None]:
+    def _next_hop(self, t: Ticket, prev: str, view: RequestView) -> tuple[str, int | None]:
         if prev == "gpu_prefill":  # the hand-off: decode on the GPU, or on the CPU
-            if route == "stage" or (req.route is None and self.policy.after_prefill(view, self.load_view()) == "cpu"):
-                return "cpu_decode", self._cpu_period(req)
+            if t.route == "stage" or (t.pinned_route is None and
+                                      self.policy.after_prefill(view, self.load_view()) == "cpu"):
+                return "cpu_decode", self._cpu_period(t)
             return "gpu_decode", None
         if prev == "cpu_decode":  # end of a CPU period
-            if req.route is not None:  # pinned: migrate_back_after moves it back once
+            if t.pinned_route is not None:  # pinned: migrate_back_after moves it back once
                 return "gpu_decode", None
             if self.policy.after_period(view, self.load_view()) == "gpu":
                 return "gpu_decode", None

@@ -1,0 +1,163 @@
+"""The request path's data plane: walks one request through its hops and streams its tokens.
+
+The router decides (which pool, for how many tokens, what after a hand-off, a failure or a
+full queue); this driver, running inside each ingress replica, does: it calls the chosen pool,
+streams the tokens straight to the client, and asks the router again when the hop ends. Tokens
+therefore cross one Serve hop (pool -> ingress) instead of two, and the router sees a few small
+calls per request instead of every token. Hops: GPU prefill -> (hand-off) -> GPU or CPU decode,
+CPU decode in periods after which the router may move the decode back.
+
+If the router cannot be reached, the driver decides alone (`fallback`): finish where the
+request is, fail over as usual. No Ray import here: pools and the router come in as handles
+(or, in tests, as objects with the same methods).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopEnd, SegmentStart, Ticket,
+                                       TokenChunk, Trace)
+
+log = logging.getLogger("ray.serve")
+ROUTER_TIMEOUT_S = 10.0
+MAX_RECOVERIES = 2
+# Where a request goes on when a replica dies under it (the dead one is being replaced).
+FAILOVER = {"gpu_prefill": "cpu_decode", "gpu_decode": "cpu_decode", "cpu_decode": "gpu_decode"}
+
+
+def error_item(status: int, message: str, type_: str = "internal_error") -> ErrorItem:
+    return ErrorItem(status, {"error": {"message": message, "type": type_, "param": None, "code": None}})
+
+
+def is_backpressure(e: BaseException) -> bool:
+    """Serve's BackPressureError (a pool's bounded queue is full), by name: no Ray import here."""
+    return type(e).__name__ == "BackPressureError"
+
+
+class RemoteRouter:
+    """The router deployment behind its handle, as the driver calls it."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    async def begin(self, t: Ticket) -> Ticket:
+        return await self.handle.begin.remote(t)
+
+    async def advance(self, t: Ticket, end: HopEnd) -> Ticket:
+        return await self.handle.advance.remote(t, end)
+
+    def finish(self, t: Ticket, end: HopEnd) -> None:
+        self.handle.finish.remote(t, end)  # fire and forget: bookkeeping only
+
+
+def fallback(t: Ticket, end: HopEnd | None) -> Ticket:
+    """The driver's own decision when the router does not answer: no policy, no moves by load."""
+    t = dataclasses.replace(t, error=None)
+    if end is None:  # start: a pinned CPU request on the CPU pool, everything else on the GPU pools
+        t.route = t.pinned_route or "gpu"
+        t.hop, t.export_after = ("cpu_decode/0", None) if t.route == "cpu" else ("gpu_prefill", 1)
+        return t
+    kind = t.hop.split("/")[0]
+    if end.outcome == "handoff":  # finish where the request is
+        t.hop = t.hop if kind == "cpu_decode" else "gpu_decode"
+        t.export_after = None
+    elif end.outcome == "failed" and t.recoveries < MAX_RECOVERIES:
+        t.recoveries += 1
+        t.hop = "cpu_decode/0" if FAILOVER[kind] == "cpu_decode" else FAILOVER[kind]
+        t.export_after = None
+    else:
+        t.hop = None
+        t.error = error_item(503, f"the {kind} pool is unavailable; retry later", "unavailable")
+    return t
+
+
+class RequestDriver:
+    def __init__(self, router, hops: dict):
+        """router: RemoteRouter (or the Router itself, in process); hops: the pool handles by hop
+        key ("gpu_prefill", "gpu_decode", "cpu_decode/0", ...)."""
+        self.router = router
+        self.hops = hops
+
+    async def _ask(self, t: Ticket, end: HopEnd | None) -> Ticket:
+        try:
+            call = self.router.begin(t) if end is None else self.router.advance(t, end)
+            return await asyncio.wait_for(call, ROUTER_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - router restarting or gone: decide here
+            log.warning("router unavailable for %s (%s); deciding locally", t.request_id, e.__class__.__name__)
+            return fallback(t, end)
+
+    def _finish(self, t: Ticket, end: HopEnd) -> None:
+        try:
+            res = self.router.finish(t, end)
+            if asyncio.iscoroutine(res):  # the router in process (tests): run it alongside
+                asyncio.get_running_loop().create_task(res)
+        except Exception:  # noqa: BLE001 - bookkeeping only
+            pass
+
+    async def run(self, req: GenerateRequest):
+        """Yields lists of TokenChunk / ErrorItem, then [Trace]."""
+        t = await self._ask(Ticket.of(req), None)
+        trace = Trace()
+        handoff: Handoff | None = None
+        generated: list[int] = []  # every token streamed to the client so far
+        emitted_chars = 0
+        while t.error is None and t.hop is not None:
+            started = time.monotonic()
+            next_handoff = None
+            outcome, err_name = "done", ""
+            stream = None
+            try:
+                stream = self.hops[t.hop].options(stream=True).generate.remote(req, handoff, t.export_after)
+                async for items in stream:
+                    out = []
+                    for it in items:
+                        if isinstance(it, SegmentStart):
+                            trace.start(it)
+                        elif isinstance(it, Handoff):
+                            next_handoff = it
+                        else:
+                            if isinstance(it, TokenChunk):
+                                trace.add_tokens(len(it.token_ids))
+                                generated.extend(it.token_ids)
+                                emitted_chars += len(it.text)
+                            out.append(it)
+                    if out:
+                        yield out
+                    if any(isinstance(i, ErrorItem) for i in out):
+                        self._finish(t, HopEnd("done", time.monotonic() - started, len(generated)))
+                        return
+                if next_handoff is not None:
+                    outcome = "handoff"
+            except (asyncio.CancelledError, GeneratorExit):  # the client went away
+                if stream is not None:
+                    stream.cancel()  # the pool aborts the sequence and frees its blocks
+                self._finish(t, HopEnd("done", time.monotonic() - started, len(generated)))
+                raise
+            except Exception as e:  # noqa: BLE001 - a full queue, or a replica died / the stream broke
+                outcome, err_name = ("backpressure" if is_backpressure(e) else "failed"), e.__class__.__name__
+                if outcome == "failed":
+                    log.warning("hop %s of %s failed (%s) after %d tokens", t.hop, req.request_id, err_name,
+                                len(generated))
+                    if trace.segments:
+                        trace.segments[-1]["failed"] = True
+            end = HopEnd(outcome, time.monotonic() - started, len(generated), handoff is not None, err_name)
+            if outcome == "done":
+                self._finish(t, end)
+                break
+            if outcome == "handoff":
+                handoff = next_handoff
+            elif outcome == "failed":
+                # Go on elsewhere from what the client already has: prompt + tokens so far, no
+                # KV (prefilled again there); greedy output stays exact. Nothing yet: start over.
+                handoff = (Handoff(req.request_id, None, [], list(req.prompt_token_ids) + generated,
+                                   len(req.prompt_token_ids), req.params, None, emitted_chars)
+                           if generated else None)
+                end.has_handoff = handoff is not None
+            t = await self._ask(t, end)
+        if t.error is not None:
+            yield [t.error]
+            return
+        yield [trace]

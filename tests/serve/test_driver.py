@@ -1,0 +1,221 @@
+"""The request path without Ray: the ingress's RequestDriver walking requests through fake pools,
+with the real Router (in process) deciding every hop. The end-to-end tests run the same code
+through Serve with the real engine."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from keyacc_ray.serve.driver import RequestDriver
+from keyacc_ray.serve.messages import ErrorItem, GenerateRequest, Handoff, SegmentStart, TokenChunk, Trace
+from keyacc_ray.serve.router import Router, hop_keys
+
+PROMPT = [1, 2, 3, 4]
+
+
+class BackPressureError(Exception):  # what Serve raises when a pool's bounded queue is full
+    pass
+
+
+class _Unreachable:
+    class _M:
+        def remote(self, *a):
+            raise ConnectionError("no monitor in this test")
+
+    snapshot = _M()
+    add_counters = _M()
+
+
+class FakeStream:
+    def __init__(self, gen):
+        self.gen = gen
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self.gen.__aiter__()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class FakePool:
+    """Token i of a request is 100 + i, wherever it is generated, so continuity shows."""
+
+    def __init__(self, name: str, pool: str, phase: str):
+        self.name, self.pool, self.phase = name, pool, phase
+        self.calls: list[tuple] = []  # (handoff token count or None, export_after)
+        self.fail_after: int | None = None  # raise after this many tokens (once)
+        self.backpressure = False  # raise BackPressureError (once)
+        self.streams: list[FakeStream] = []
+        self.generate = self
+
+    def options(self, stream: bool):
+        return self
+
+    def remote(self, req: GenerateRequest, handoff: Handoff | None, export_after: int | None):
+        self.calls.append((None if handoff is None else len(handoff.token_ids), export_after))
+        s = FakeStream(self._run(req, handoff, export_after))
+        self.streams.append(s)
+        return s
+
+    async def _run(self, req, handoff, export_after):
+        if self.backpressure:
+            self.backpressure = False
+            raise BackPressureError("full")
+        phase = "decode" if handoff is not None else self.phase
+        yield [SegmentStart(self.pool, phase, self.name + "-r0", self.name)]
+        done = len(handoff.token_ids) - len(req.prompt_token_ids) if handoff else 0
+        max_tokens = req.params["max_tokens"]
+        here = 0
+        while done < max_tokens:
+            await asyncio.sleep(0)
+            if self.fail_after is not None and here >= self.fail_after:
+                self.fail_after = None
+                raise RuntimeError("replica died")
+            tok = 100 + done
+            done += 1
+            here += 1
+            last = done == max_tokens
+            yield [TokenChunk([tok], f"<{tok}>", "length" if last else None, len(PROMPT), done)]
+            if not last and export_after is not None and here >= export_after:
+                yield [Handoff(req.request_id, None, [], list(req.prompt_token_ids) + [100 + i for i in range(done)],
+                               len(req.prompt_token_ids), req.params, None, 0)]
+                return
+
+
+def make(policy="gpu_only", options=None, allow_pinning=True, router=None):
+    pools = dict(zip(hop_keys(1), [FakePool("GpuPrefill", "gpu", "prefill"), FakePool("GpuDecode", "gpu", "whole"),
+                                   FakePool("CpuDecode", "cpu", "whole")]))
+    r = router or Router(["CpuDecode"], policy, options, allow_route_pinning=allow_pinning, monitor=_Unreachable())
+    return RequestDriver(r, pools), r, pools
+
+
+def request(max_tokens=8, route=None, migrate_back_after=None, rid="r1"):
+    return GenerateRequest(rid, list(PROMPT), {"max_tokens": max_tokens}, route, migrate_back_after)
+
+
+async def collect(driver, req):
+    tokens, errors, trace = [], [], None
+    async for items in driver.run(req):
+        for i in items:
+            if isinstance(i, TokenChunk):
+                tokens.extend(i.token_ids)
+            elif isinstance(i, ErrorItem):
+                errors.append(i)
+            elif isinstance(i, Trace):
+                trace = i.to_dict()
+    return tokens, errors, trace
+
+
+def settled(router: Router) -> bool:
+    return not router._active and all(v == 0 for v in router.inflight.values())
+
+
+def test_gpu_path_prefill_then_decode():
+    driver, router, pools = make()
+    tokens, errors, trace = asyncio.run(collect(driver, request(8)))
+    assert tokens == [100 + i for i in range(8)] and not errors
+    assert [(s["pool"], s["phase"], s["tokens"]) for s in trace["segments"]] == [("gpu", "prefill", 1),
+                                                                                   ("gpu", "decode", 7)]
+    assert pools["gpu_prefill"].calls == [(None, 1)] and pools["gpu_decode"].calls == [(len(PROMPT) + 1, None)]
+    assert settled(router)
+    assert router._counters["requests_started_total|route=gpu,reason=policy"] == 1
+
+
+def test_pinned_stage_goes_to_cpu_and_back():
+    driver, router, pools = make()
+    tokens, errors, trace = asyncio.run(collect(driver, request(10, route="stage", migrate_back_after=3)))
+    assert tokens == [100 + i for i in range(10)] and not errors
+    assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == [("gpu", 1), ("cpu", 3), ("gpu", 6)]
+    assert pools["cpu_decode/0"].calls == [(len(PROMPT) + 1, 3)]
+    assert router._counters["moves_total|from=gpu,to=cpu,reason=pinned"] == 1
+    assert router._counters["moves_total|from=cpu,to=gpu,reason=pinned"] == 1
+    assert settled(router)
+
+
+def test_replica_failure_continues_elsewhere_from_the_tokens_so_far():
+    driver, router, pools = make()
+    pools["gpu_decode"].fail_after = 2
+    tokens, errors, trace = asyncio.run(collect(driver, request(8)))
+    assert tokens == [100 + i for i in range(8)] and not errors  # no token lost or repeated
+    # prefill 1 + 2 on the GPU decode replica, then the CPU pool from prompt + 3 tokens
+    assert pools["cpu_decode/0"].calls == [(len(PROMPT) + 3, None)]
+    assert trace["segments"][1].get("failed") is True
+    assert router._counters["recoveries_total|hop=gpu_decode"] == 1
+    assert settled(router)
+
+
+def test_full_gpu_decode_queue_moves_the_decode_to_the_cpu_pool():
+    driver, router, pools = make()
+    pools["gpu_decode"].backpressure = True
+    tokens, errors, trace = asyncio.run(collect(driver, request(6)))
+    assert tokens == [100 + i for i in range(6)] and not errors
+    assert [s["pool"] for s in trace["segments"]] == ["gpu", "cpu"]
+    assert router._counters["moves_total|from=gpu,to=cpu,reason=backpressure"] == 1
+    assert router._counters["rejected_total|hop=gpu_decode"] == 1
+    assert settled(router)
+
+
+def test_full_prefill_queue_is_a_503():
+    driver, router, pools = make()
+    pools["gpu_prefill"].backpressure = True
+    tokens, errors, _ = asyncio.run(collect(driver, request(6)))
+    assert tokens == [] and errors[0].status_code == 503
+    assert errors[0].body["error"]["type"] == "overloaded_error"
+    assert settled(router)
+
+
+def test_pinning_refused_when_turned_off():
+    driver, router, _ = make(allow_pinning=False)
+    tokens, errors, _ = asyncio.run(collect(driver, request(4, route="cpu")))
+    assert tokens == [] and errors[0].status_code == 403
+    assert settled(router)
+
+
+def test_router_unreachable_the_driver_decides_alone():
+    class DeadRouter:
+        async def begin(self, t):
+            raise ConnectionError("router down")
+
+        advance = begin
+
+        def finish(self, t, end):
+            raise ConnectionError("router down")
+
+    driver, _, pools = make(router=DeadRouter())
+    tokens, errors, trace = asyncio.run(collect(driver, request(5)))
+    assert tokens == [100 + i for i in range(5)] and not errors
+    assert [s["pool"] for s in trace["segments"]] == ["gpu", "gpu"]
+
+
+def test_client_gone_cancels_the_pool_stream_and_frees_the_router_count():
+    driver, router, pools = make()
+
+    async def go():
+        gen = driver.run(request(50, route="cpu"))
+        seen = 0
+        async for items in gen:
+            seen += sum(isinstance(i, TokenChunk) for i in items)
+            if seen >= 3:
+                break
+        await gen.aclose()
+        await asyncio.sleep(0.01)  # the router's finish runs as a task
+        return seen
+
+    assert asyncio.run(go()) == 3
+    assert pools["cpu_decode/0"].streams[0].cancelled
+    assert settled(router)
+
+
+@pytest.mark.parametrize("n", [5])
+def test_concurrent_requests_all_complete_and_settle(n):
+    driver, router, _ = make(options=None)
+
+    async def go():
+        return await asyncio.gather(*(collect(driver, request(7, route=r, migrate_back_after=2, rid=f"r{i}"))
+                                      for i, r in enumerate(["gpu", "cpu", "stage", None, "cpu"][:n])))
+
+    for tokens, errors, _ in asyncio.run(go()):
+        assert tokens == [100 + i for i in range(7)] and not errors
+    assert settled(router)
