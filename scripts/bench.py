@@ -60,7 +60,7 @@ def start(args) -> str:
     import ray
     from ray import serve
 
-    from keyacc_ray.serve.app import build_app
+    from keyacc_ray.serve.app import apply_cluster_env, build_app
 
     model = Path(args.model_path) if args.model_path else ROOT / "models" / MODEL_NAME
     if not (model / "config.json").exists():
@@ -70,6 +70,7 @@ def start(args) -> str:
         # Ray, Serve, the router, ingress and this load generator start here and inherit this
         # mask; the pools pin themselves (the CPU pool's cores are its own).
         os.sched_setaffinity(0, set(args.stack_cpus))
+    apply_cluster_env()
     if args.gpu:
         ray.init(include_dashboard=False, log_to_driver=False)
     else:

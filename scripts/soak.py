@@ -160,8 +160,9 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from keyacc_ray.serve.app import build_app
+    from keyacc_ray.serve.app import apply_cluster_env, build_app
 
+    apply_cluster_env()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     serve.run(build_app({"model": str(ROOT / "models" / "tiny-qwen3"), "max_model_len": 512, "policy": args.policy,

@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from keyacc_ray.hw.topology import describe  # noqa: E402
+from keyacc_ray.serve.app import apply_cluster_env  # noqa: E402
 
 
 def node_args(info: dict, kind: str | None, head: bool = False) -> tuple[dict, dict]:
@@ -65,6 +66,7 @@ def main() -> None:
     print(json.dumps({"topology": info, "resources": resources, "labels": labels}, indent=1), file=sys.stderr)
     print(" ".join(cmd))
     if not args.print:
+        apply_cluster_env()  # Ray's processes on this node inherit it
         os.execv(cmd[0], cmd)
 
 

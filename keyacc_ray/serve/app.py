@@ -19,6 +19,18 @@ from keyacc_ray.config import ConfigError, EngineConfig, _from_dict, env_dtype, 
 
 log = logging.getLogger("ray.serve")
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# Environment of the Ray cluster (read by Serve's HTTP proxy): proxy -> ingress over gRPC instead
+# of Ray task streaming, about a quarter less proxy CPU per streamed chunk here. Whoever starts Ray
+# sets it (`apply_cluster_env`; the Makefile and scripts/start_node.py do).
+CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+
+
+def apply_cluster_env() -> None:
+    """Before starting Ray: CLUSTER_ENV into this process's environment (Ray's processes inherit
+    it), leaving any value the operator set."""
+    for k, v in CLUSTER_ENV.items():
+        os.environ.setdefault(k, v)
 
 
 @dataclass
@@ -77,6 +89,12 @@ class AppConfig:
     max_queued_requests: int = 256  # at the ingress: past it, clients get 503 at once
     api_keys_file: str | None = None  # one key per line; also KEYACC_API_KEYS(_FILE)
     operator_keys_file: str | None = None  # also KEYACC_OPERATOR_KEYS(_FILE)
+    # Environment of every replica (Ray Serve settings read at replica start). The defaults run
+    # user code and handle routing on the replica's own event loop instead of a thread of
+    # their own: one thread hop less per streamed item, which on the token path is most of
+    # the serving stack's CPU (docs/benchmarks.md). Our replicas never block their loop (the
+    # engines step on threads of their own).
+    replica_env: dict = field(default_factory=lambda: dict(REPLICA_ENV))
 
     def __post_init__(self):
         if self.allow_route_pinning not in (True, False, "operators"):
@@ -168,13 +186,14 @@ def build_app(args: dict | None = None):
             # a bundle that takes this NUMA node's cores (resources from scripts/start_node.py)
             bundle = {"CPU": p.num_cpus, f"keyacc_numa_{numa_node}": max(1, p.num_threads or 1), **resources}
             opts.update(placement_group_bundles=[bundle], placement_group_strategy="STRICT_PACK",
-                        ray_actor_options={"num_cpus": p.num_cpus})
+                        ray_actor_options={"num_cpus": p.num_cpus, **env})
         else:
-            opts["ray_actor_options"] = {"num_cpus": p.num_cpus, "num_gpus": num_gpus, "resources": resources}
+            opts["ray_actor_options"] = {"num_cpus": p.num_cpus, "num_gpus": num_gpus, "resources": resources, **env}
         return serve.deployment(cls, name=name).options(**opts).bind(
             cfg.engine(p), name, p.emulate_if_no_cuda, p.cpu_affinity, numa_node, p.stream_interval_ms)
 
     cluster = ray.cluster_resources() if ray.is_initialized() else {}
+    env = {"runtime_env": {"env_vars": {k: str(v) for k, v in cfg.replica_env.items()}}} if cfg.replica_env else {}
     gpu_prefill = pool(GpuPrefill, "GpuPrefill", cfg.gpu, gpu_gpus)
     gpu_decode = pool(GpuDecode, "GpuDecode", cfg.gpu, gpu_gpus)
     numa = cpu_numa_nodes(cfg.cpu, cluster)
@@ -187,13 +206,13 @@ def build_app(args: dict | None = None):
     # The policy travels as user_config: switching it reconfigures the router in place.
     router = serve.deployment(Router, name="Router").options(
         max_ongoing_requests=4096,
-        ray_actor_options={"num_cpus": cfg.router_num_cpus, "resources": dict(cfg.control_resources)},
+        ray_actor_options={"num_cpus": cfg.router_num_cpus, "resources": dict(cfg.control_resources), **env},
         user_config={"policy": cfg.policy, "policy_options": cfg.policy_options},
     ).bind(cpu_deployments=cpu_names, allow_route_pinning=cfg.allow_route_pinning)
     cpu_list = cpu_decode if isinstance(cpu_decode, list) else [cpu_decode]
     pools = dict(zip(hop_keys(len(cpu_list)), [gpu_prefill, gpu_decode, *cpu_list]))
     return serve.deployment(Ingress, name="Ingress").options(
         max_ongoing_requests=4096, max_queued_requests=cfg.max_queued_requests,
-        ray_actor_options={"num_cpus": cfg.ingress_num_cpus, "resources": dict(cfg.control_resources)},
+        ray_actor_options={"num_cpus": cfg.ingress_num_cpus, "resources": dict(cfg.control_resources), **env},
     ).bind(router, pools, cfg.model, cfg.served_model_name, max_len, cfg.allow_route_pinning, cfg.max_body_bytes,
            cfg.api_keys_file, cfg.operator_keys_file)

@@ -30,8 +30,9 @@ def cluster_app():
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from keyacc_ray.serve.app import build_app
+    from keyacc_ray.serve.app import apply_cluster_env, build_app
 
+    apply_cluster_env()
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "resources": {"keyacc_gpu_node": 1, "keyacc_head_node": 1, "keyacc_numa_0": 1}})
     cpu_node = cluster.add_node(num_cpus=2, resources={"keyacc_cpu_node": 1, "keyacc_numa_0": 2,

@@ -21,8 +21,9 @@ def start_app(args: dict, port: int):
     import ray
     from ray import serve
 
-    from keyacc_ray.serve.app import build_app
+    from keyacc_ray.serve.app import apply_cluster_env, build_app
 
+    apply_cluster_env()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=bool(os.environ.get("KEYACC_TEST_LOGS")),
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
