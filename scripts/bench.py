@@ -106,7 +106,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="levels 2 8 24 40, 10 s each: under 15 minutes here")
     ap.add_argument("--levels", type=int, nargs="+", default=[2, 8, 16, 24, 40],
                     help="concurrency levels; the top one should saturate both pools (here: 4 GPU + 32 CPU slots)")
-    ap.add_argument("--duration", type=float, default=20.0)
+    ap.add_argument("--duration", type=float, default=20.0, help="measured seconds per run, after --ramp")
+    ap.add_argument("--ramp", type=float, default=4.0,
+                    help="seconds each run goes before its measured window (every client sends at once)")
     ap.add_argument("--low-load-rounds", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--output-tokens", type=int, default=96)
@@ -140,7 +142,7 @@ def main() -> None:
     else:
         url = start(args)
     options = {"trigger_window_s": 0.3, "return_window_s": 1.0, "decode_period_tokens": args.period}
-    plan = side_by_side.Plan(levels=args.levels, duration_s=args.duration, policies=args.policies,
+    plan = side_by_side.Plan(levels=args.levels, duration_s=args.duration, ramp_s=args.ramp, policies=args.policies,
                              ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms,
                              low_load_rounds=args.low_load_rounds)
     wl = Workload(prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens)

@@ -189,23 +189,42 @@ def pct(xs: list[float], p: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def summarize(results: list[Result], wall_s: float, ttft_slo_s: float, tpot_slo_s: float) -> dict:
+def summarize(results: list[Result], wall_s: float, ttft_slo_s: float, tpot_slo_s: float,
+              window: tuple[float, float] | None = None) -> dict:
+    """Per-run figures. With `window` = (start, end), seconds after the first request started,
+    only the steady state counts: tokens that arrived and requests that completed inside it,
+    per second of it, and the latencies of requests that started inside it (a closed loop
+    opens with every client sending at once, and ends with a tail of fewer clients)."""
+    done = list(results)
+    tokens = 0.0
+    if window is not None and results:
+        t0 = min(r.start_s for r in results)
+        lo, hi = t0 + window[0], t0 + window[1]
+        wall_s = window[1] - window[0]
+        in_window = [r for r in results if lo <= r.start_s < hi]
+        # a server that sends no token ids: each text chunk stands for its share of the usage count
+        tokens = sum(r.output_tokens / len(r.token_times) for r in results if r.ok and r.token_times
+                     for t in r.token_times if lo <= r.start_s + t < hi)
+        done = [r for r in results if lo <= r.start_s + r.e2e_s < hi]
+        results = in_window
     ok = [r for r in results if r.ok]
     ttft = [r.ttft_s for r in ok]
     tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
     itl = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:]) if b > a]
-    tokens = sum(r.output_tokens for r in ok)
+    if window is None:
+        tokens = sum(r.output_tokens for r in ok)
+    ok_done = [r for r in done if r.ok]
     pool_tokens: dict[str, int] = {}
     moves = 0
     for r in ok:
         moves += sum(1 for a, b in zip(r.segments, r.segments[1:]) if a["pool"] != b["pool"])
         for s in r.segments:
             pool_tokens[s["pool"]] = pool_tokens.get(s["pool"], 0) + s["tokens"]
-    good = [r for r in ok if r.ttft_s <= ttft_slo_s and (r.tpot_s or 0) <= tpot_slo_s]
+    good = [r for r in ok_done if r.ttft_s <= ttft_slo_s and (r.tpot_s or 0) <= tpot_slo_s]
     total_pool = sum(pool_tokens.values()) or 1
     return {
         "requests": len(results), "failed": len(results) - len(ok),
-        "req_per_s": round(len(ok) / wall_s, 3), "output_tok_per_s": round(tokens / wall_s, 1),
+        "req_per_s": round(len(ok_done) / wall_s, 3), "output_tok_per_s": round(tokens / wall_s, 1),
         "ttft_p50_ms": round(pct(ttft, 50) * 1e3, 1), "ttft_p90_ms": round(pct(ttft, 90) * 1e3, 1),
         "ttft_p99_ms": round(pct(ttft, 99) * 1e3, 1),
         "tpot_p50_ms": round(pct(tpot, 50) * 1e3, 2), "tpot_p90_ms": round(pct(tpot, 90) * 1e3, 2),

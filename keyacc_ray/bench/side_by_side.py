@@ -27,7 +27,8 @@ POLICIES = ["gpu_only", "full_offload", "stage_offload", "auto"]
 @dataclass
 class Plan:
     levels: list[int] = field(default_factory=lambda: [2, 6, 12, 20])
-    duration_s: float = 15.0
+    duration_s: float = 15.0  # the measured steady state of each run, after its ramp
+    ramp_s: float = 4.0  # each run starts this long before its measured window (all clients send at once)
     warmup_s: float = 3.0
     policies: list[str] = field(default_factory=lambda: list(POLICIES))
     ttft_slo_ms: float = 2000.0
@@ -38,6 +39,11 @@ class Plan:
     # round by round and medians taken, so a drift of the machine does not land on one policy.
     low_load_rounds: int = 3
     low_load_s: float = 6.0
+
+
+def window(plan: Plan) -> tuple[float, float] | None:
+    """The measured steady state of a run: after its ramp, until its clients stop sending."""
+    return (plan.ramp_s, plan.ramp_s + plan.duration_s) if plan.ramp_s > 0 else None
 
 
 def within_slo(runs: dict, plan: Plan) -> int:
@@ -110,8 +116,8 @@ def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[st
         for c in plan.levels:
             record = pol == plan.timeline_policy and c == max(plan.levels)
             before = cpu_probe() if cpu_probe else None
-            res, wall, tl = asyncio.run(_measure(url, model, c, plan.duration_s, wl, record, pol))
-            s = summarize(res, wall, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3)
+            res, wall, tl = asyncio.run(_measure(url, model, c, plan.ramp_s + plan.duration_s, wl, record, pol))
+            s = summarize(res, wall, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3, window(plan))
             if cpu_probe:
                 from keyacc_ray.bench.cpu_account import delta
 
@@ -127,9 +133,9 @@ def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[st
         set_policy("gpu_only")
         c = max(plan.levels)
         before = cpu_probe() if cpu_probe else None
-        res, wall = asyncio.run(closed_loop(url, model, c, plan.duration_s, wl, extra={"keyacc": {"route": "cpu"}},
-                                            desc="cpu pool alone"))
-        cpu_alone = summarize(res, wall, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3)
+        res, wall = asyncio.run(closed_loop(url, model, c, plan.ramp_s + plan.duration_s, wl,
+                                            extra={"keyacc": {"route": "cpu"}}, desc="cpu pool alone"))
+        cpu_alone = summarize(res, wall, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3, window(plan))
         if cpu_probe:
             from keyacc_ray.bench.cpu_account import delta
 

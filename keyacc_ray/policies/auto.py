@@ -1,15 +1,16 @@
 """Both mechanisms together. While the GPU accepts, requests run there. When the GPU decode
 pool is overloaded but prefill keeps up, only the decode moves to the CPU at the hand-off
 (stage offload, also when its KV would not fit the GPU decode pool now);
-when the whole GPU is queued (prefill too), whole requests go to the CPU (full offload). CPU
+when the whole GPU is queued (prefill too), or flooded beyond `gpu_queue_overflow` right now,
+whole requests go to the CPU (full offload's rule, `whole_request_route`). CPU
 decodes run in periods and move back after the memory check, as in both modes."""
 from keyacc_ray.policies import register
 from keyacc_ray.policies.base import LoadView, Policy, RequestView
-from keyacc_ray.policies.hysteresis import gate, return_decision
+from keyacc_ray.policies.hysteresis import gate, return_decision, whole_request_route
 from keyacc_ray.policies.stage_offload import decode_placement
 
 DEFAULTS = {
-    "gpu_queue_high": 2, "gpu_queue_safe": 1, "prefill_queue_high": 2, "prefill_queue_safe": 1,
+    "gpu_queue_high": 2, "gpu_queue_safe": 1, "gpu_queue_overflow": 24, "prefill_queue_high": 2, "prefill_queue_safe": 1,
     "cpu_queue_high": 4, "cpu_queue_safe": 1, "trigger_window_s": 0.5, "return_window_s": 2.0,
     "decode_period_tokens": 16, "min_gpu_free_bytes": 1 << 30,
 }
@@ -35,9 +36,9 @@ class Auto(Policy):
 
     def route(self, req: RequestView, load: LoadView) -> str:
         self.observe(load)
-        if self.gpu.overloaded and self.prefill.overloaded and not self.cpu.overloaded:
-            return "cpu"  # the whole GPU is queued: whole-request offload
-        return "gpu"  # prefill on the GPU; the decode is placed at the hand-off
+        # whole-request offload when the whole GPU is queued; otherwise prefill on the GPU and
+        # the decode is placed at the hand-off
+        return whole_request_route(self, self.gpu.overloaded and self.prefill.overloaded, self.cpu, load)
 
     def after_prefill(self, req: RequestView, load: LoadView) -> str:
         return decode_placement(self, self.gpu, req, load)

@@ -15,7 +15,7 @@ keeps running on the CPU.
 """
 from keyacc_ray.policies import register
 from keyacc_ray.policies.base import LoadView, Policy, RequestView
-from keyacc_ray.policies.hysteresis import gate, return_decision
+from keyacc_ray.policies.hysteresis import gate, return_decision, whole_request_route
 
 DEFAULTS = {
     "gpu_queue_high": 2, "gpu_queue_safe": 1, "gpu_queue_overflow": 24, "cpu_queue_high": 4, "cpu_queue_safe": 1,
@@ -42,19 +42,7 @@ class FullOffload(Policy):
 
     def route(self, req: RequestView, load: LoadView) -> str:
         self.observe(load)
-        flood = load.gpu_queue > self.options["gpu_queue_overflow"]
-        if not self.gpu.overloaded and not flood:
-            return "gpu"
-        if not self.cpu.overloaded:
-            if not self.gpu.overloaded:
-                self.count("overflow_to_cpu")
-            return "cpu"
-        gpu_tps = load.gpu_prefill.tokens_per_s + load.gpu_decode.tokens_per_s
-        cpu_wait = load.cpu.drain_s()
-        if gpu_tps > 0 and cpu_wait is not None and cpu_wait < load.gpu_queue / gpu_tps:
-            self.count("both_overloaded_to_cpu")
-            return "cpu"
-        return "gpu"
+        return whole_request_route(self, self.gpu.overloaded, self.cpu, load)
 
     def after_period(self, req: RequestView, load: LoadView) -> str:
         return return_decision(self, self.gpu, req, load)

@@ -77,3 +77,25 @@ def return_decision(policy: Policy, gate: PoolGate, req: RequestView, load: Load
         policy.count("moves_refused_memory")
         return "cpu"
     return "gpu"
+
+
+def whole_request_route(policy: Policy, gpu_overloaded: bool, cpu_gate: PoolGate, load: LoadView) -> str:
+    """Where a new request runs, whole-request offload style. The GPU while it accepts; the CPU
+    pool while the GPU is overloaded (its gate) or flooded right now (its queue, the router's
+    in-flight count included, beyond `gpu_queue_overflow`: a burst of 40 requests arrives
+    within milliseconds, and waiting out the trigger window would queue them all on the GPU).
+    When the CPU pool is overloaded too, the request queues where the queue drains sooner at
+    the pool's recent rate (queue / tokens per second), and on the GPU while a rate is unknown."""
+    flood = load.gpu_queue > policy.options["gpu_queue_overflow"]
+    if not gpu_overloaded and not flood:
+        return "gpu"
+    if not cpu_gate.overloaded:
+        if not gpu_overloaded:
+            policy.count("overflow_to_cpu")
+        return "cpu"
+    gpu_tps = load.gpu_prefill.tokens_per_s + load.gpu_decode.tokens_per_s
+    cpu_wait = load.cpu.drain_s()
+    if gpu_tps > 0 and cpu_wait is not None and cpu_wait < load.gpu_queue / gpu_tps:
+        policy.count("both_overloaded_to_cpu")
+        return "cpu"
+    return "gpu"

@@ -43,6 +43,22 @@ def test_summarize_fixed_inputs():
     assert s["moves"] == 1
 
 
+def test_summarize_steady_state_window():
+    # 10 tokens each, one every 0.1 s after a 0.1 s TTFT: request k starts at k s, its tokens
+    # arrive at k + 0.1 ... k + 1.0 and it completes at k + 1.0
+    results = [res(0.1, 0.1, n=10, start=float(k)) for k in range(6)]
+    results[0].ttft_s = 5.0  # the opening burst's slow first token: outside the window
+    s = summarize(results, wall_s=99.0, ttft_slo_s=1.0, tpot_slo_s=0.2, window=(2.0, 4.0))
+    assert s["output_tok_per_s"] == 10.0  # the 20 tokens arriving in [2, 4) over 2 s
+    assert s["requests"] == 2  # started in the window: 2 and 3
+    assert s["req_per_s"] == 1.0  # completed in the window: 1 (at 2.0) and 2 (at 3.0)
+    assert s["ttft_p99_ms"] == pytest.approx(100.0)
+    # a server without token ids: 2 text chunks standing for 10 tokens (usage) count 5 each
+    coarse = Result(ok=True, status=200, start_s=2.0, ttft_s=0.5, e2e_s=1.5, token_times=[0.5, 1.5],
+                    output_tokens=10, wanted=10)
+    assert summarize([coarse], 99.0, 1.0, 1.0, window=(0.0, 1.0))["output_tok_per_s"] == 5.0
+
+
 def test_workload_lengths_are_seeded_and_spread():
     wl = Workload(prompt_tokens=40, output_tokens=10, prompt_spread=0.5, output_spread=0.2, seed=3)
     a = [wl.sample(random.Random(3)) for _ in range(3)]

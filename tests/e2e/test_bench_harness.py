@@ -43,7 +43,7 @@ def test_cli_json(app_url, tmp_path):
 
 
 def test_side_by_side_report(app_url, policy, tmp_path):  # noqa: F811
-    plan = side_by_side.Plan(levels=[1, 3], duration_s=1.5, warmup_s=0.5, low_load_rounds=1, low_load_s=1.0,
+    plan = side_by_side.Plan(levels=[1, 3], duration_s=1.5, ramp_s=0.5, warmup_s=0.5, low_load_rounds=1, low_load_s=1.0,
                              policies=["gpu_only", "full_offload", "auto"], timeline_policy="full_offload")
     report = side_by_side.run(app_url, MODEL, Workload(prompt_tokens=12, output_tokens=24), plan,
                               lambda name: policy(name, {} if name == "gpu_only" else FAST), FAST, log=lambda m: None)

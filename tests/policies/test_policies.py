@@ -147,6 +147,23 @@ def test_auto_picks_stage_or_whole_request_by_prefill_load():
     assert p.after_prefill(RequestView(20, 1, 40), view()) == "gpu"
 
 
+def test_auto_flood_overflows_whole_requests_at_once_and_both_full_queues_where_it_drains_sooner():
+    clock = Clock()
+    p = make_policy("auto", {"trigger_window_s": 0.5, "return_window_s": 1.0}, clock=clock)
+    assert p.route(REQ, view(gpu_queue=4, prefill_queue=4)) == "gpu"  # above high, within the window
+    assert p.route(REQ, view(gpu_queue=30, prefill_queue=30)) == "cpu"  # a burst beyond gpu_queue_overflow
+    assert p.counters["overflow_to_cpu"] == 1
+
+    def loaded(gpu_tps, cpu_tps):
+        v = view(gpu_queue=30, prefill_queue=30, cpu_queue=6)
+        v.gpu_decode.tokens_per_s, v.cpu.tokens_per_s = gpu_tps, cpu_tps
+        return lambda t: v
+
+    # both pools overloaded: the one that works its queue off sooner
+    assert drive(p, clock, loaded(100.0, 200.0), 1.0)[-1] == "cpu"
+    assert drive(p, clock, loaded(5000.0, 200.0), 0.5)[-1] == "gpu"
+
+
 def test_gpu_only_and_unknown_policy():
     assert make_policy("gpu_only").route(REQ, view(gpu_queue=100)) == "gpu"
     with pytest.raises(ValueError, match="known"):
