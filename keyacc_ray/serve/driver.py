@@ -42,6 +42,7 @@ class RemoteRouter:
 
     def __init__(self, handle):
         self.handle = handle
+        self._tasks: set[asyncio.Task] = set()  # finish calls in flight (the loop holds tasks weakly)
 
     async def begin(self, t: Ticket) -> Ticket:
         return await self.handle.begin.remote(t)
@@ -50,7 +51,18 @@ class RemoteRouter:
         return await self.handle.advance.remote(t, end)
 
     def finish(self, t: Ticket, end: HopEnd) -> None:
-        self.handle.finish.remote(t, end)  # fire and forget: bookkeeping only
+        """Bookkeeping only: the client does not wait for it. The call runs as a task held here
+        until it is answered: a response nobody holds can be collected before it is sent, and
+        the router would count the request in flight until it expires."""
+        task = asyncio.get_running_loop().create_task(self._finish(t, end))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _finish(self, t: Ticket, end: HopEnd) -> None:
+        try:
+            await asyncio.wait_for(self.handle.finish.remote(t, end), ROUTER_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - the count expires on the router's side
+            log.warning("router finish for %s failed (%s)", t.request_id, e.__class__.__name__)
 
 
 def fallback(t: Ticket, end: HopEnd | None) -> Ticket:
@@ -80,6 +92,7 @@ class RequestDriver:
         key ("gpu_prefill", "gpu_decode", "cpu_decode/0", ...)."""
         self.router = router
         self.hops = hops
+        self._tasks: set[asyncio.Task] = set()
 
     async def _ask(self, t: Ticket, end: HopEnd | None) -> Ticket:
         try:
@@ -93,7 +106,9 @@ class RequestDriver:
         try:
             res = self.router.finish(t, end)
             if asyncio.iscoroutine(res):  # the router in process (tests): run it alongside
-                asyncio.get_running_loop().create_task(res)
+                task = asyncio.get_running_loop().create_task(res)
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
         except Exception:  # noqa: BLE001 - bookkeeping only
             pass
 

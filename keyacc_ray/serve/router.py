@@ -253,4 +253,5 @@ class Router:
         self._ensure_refresher()
         snap = self.snapshot
         return {"snapshot": snap.to_dict() if snap is not None else None,
-                "snapshot_age_s": self.snapshot_age_s, "policy": self.policy.name}
+                "snapshot_age_s": self.snapshot_age_s, "policy": self.policy.name,
+                "inflight": dict(self.inflight)}

@@ -69,6 +69,22 @@ def test_burst_offloads_by_policy_and_outputs_match(app_url, policy, name, expec
         assert any(s["phase"] == expect_phase for s in cpu_segments)
     text = httpx.get(f"{app_url}/metrics", timeout=10).text
     assert "keyacc_moves_total" in text or name == "full_offload"
+    assert router_inflight_settles(), "the router still counts finished requests in flight"
+
+
+def router_inflight_settles(timeout_s: float = 10.0) -> bool:
+    """Every request has told the router it left its last hop (the policies read these counts)."""
+    import time
+
+    from ray import serve
+
+    handle = serve.get_deployment_handle("Router", "keyacc")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(handle.snapshot_dict.remote().result(timeout_s=10)["inflight"].values()):
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def test_gpu_only_keeps_everything_on_gpu(app_url):
