@@ -24,6 +24,12 @@ from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopE
 log = logging.getLogger("ray.serve")
 ROUTER_TIMEOUT_S = 10.0
 MAX_RECOVERIES = 2
+# Pool streams and router calls use Serve's gRPC transport (`_by_reference=False`): per streamed
+# item it costs the ingress about half the CPU of Ray's task streaming (docs/benchmarks.md).
+# Nothing in them may be an ObjectRef (a pickled ref pins its object): hand-offs carry the KV
+# directory's key instead (serve/kv_directory.py).
+POOL_CALL = {"stream": True, "_by_reference": False}
+ROUTER_CALL = {"_by_reference": False}
 # Where a request goes on when a replica dies under it (the dead one is being replaced).
 FAILOVER = {"gpu_prefill": "cpu_decode", "gpu_decode": "cpu_decode", "cpu_decode": "gpu_decode"}
 
@@ -45,10 +51,10 @@ class RemoteRouter:
         self._tasks: set[asyncio.Task] = set()  # finish calls in flight (the loop holds tasks weakly)
 
     async def begin(self, t: Ticket) -> Ticket:
-        return await self.handle.begin.remote(t)
+        return await self.handle.options(**ROUTER_CALL).begin.remote(t)
 
     async def advance(self, t: Ticket, end: HopEnd) -> Ticket:
-        return await self.handle.advance.remote(t, end)
+        return await self.handle.options(**ROUTER_CALL).advance.remote(t, end)
 
     def finish(self, t: Ticket, end: HopEnd) -> None:
         """Bookkeeping only: the client does not wait for it. The call runs as a task held here
@@ -60,7 +66,7 @@ class RemoteRouter:
 
     async def _finish(self, t: Ticket, end: HopEnd) -> None:
         try:
-            await asyncio.wait_for(self.handle.finish.remote(t, end), ROUTER_TIMEOUT_S)
+            await asyncio.wait_for(self.handle.options(**ROUTER_CALL).finish.remote(t, end), ROUTER_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the count expires on the router's side
             log.warning("router finish for %s failed (%s)", t.request_id, e.__class__.__name__)
 
@@ -125,7 +131,7 @@ class RequestDriver:
             outcome, err_name = "done", ""
             stream = None
             try:
-                stream = self.hops[t.hop].options(stream=True).generate.remote(req, handoff, t.export_after)
+                stream = self.hops[t.hop].options(**POOL_CALL).generate.remote(req, handoff, t.export_after)
                 async for items in stream:
                     out = []
                     for it in items:

@@ -29,6 +29,7 @@ class SegmentStart:
     replica: str
     deployment: str
     node: str = ""  # the Ray node id the replica runs on
+    kv: str = ""  # with a hand-off: "received" (its KV arrived) or "recomputed" (prefilled again)
 
 
 @dataclass
@@ -48,9 +49,11 @@ class ErrorItem:
 
 @dataclass
 class Handoff:
-    """A sequence's state between two engines. Only the K/V arrays go through the object store
-    (`kv_ref`, a one-element list so the ref is passed along, not resolved); the small state
-    travels inline, so if the KV object is lost the receiver can prefill prompt + tokens so far."""
+    """A sequence's state between two engines. Only the K/V arrays go through the object store:
+    their reference waits in the KV directory under `kv_key` (the hand-off itself may travel
+    pickled, over gRPC), or travels as `kv_ref` (a one-element list, passed along by Ray, not
+    resolved). The small state travels inline, so if the KV object is lost the receiver can
+    prefill prompt + tokens so far."""
 
     request_id: str
     meta: Any  # KVMeta
@@ -61,6 +64,7 @@ class Handoff:
     rng_state: np.ndarray | None
     emitted_text_chars: int
     kv_bytes: int = 0
+    kv_key: str = ""  # the KV directory's key for the reference, when it waits there
 
     @property
     def num_output_tokens(self) -> int:
@@ -77,9 +81,13 @@ class Trace:
         last = self.segments[-1] if self.segments else None
         if last and s.phase == "decode" and (last["replica"], last["deployment"]) == (s.replica, s.deployment):
             last["periods"] += 1  # the next decode period on the same replica: not a move
+            if s.kv == "recomputed":
+                last["kv"] = "recomputed"
             return
         self.segments.append({"pool": s.pool, "phase": s.phase, "replica": s.replica,
                               "deployment": s.deployment, "node": s.node, "tokens": 0, "periods": 1})
+        if s.kv:
+            self.segments[-1]["kv"] = s.kv
 
     def add_tokens(self, n: int) -> None:
         if self.segments:

@@ -29,11 +29,13 @@ from keyacc_ray.errors import KeyaccError
 from keyacc_ray.hw.pinning import pin_process
 from keyacc_ray.hw.topology import gpu_info, gpu_local_cpus, numa_nodes
 from keyacc_ray.serve.engine_loop import AsyncEngine
+from keyacc_ray.serve.kv_directory import NAME as KV_DIRECTORY, KVDirectory
 from keyacc_ray.serve.messages import ErrorItem, GenerateRequest, Handoff, SegmentStart
 from keyacc_ray.serve.monitor import ReplicaReport
 
 log = logging.getLogger("ray.serve")
 KV_FETCH_TIMEOUT_S = 20.0
+KV_TAKE_TIMEOUT_S = 5.0  # how long a hand-off's KV reference may take to reach the directory
 KV_HOLD_S = 60.0
 MONITOR_NAME = "keyacc_load_monitor"
 MONITOR_NAMESPACE = "keyacc"
@@ -82,6 +84,7 @@ class EnginePool:
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         self._calls = 0
         self._held: collections.deque = collections.deque()
+        self._kv_dir = None  # the KV directory actor's handle, made on first use
         self.loop = AsyncEngine(self.engine, on_export=self._to_handoff, stream_interval_s=stream_interval_ms / 1e3)
         label = ("EMULATED GPU: runs on CPU cores with an emulated KV budget of "
                  f"{self.engine.blocks.num_blocks} blocks x {self.engine.blocks.block_size} tokens"
@@ -98,13 +101,16 @@ class EnginePool:
             phase = "decode"
         else:
             phase = "prefill" if export_after == 1 and self.role == "prefill" else "whole"
-        yield [SegmentStart(self.pool, phase, self.replica, self.deployment, self.node_id)]
         try:
             params = SamplingParams(**req.params)
             package = await self._receive(handoff) if handoff is not None else None
         except KeyaccError as e:
-            yield [ErrorItem(e.status_code, e.to_dict())]
+            yield [SegmentStart(self.pool, phase, self.replica, self.deployment, self.node_id),
+                   ErrorItem(e.status_code, e.to_dict())]
             return
+        # with a hand-off: did its KV arrive, or is the sequence prefilled again here?
+        kv = "" if package is None else ("received" if package.meta.num_kv_tokens > 0 else "recomputed")
+        yield [SegmentStart(self.pool, phase, self.replica, self.deployment, self.node_id, kv)]
         # A fresh engine-level id per call: a late abort from an earlier hop of the same request
         # (the same request comes back here for its next decode period) can never hit this one.
         self._calls += 1
@@ -118,9 +124,20 @@ class EnginePool:
         we read them, continue from prompt + tokens so far with no KV: a prefill, not a failure."""
         keys = values = None
         meta = h.meta
-        if h.kv_ref:
+        refs = h.kv_ref
+        if h.kv_key and not refs:
             try:
-                keys, values = await asyncio.wait_for(h.kv_ref[0], KV_FETCH_TIMEOUT_S)
+                refs = await asyncio.wait_for(self._directory().take.remote(h.kv_key, KV_TAKE_TIMEOUT_S),
+                                              KV_FETCH_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - directory restarting or gone: prefill again
+                log.warning("KV directory unavailable for %s (%s)", h.request_id, e.__class__.__name__)
+                self._kv_dir = None
+            if not refs:
+                log.warning("KV of %s not found in the directory; prefilling %d tokens again", h.request_id,
+                            len(h.token_ids) - 1)
+        if refs:
+            try:
+                keys, values = await asyncio.wait_for(refs[0], KV_FETCH_TIMEOUT_S)
             except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError,
                     ray.exceptions.ObjectFetchTimedOutError, asyncio.TimeoutError) as e:
                 log.warning("KV of %s lost (%s); prefilling %d tokens again", h.request_id,
@@ -137,14 +154,31 @@ class EnginePool:
         """Runs on the engine thread: put the K/V arrays into the object store (no pickling of
         tensors: numpy buffers, zero-copy for the reader on this node)."""
         ref = [ray.put((pkg.keys, pkg.values))] if pkg.meta.num_kv_tokens > 0 else []
-        # Hold our own reference for a while: a ref nested in a streamed item can otherwise be
-        # freed before the receiver has registered as a borrower (seen here in Ray 2.60).
+        key = ""
+        if ref:
+            # The reference waits in the KV directory; the hand-off carries its key (token
+            # streams travel over gRPC, pickled). Hold our own reference for a while too, so the
+            # object outlives the put's flight to the directory.
+            key = f"{pkg.request_id}/{uuid.uuid4().hex}"
+            try:
+                self._directory().put.remote(key, ref)
+            except Exception as e:  # noqa: BLE001 - the receiver prefills again
+                log.warning("KV directory unavailable (%s); %s will be prefilled again", e.__class__.__name__,
+                            pkg.request_id)
+                self._kv_dir = None
         now = time.monotonic()
         self._held.extend((now, r) for r in ref)
         while self._held and now - self._held[0][0] > KV_HOLD_S:
             self._held.popleft()
-        return Handoff(pkg.request_id, pkg.meta, ref, pkg.token_ids, pkg.num_prompt_tokens, pkg.params,
-                       pkg.rng_state, pkg.emitted_text_chars, pkg.nbytes)
+        return Handoff(pkg.request_id, pkg.meta, [], pkg.token_ids, pkg.num_prompt_tokens, pkg.params,
+                       pkg.rng_state, pkg.emitted_text_chars, pkg.nbytes, key)
+
+    def _directory(self):
+        if self._kv_dir is None:
+            self._kv_dir = ray.remote(KVDirectory).options(
+                name=KV_DIRECTORY, namespace=MONITOR_NAMESPACE, get_if_exists=True, lifetime="detached",
+                max_restarts=-1, num_cpus=0).remote(KV_HOLD_S)
+        return self._kv_dir
 
     # ---- load reports ------------------------------------------------------------------
     def report(self) -> ReplicaReport:

@@ -10,6 +10,7 @@ from keyacc_ray.config import EngineConfig
 from keyacc_ray.engine.llm_engine import LLMEngine
 from keyacc_ray.engine.request import SamplingParams
 from keyacc_ray.serve.messages import GenerateRequest, Handoff, TokenChunk
+from keyacc_ray.serve import pools as pools_mod
 from keyacc_ray.serve.pools import EnginePool
 from tests.conftest import tiny_model
 from tests.helpers import PROMPTS, hf_greedy
@@ -21,7 +22,7 @@ class Owner:
         return [ray.put(obj)]  # nested: the caller gets the ref, this actor stays its owner
 
 
-def test_kv_owner_died_before_read_prefills_again(app_url):  # app_url: a running Ray cluster
+def test_kv_owner_died_before_read_prefills_again(app_url, monkeypatch):  # app_url: a running Ray cluster
     path = tiny_model("qwen3")
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     src = LLMEngine(EngineConfig(model=path))
@@ -50,6 +51,14 @@ def test_kv_owner_died_before_read_prefills_again(app_url):  # app_url: a runnin
             return out
 
         rest = asyncio.run(asyncio.wait_for(run(), 60))
+        # the same hand-off as the pools send it, by directory key, whose reference never
+        # arrived (the directory restarted, say): prefilled again after the take times out
+        keyed = Handoff(pkg.request_id, pkg.meta, [], pkg.token_ids, pkg.num_prompt_tokens, pkg.params,
+                        pkg.rng_state, pkg.emitted_text_chars, pkg.nbytes, kv_key="r/never-put")
+        monkeypatch.setattr(pools_mod, "KV_TAKE_TIMEOUT_S", 0.5)
+        handoff = keyed
+        rest_keyed = asyncio.run(asyncio.wait_for(run(), 60))
     finally:
         pool.loop.shutdown()
     assert first + rest == hf_greedy(path, ids, 20)
+    assert first + rest_keyed == hf_greedy(path, ids, 20)

@@ -67,9 +67,23 @@ def test_burst_offloads_by_policy_and_outputs_match(app_url, policy, name, expec
     assert cpu_segments, "no request ran on the CPU pool"
     if expect_phase:
         assert any(s["phase"] == expect_phase for s in cpu_segments)
+    # every policy move carried the sequence's KV across (none was prefilled again)
+    moved = [s for t in traces for s in t["segments"] if s["phase"] == "decode"]
+    assert all(s.get("kv") == "received" for s in moved), moved
+    assert moved or name == "full_offload"
     text = httpx.get(f"{app_url}/metrics", timeout=10).text
     assert "keyacc_moves_total" in text or name == "full_offload"
     assert router_inflight_settles(), "the router still counts finished requests in flight"
+    assert kv_directory_size() == 0, "a hand-off's KV reference was never taken"
+
+
+def kv_directory_size() -> int:
+    import ray
+
+    from keyacc_ray.serve.kv_directory import NAME
+    from keyacc_ray.serve.pools import MONITOR_NAMESPACE
+
+    return ray.get(ray.get_actor(NAME, namespace=MONITOR_NAMESPACE).size.remote(), timeout=10)
 
 
 def router_inflight_settles(timeout_s: float = 10.0) -> bool:

@@ -50,7 +50,7 @@ class FakePool:
         self.streams: list[FakeStream] = []
         self.generate = self
 
-    def options(self, stream: bool):
+    def options(self, stream: bool, **kw):
         return self
 
     def remote(self, req: GenerateRequest, handoff: Handoff | None, export_after: int | None):
