@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=20.0, help="measured seconds per run, after --ramp")
     ap.add_argument("--ramp", type=float, default=4.0,
                     help="seconds each run goes before its measured window (every client sends at once)")
-    ap.add_argument("--low-load-rounds", type=int, default=3)
+    ap.add_argument("--low-load-rounds", type=int, default=4, help="interleaved low-load rounds (each starts with another policy)")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--output-tokens", type=int, default=96)
     ap.add_argument("--gpu-kv-blocks", type=int, default=40, help="emulated GPU KV budget (16-token blocks)")

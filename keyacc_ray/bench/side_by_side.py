@@ -77,14 +77,17 @@ def derive(runs: dict, cpu_alone: dict | None, plan: Plan) -> dict:
     return out
 
 
-def low_load_ratios(samples: dict[str, list[dict]]) -> dict:
-    """Per policy: median p50 TTFT and TPOT over rounds, as ratios to gpu_only's medians."""
+def low_load_ratios(samples: dict[str, list[dict]], pooled: dict[str, dict] | None = None) -> dict:
+    """Per policy: p50 TTFT and TPOT as ratios to gpu_only's. With `pooled` (a summary of every
+    round's requests together) its p50s; else the median of the rounds' p50s."""
     def med(xs):
         xs = sorted(xs)
         n = len(xs)
         return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
     m = {p: {k: med([s[k] for s in ss]) for k in ("ttft_p50_ms", "tpot_p50_ms")} for p, ss in samples.items() if ss}
+    if pooled:
+        m = {p: {k: pooled[p][k] for k in ("ttft_p50_ms", "tpot_p50_ms")} for p in m if p in pooled}
     base = m.get("gpu_only")
     if not base:
         return {}
@@ -142,18 +145,26 @@ def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[st
             cpu_alone["cores_used"] = delta(before, cpu_probe(), wall)
         log(f"{'cpu alone':<14} c={c:<3} tok/s={cpu_alone['output_tok_per_s']} failed={cpu_alone['failed']}")
     samples: dict[str, list[dict]] = {p: [] for p in plan.policies}
+    raw: dict[str, list] = {p: [] for p in plan.policies}
+    walls: dict[str, float] = {p: 0.0 for p in plan.policies}
+    n = len(plan.policies)
     for r in range(plan.low_load_rounds):
-        for pol in plan.policies:
+        # each round starts with another policy: none always runs right after a given other one
+        for pol in plan.policies[r % n:] + plan.policies[:r % n]:
             set_policy(pol)
             c = min(plan.levels)
             res, wall = asyncio.run(closed_loop(url, model, c, plan.low_load_s, wl, desc=f"low load {pol} #{r}"))
             samples[pol].append(summarize(res, wall, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3))
+            raw[pol] += res
+            walls[pol] += wall
+    pooled = {p: summarize(raw[p], walls[p], plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3)
+              for p in plan.policies if raw[p]}
     report = {"plan": asdict(plan), "workload": asdict(wl), "policy_options": policy_options or {},
               "runs": runs, "cpu_alone": cpu_alone, "timeline": timeline}
     report.update(derive(runs, cpu_alone, plan))
     if plan.low_load_rounds:
-        report["low_load"] = low_load_ratios(samples)
-        log("low load (medians of %d interleaved rounds): %s" % (plan.low_load_rounds, report["low_load"]))
+        report["low_load"] = low_load_ratios(samples, pooled)
+        log("low load (p50 over %d interleaved rounds): %s" % (plan.low_load_rounds, report["low_load"]))
     return report
 
 

@@ -151,3 +151,11 @@ def test_low_load_ratios_use_medians():
     assert (a["ttft_p50_ratio"], a["tpot_p50_ratio"]) == (round(105 / 110, 3), round(11 / 12, 3))
     assert (a["ttft_p50_ms"], a["tpot_p50_ms"]) == (105, 11)  # one slow round does not decide
     assert a["rounds_ttft_p50_ms"] == [105, 900, 100] and a["moves"] == 0
+
+
+def test_low_load_ratios_from_pooled_rounds():
+    samples = {"gpu_only": [summary(0, ttft50=100, tpot50=10)], "auto": [summary(0, ttft50=500, tpot50=50)]}
+    pooled = {"gpu_only": summary(0, ttft50=200, tpot50=20), "auto": summary(0, ttft50=210, tpot50=19)}
+    a = side_by_side.low_load_ratios(samples, pooled)["auto"]
+    assert (a["ttft_p50_ratio"], a["tpot_p50_ratio"]) == (1.05, 0.95)
+    assert a["rounds_ttft_p50_ms"] == [500]
