@@ -44,3 +44,16 @@ def delta(before: dict[str, float], after: dict[str, float], wall_s: float) -> d
     """Cores used per component over the interval (CPU seconds / wall seconds)."""
     return {k: round(max(0.0, after.get(k, 0.0) - before.get(k, 0.0)) / max(wall_s, 1e-6), 3)
             for k in sorted(set(before) | set(after))}
+
+
+ENGINES = ("gpu_prefill", "gpu_decode", "cpu_decode")
+
+
+def stack_ms_per_token(cores_used: dict[str, float], tokens_per_s: float) -> float | None:
+    """CPU milliseconds per generated token spent outside the engine replicas: ingress, router,
+    proxy, controller, monitor, the rest of Ray and the load generator (the serving stack's
+    cost per streamed token; the engine replicas' own streaming is in theirs)."""
+    if tokens_per_s <= 0:
+        return None
+    stack = sum(v for k, v in cores_used.items() if k not in ENGINES)
+    return round(1e3 * stack / tokens_per_s, 2)

@@ -122,9 +122,10 @@ def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[st
             res, wall, tl = asyncio.run(_measure(url, model, c, plan.ramp_s + plan.duration_s, wl, record, pol))
             s = summarize(res, wall, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3, window(plan))
             if cpu_probe:
-                from keyacc_ray.bench.cpu_account import delta
+                from keyacc_ray.bench.cpu_account import delta, stack_ms_per_token
 
                 s["cores_used"] = delta(before, cpu_probe(), wall)
+                s["stack_ms_per_token"] = stack_ms_per_token(s["cores_used"], _rate(res, wall))
             runs[pol][c] = s
             if tl is not None:
                 timeline = {"policy": pol, "concurrency": c, **tl}
@@ -140,9 +141,10 @@ def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[st
                                             extra={"keyacc": {"route": "cpu"}}, desc="cpu pool alone"))
         cpu_alone = summarize(res, wall, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3, window(plan))
         if cpu_probe:
-            from keyacc_ray.bench.cpu_account import delta
+            from keyacc_ray.bench.cpu_account import delta, stack_ms_per_token
 
             cpu_alone["cores_used"] = delta(before, cpu_probe(), wall)
+            cpu_alone["stack_ms_per_token"] = stack_ms_per_token(cpu_alone["cores_used"], _rate(res, wall))
         log(f"{'cpu alone':<14} c={c:<3} tok/s={cpu_alone['output_tok_per_s']} failed={cpu_alone['failed']}")
     samples: dict[str, list[dict]] = {p: [] for p in plan.policies}
     raw: dict[str, list] = {p: [] for p in plan.policies}
@@ -166,6 +168,11 @@ def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[st
         report["low_load"] = low_load_ratios(samples, pooled)
         log("low load (p50 over %d interleaved rounds): %s" % (plan.low_load_rounds, report["low_load"]))
     return report
+
+
+def _rate(results, wall_s: float) -> float:
+    """Tokens per second over a whole run (the interval the CPU was measured over)."""
+    return sum(r.output_tokens for r in results if r.ok) / max(wall_s, 1e-6)
 
 
 async def _measure(url, model, c, duration_s, wl, record: bool, pol: str):

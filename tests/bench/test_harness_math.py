@@ -159,3 +159,12 @@ def test_low_load_ratios_from_pooled_rounds():
     a = side_by_side.low_load_ratios(samples, pooled)["auto"]
     assert (a["ttft_p50_ratio"], a["tpot_p50_ratio"]) == (1.05, 0.95)
     assert a["rounds_ttft_p50_ms"] == [500]
+
+
+def test_stack_ms_per_token_counts_everything_but_the_engines():
+    from keyacc_ray.bench.cpu_account import stack_ms_per_token
+
+    used = {"cpu_decode": 0.9, "gpu_decode": 0.05, "gpu_prefill": 0.05, "ingress": 0.2, "proxy": 0.1,
+            "router": 0.05, "load_generator": 0.05, "ray_other": 0.1}
+    assert stack_ms_per_token(used, 500.0) == 1.0  # 0.5 cores for 500 tokens/s
+    assert stack_ms_per_token(used, 0.0) is None

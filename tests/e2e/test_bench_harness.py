@@ -45,14 +45,22 @@ def test_cli_json(app_url, tmp_path):
 def test_side_by_side_report(app_url, policy, tmp_path):  # noqa: F811
     plan = side_by_side.Plan(levels=[1, 3], duration_s=1.5, ramp_s=0.5, warmup_s=0.5, low_load_rounds=1, low_load_s=1.0,
                              policies=["gpu_only", "full_offload", "auto"], timeline_policy="full_offload")
+    from keyacc_ray.bench import cpu_account
+
     report = side_by_side.run(app_url, MODEL, Workload(prompt_tokens=12, output_tokens=24), plan,
-                              lambda name: policy(name, {} if name == "gpu_only" else FAST), FAST, log=lambda m: None)
+                              lambda name: policy(name, {} if name == "gpu_only" else FAST), FAST, log=lambda m: None,
+                              cpu_probe=cpu_account.snapshot)
     for key in ("harvest_efficiency", "concurrency_gain", "throughput_gain", "low_load"):
         assert set(report[key]) == {"gpu_only", "full_offload", "auto"}, key
     assert report["harvest_efficiency"]["gpu_only"] == 0.0 and report["throughput_gain"]["gpu_only"] == 1.0
     assert all(isinstance(v, float) for v in report["harvest_efficiency"].values())
     assert report["cpu_alone"]["token_share"] == {"cpu": 1.0}  # pinned: every token on the CPU pool
     assert report["runs"]["gpu_only"][3]["token_share"] == {"gpu": 1.0}
+    # where the CPU went: this host's Serve processes by component, and the stack's cost per token
+    used = report["cpu_alone"]["cores_used"]
+    assert {"cpu_decode", "ingress", "router", "proxy", "load_generator"} <= set(used)
+    assert used["cpu_decode"] > used["gpu_decode"]  # pinned to the CPU pool: its engine did the work
+    assert 0 < report["cpu_alone"]["stack_ms_per_token"] < 1000
     tl = report["timeline"]
     assert tl["policy"] == "full_offload" and len(tl["t"]) >= 1 and tl["tokens_per_s"]
     files = plot_report(report, tmp_path)

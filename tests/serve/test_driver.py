@@ -219,3 +219,33 @@ def test_concurrent_requests_all_complete_and_settle(n):
     for tokens, errors, _ in asyncio.run(go()):
         assert tokens == [100 + i for i in range(7)] and not errors
     assert settled(router)
+
+
+def test_any_router_replica_can_take_the_next_call(monkeypatch):
+    """The ticket carries the request's routing state: a request begun on one router replica
+    goes on through another; the first forgets its count after ACTIVE_TTL_S."""
+    from keyacc_ray.serve import router as router_mod
+
+    class TwoRouters:
+        def __init__(self):
+            self.a = Router(["CpuDecode"], monitor=_Unreachable())
+            self.b = Router(["CpuDecode"], monitor=_Unreachable())
+
+        async def begin(self, t):
+            return await self.a.begin(t)
+
+        async def advance(self, t, end):
+            return await self.b.advance(t, end)
+
+        def finish(self, t, end):
+            return self.b.finish(t, end)
+
+    both = TwoRouters()
+    driver, _, _ = make(router=both)
+    tokens, errors, trace = asyncio.run(collect(driver, request(6, route="stage", migrate_back_after=2)))
+    assert tokens == [100 + i for i in range(6)] and not errors
+    assert [s["pool"] for s in trace["segments"]] == ["gpu", "cpu", "gpu"]
+    assert settled(both.b) and both.a.inflight["gpu_prefill"] == 1  # a never heard the end
+    monkeypatch.setattr(router_mod, "ACTIVE_TTL_S", 0.0)
+    both.a._expire()
+    assert settled(both.a)
