@@ -130,6 +130,7 @@ class RequestDriver:
             next_handoff = None
             outcome, err_name = "done", ""
             stream = None
+            segment_started = False  # this hop's replica said where it runs
             try:
                 stream = self.hops[t.hop].options(**POOL_CALL).generate.remote(req, handoff, t.export_after)
                 async for items in stream:
@@ -137,6 +138,7 @@ class RequestDriver:
                     for it in items:
                         if isinstance(it, SegmentStart):
                             trace.start(it)
+                            segment_started = True
                         elif isinstance(it, Handoff):
                             next_handoff = it
                         else:
@@ -162,7 +164,7 @@ class RequestDriver:
                 if outcome == "failed":
                     log.warning("hop %s of %s failed (%s) after %d tokens", t.hop, req.request_id, err_name,
                                 len(generated))
-                    if trace.segments:
+                    if segment_started:
                         trace.segments[-1]["failed"] = True
             end = HopEnd(outcome, time.monotonic() - started, len(generated), handoff is not None, err_name)
             if outcome == "done":
