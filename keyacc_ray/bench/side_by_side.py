@@ -122,10 +122,7 @@ def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[st
             res, wall, tl = asyncio.run(_measure(url, model, c, plan.ramp_s + plan.duration_s, wl, record, pol))
             s = summarize(res, wall, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3, window(plan))
             if cpu_probe:
-                from keyacc_ray.bench.cpu_account import delta, stack_ms_per_token
-
-                s["cores_used"] = delta(before, cpu_probe(), wall)
-                s["stack_ms_per_token"] = stack_ms_per_token(s["cores_used"], _rate(res, wall))
+                s.update(_cpu_figures(before, cpu_probe(), res, wall))
             runs[pol][c] = s
             if tl is not None:
                 timeline = {"policy": pol, "concurrency": c, **tl}
@@ -141,10 +138,7 @@ def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[st
                                             extra={"keyacc": {"route": "cpu"}}, desc="cpu pool alone"))
         cpu_alone = summarize(res, wall, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3, window(plan))
         if cpu_probe:
-            from keyacc_ray.bench.cpu_account import delta, stack_ms_per_token
-
-            cpu_alone["cores_used"] = delta(before, cpu_probe(), wall)
-            cpu_alone["stack_ms_per_token"] = stack_ms_per_token(cpu_alone["cores_used"], _rate(res, wall))
+            cpu_alone.update(_cpu_figures(before, cpu_probe(), res, wall))
         log(f"{'cpu alone':<14} c={c:<3} tok/s={cpu_alone['output_tok_per_s']} failed={cpu_alone['failed']}")
     samples: dict[str, list[dict]] = {p: [] for p in plan.policies}
     raw: dict[str, list] = {p: [] for p in plan.policies}
@@ -170,9 +164,14 @@ def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[st
     return report
 
 
-def _rate(results, wall_s: float) -> float:
-    """Tokens per second over a whole run (the interval the CPU was measured over)."""
-    return sum(r.output_tokens for r in results if r.ok) / max(wall_s, 1e-6)
+def _cpu_figures(before: dict, after: dict, results, wall_s: float) -> dict:
+    """Cores each server component used over a whole run, and the serving stack's CPU per token
+    (tokens over the same whole run: the interval the CPU was measured over)."""
+    from keyacc_ray.bench.cpu_account import delta, stack_ms_per_token
+
+    cores = delta(before, after, wall_s)
+    rate = sum(r.output_tokens for r in results if r.ok) / max(wall_s, 1e-6)
+    return {"cores_used": cores, "stack_ms_per_token": stack_ms_per_token(cores, rate)}
 
 
 async def _measure(url, model, c, duration_s, wl, record: bool, pol: str):

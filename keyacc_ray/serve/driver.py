@@ -48,7 +48,6 @@ class RemoteRouter:
 
     def __init__(self, handle):
         self.handle = handle
-        self._tasks: set[asyncio.Task] = set()  # finish calls in flight (the loop holds tasks weakly)
 
     async def begin(self, t: Ticket) -> Ticket:
         return await self.handle.options(**ROUTER_CALL).begin.remote(t)
@@ -56,15 +55,7 @@ class RemoteRouter:
     async def advance(self, t: Ticket, end: HopEnd) -> Ticket:
         return await self.handle.options(**ROUTER_CALL).advance.remote(t, end)
 
-    def finish(self, t: Ticket, end: HopEnd) -> None:
-        """Bookkeeping only: the client does not wait for it. The call runs as a task held here
-        until it is answered: a response nobody holds can be collected before it is sent, and
-        the router would count the request in flight until it expires."""
-        task = asyncio.get_running_loop().create_task(self._finish(t, end))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _finish(self, t: Ticket, end: HopEnd) -> None:
+    async def finish(self, t: Ticket, end: HopEnd) -> None:
         try:
             await asyncio.wait_for(self.handle.options(**ROUTER_CALL).finish.remote(t, end), ROUTER_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the count expires on the router's side
@@ -109,14 +100,15 @@ class RequestDriver:
             return fallback(t, end)
 
     def _finish(self, t: Ticket, end: HopEnd) -> None:
+        """Bookkeeping only: the client does not wait for it. It runs as a task held here until
+        it is done (the loop holds tasks weakly: a task nobody holds can be collected before the
+        call is sent, and the router would count the request in flight until it expires)."""
         try:
-            res = self.router.finish(t, end)
-            if asyncio.iscoroutine(res):  # the router in process (tests): run it alongside
-                task = asyncio.get_running_loop().create_task(res)
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+            task = asyncio.get_running_loop().create_task(self.router.finish(t, end))
         except Exception:  # noqa: BLE001 - bookkeeping only
-            pass
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def run(self, req: GenerateRequest):
         """Yields lists of TokenChunk / ErrorItem, then [Trace]."""

@@ -180,7 +180,7 @@ def test_router_unreachable_the_driver_decides_alone():
 
         advance = begin
 
-        def finish(self, t, end):
+        async def finish(self, t, end):
             raise ConnectionError("router down")
 
     driver, _, pools = make(router=DeadRouter())
@@ -237,8 +237,8 @@ def test_any_router_replica_can_take_the_next_call(monkeypatch):
         async def advance(self, t, end):
             return await self.b.advance(t, end)
 
-        def finish(self, t, end):
-            return self.b.finish(t, end)
+        async def finish(self, t, end):
+            await self.b.finish(t, end)
 
     both = TwoRouters()
     driver, _, _ = make(router=both)
