@@ -27,7 +27,7 @@ test: install model
 	$(BIN)/python -m pytest -q -x tests/cluster   # its own process: it starts a Ray cluster of its own
 
 run: install model
-	RAY_SERVE_PROXY_USE_GRPC=$${RAY_SERVE_PROXY_USE_GRPC:-1} $(BIN)/serve run deployments/app.yaml   # see CLUSTER_ENV in keyacc_ray/serve/app.py
+	$(BIN)/python -m keyacc_ray.serve.app $(BIN)/serve run deployments/app.yaml   # with CLUSTER_ENV (keyacc_ray/serve/app.py)
 
 bench-engine: install
 	@test -f models/bench-qwen3/config.json || $(BIN)/python scripts/make_tiny_model.py --arch qwen3 --size bench --dtype bfloat16 --out models/bench-qwen3

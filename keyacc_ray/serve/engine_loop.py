@@ -102,10 +102,10 @@ class AsyncEngine:
     # ---- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop:
+            self._wake.clear()  # before draining: a command put after this sets it again
             self._drain_inbox()
             if not self.engine.has_unfinished():
-                self._wake.wait(0.05)
-                self._wake.clear()
+                self._wake.wait(1.0)  # every command and shutdown set it: no need to poll
                 continue
             try:
                 outputs = self.engine.step()

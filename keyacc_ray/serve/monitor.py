@@ -3,6 +3,10 @@
 `LoadState` is plain Python: replicas push reports (queue depth, running sequences, free KV
 blocks, tokens/s); `snapshot()` aggregates them per pool, drops stale replicas, and adds GPU
 (pynvml) and per-NUMA-node CPU (psutil) figures. `LoadMonitor` is the thin Ray actor shell.
+
+Every change of content (a report that differs from the replica's last one, counters, a replica
+gone stale, new system figures) bumps `version`; `snapshot(since=v)` answers None while nothing
+changed since version v, so an idle server's routers poll without moving a snapshot each time.
 """
 from __future__ import annotations
 
@@ -30,6 +34,10 @@ class ReplicaReport:
     emulated: bool  # a "GPU" replica running on CPU cores with an emulated KV budget
     device: str
     time_s: float = 0.0
+
+    def content(self) -> tuple:
+        """Everything but the arrival time: equal content means nothing to tell anyone."""
+        return tuple(v for k, v in asdict(self).items() if k != "time_s")
 
 
 @dataclass
@@ -60,6 +68,7 @@ class Snapshot:
     gpu: dict = field(default_factory=dict)
     cpu_numa: list[dict] = field(default_factory=list)
     counters: dict = field(default_factory=dict)
+    version: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,26 +81,40 @@ class LoadState:
         self.counters: dict[str, float] = {}
         self._system_probe = system_probe
         self._system: tuple[float, dict, list] = (-1e9, {}, [])
+        self.version = 0
 
     def report(self, r: ReplicaReport) -> None:
         r.time_s = self.clock()
+        old = self.reports.get(r.replica)
+        if old is None or old.content() != r.content():
+            self.version += 1
         self.reports[r.replica] = r
 
     def add_counters(self, deltas: dict[str, float]) -> None:
         for k, v in deltas.items():
             self.counters[k] = self.counters.get(k, 0) + v
+        if deltas:
+            self.version += 1
 
     def _system_view(self) -> tuple[dict, list]:
         now = self.clock()
         if self._system_probe and now - self._system[0] > SYSTEM_EVERY_S:
             gpu, cpu = self._system_probe()
+            if (gpu, cpu) != self._system[1:]:
+                self.version += 1
             self._system = (now, gpu, cpu)
         return self._system[1], self._system[2]
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, since: int | None = None) -> Snapshot | None:
+        """The aggregate view; None if `since` is given and nothing changed after that version."""
         now = self.clock()
-        for rid in [k for k, r in self.reports.items() if now - r.time_s > STALE_AFTER_S]:
+        stale = [k for k, r in self.reports.items() if now - r.time_s > STALE_AFTER_S]
+        for rid in stale:
             del self.reports[rid]
+        self.version += bool(stale)
+        gpu, cpu = self._system_view()
+        if since is not None and since == self.version:
+            return None
         views: dict[str, DeploymentView] = {}
         for r in self.reports.values():
             v = views.setdefault(r.deployment, DeploymentView(r.deployment, r.pool, block_size=r.block_size,
@@ -104,8 +127,8 @@ class LoadState:
             v.max_num_seqs += r.max_num_seqs
             v.max_free_blocks = max(v.max_free_blocks, r.num_free_blocks)
             v.tokens_per_s += r.tokens_per_s
-        gpu, cpu = self._system_view()
-        return Snapshot(now, views, [asdict(r) for r in self.reports.values()], gpu, cpu, dict(self.counters))
+        return Snapshot(now, views, [asdict(r) for r in self.reports.values()], gpu, cpu, dict(self.counters),
+                        self.version)
 
 
 def _system_probe():
@@ -126,8 +149,8 @@ class LoadMonitor:
     def add_counters(self, deltas: dict) -> None:
         self.state.add_counters(deltas)
 
-    def snapshot(self) -> Snapshot:
-        return self.state.snapshot()
+    def snapshot(self, since: int | None = None) -> Snapshot | None:
+        return self.state.snapshot(since)
 
     def ping(self) -> str:
         return "ok"

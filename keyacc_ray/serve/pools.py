@@ -40,6 +40,7 @@ KV_HOLD_S = 60.0
 MONITOR_NAME = "keyacc_load_monitor"
 MONITOR_NAMESPACE = "keyacc"
 REPORT_EVERY_S = 0.2
+HEARTBEAT_S = 1.0
 
 
 def _replica_id() -> str:
@@ -188,14 +189,20 @@ class EnginePool:
                              self.loop.tokens_per_s(), s.tokens_generated, self.emulated, s.device)
 
     def _report_loop(self) -> None:
-        monitor = None
+        """A report every REPORT_EVERY_S while the load changes; an idle replica sends the same
+        report only every HEARTBEAT_S (well inside the monitor's STALE_AFTER_S)."""
+        monitor, last, sent_at = None, None, 0.0
         while self.loop.alive():
             try:
                 if monitor is None:
                     monitor = ray.get_actor(MONITOR_NAME, namespace=MONITOR_NAMESPACE)
-                monitor.report.remote(self.report())
+                r = self.report()
+                now = time.monotonic()
+                if r.content() != last or now - sent_at >= HEARTBEAT_S:
+                    monitor.report.remote(r)
+                    last, sent_at = r.content(), now
             except Exception:  # noqa: BLE001 - the monitor may be (re)starting; keep serving
-                monitor = None
+                monitor, last = None, None
             time.sleep(REPORT_EVERY_S)
 
     async def stats(self) -> ReplicaReport:

@@ -65,9 +65,12 @@ class Router:
         last_ok = time.monotonic()
         while True:
             try:
-                snap = await asyncio.wait_for(self.monitor.snapshot.remote(), timeout=2.0)
-                self.snapshot, last_ok = snap, time.monotonic()
-                self._pending_blocks = {h: 0 for h in self.deployment_of}
+                since = self.snapshot.version if self.snapshot is not None else None
+                snap = await asyncio.wait_for(self.monitor.snapshot.remote(since), timeout=2.0)
+                last_ok = time.monotonic()
+                if snap is not None:  # None: nothing changed since the one this router holds
+                    self.snapshot = snap
+                    self._pending_blocks = {h: 0 for h in self.deployment_of}
                 self.policy.observe(self.load_view())
                 self._collect_policy_counters()
                 if self._counters:

@@ -1,0 +1,113 @@
+"""AsyncEngine (the pools' engine thread) over a fake engine: streams, abort on a cancelled
+stream, and an idle thread that sleeps until a command comes instead of polling."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+
+from keyacc_ray.engine.request import SamplingParams
+from keyacc_ray.serve.engine_loop import AsyncEngine
+from keyacc_ray.serve.messages import TokenChunk
+
+
+@dataclass
+class Out:
+    request_id: str
+    new_token_ids: list
+    text: str
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class FakeEngine:
+    """Each step gives every request its next token (100, 101, ...) until max_tokens."""
+
+    def __init__(self):
+        self.reqs: dict[str, list] = {}
+        self.lock = threading.Lock()
+        self.idle_checks = 0
+        self.aborted: list[str] = []
+
+    def add_request(self, rid, prompt_ids, params):
+        self.reqs[rid] = [len(prompt_ids), params.max_tokens, 0]
+
+    def abort(self, rid):
+        self.aborted.append(rid)
+        self.reqs.pop(rid, None)
+
+    def has_unfinished(self):
+        if not self.reqs:
+            self.idle_checks += 1
+        return bool(self.reqs)
+
+    def step(self):
+        time.sleep(0.002)
+        outs = []
+        for rid, r in list(self.reqs.items()):
+            r[2] += 1
+            done = r[2] >= r[1]
+            outs.append(Out(rid, [99 + r[2]], "x", "length" if done else None, r[0], r[2]))
+            if done:
+                del self.reqs[rid]
+        return outs
+
+
+async def _collect(loop: AsyncEngine, rid: str, n: int) -> list[int]:
+    toks = []
+    async for items in loop.generate(rid, prompt_ids=[1, 2, 3], params=SamplingParams(max_tokens=n)):
+        for it in items:
+            assert isinstance(it, TokenChunk)
+            toks += it.token_ids
+    return toks
+
+
+def test_streams_every_token_of_concurrent_requests():
+    eng = FakeEngine()
+    loop = AsyncEngine(eng, on_export=lambda p: p, stream_interval_s=0.0)
+    try:
+        async def main():
+            return await asyncio.wait_for(asyncio.gather(*(_collect(loop, f"r{i}", 5 + i) for i in range(4))), 10)
+        res = asyncio.run(main())
+        assert res == [list(range(100, 105 + i)) for i in range(4)]
+    finally:
+        loop.shutdown()
+
+
+def test_idle_thread_waits_for_a_command_instead_of_polling():
+    eng = FakeEngine()
+    loop = AsyncEngine(eng, on_export=lambda p: p)
+    try:
+        time.sleep(0.1)
+        checks = eng.idle_checks
+        time.sleep(0.6)
+        assert eng.idle_checks - checks <= 1  # a 50 ms poll would have looked about 12 times
+        t0 = time.monotonic()
+        assert asyncio.run(asyncio.wait_for(_collect(loop, "late", 3), 10)) == [100, 101, 102]
+        assert time.monotonic() - t0 < 0.9  # woken by the command, not by the 1 s timeout
+    finally:
+        loop.shutdown()
+
+
+def test_a_cancelled_stream_aborts_its_sequence():
+    eng = FakeEngine()
+    loop = AsyncEngine(eng, on_export=lambda p: p, stream_interval_s=0.0)
+    try:
+        async def main():
+            gen = loop.generate("gone", prompt_ids=[1], params=SamplingParams(max_tokens=10_000))
+            await gen.__anext__()
+            await gen.aclose()  # what a client disconnect does to the replica's stream
+            for _ in range(100):
+                if "gone" in eng.aborted:
+                    return
+                await asyncio.sleep(0.02)
+        asyncio.run(main())
+        assert eng.aborted == ["gone"] and not eng.reqs
+    finally:
+        loop.shutdown()

@@ -1,0 +1,87 @@
+"""LoadState (the load monitor's plain-Python core): aggregation per deployment, stale replicas,
+and the version that lets an idle server's routers poll without moving a snapshot each time."""
+from __future__ import annotations
+
+from keyacc_ray.serve.monitor import STALE_AFTER_S, LoadState, ReplicaReport
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def report(replica: str, deployment: str = "CpuDecode", waiting: int = 0, running: int = 0,
+           free: int = 100, tps: float = 0.0) -> ReplicaReport:
+    return ReplicaReport(deployment, "cpu" if deployment == "CpuDecode" else "gpu", "decode", replica,
+                         waiting, running, free, 128, 16, 32, tps, 0, False, "cpu")
+
+
+def test_views_add_up_replicas_of_a_deployment():
+    s = LoadState(clock=Clock())
+    s.report(report("a", waiting=2, running=5, free=30, tps=10.0))
+    s.report(report("b", waiting=1, running=7, free=50, tps=20.0))
+    s.report(report("g", deployment="GpuDecode", running=3))
+    v = s.snapshot().deployments["CpuDecode"]
+    assert (v.replicas, v.num_waiting, v.num_running, v.num_free_blocks, v.max_free_blocks) == (2, 3, 12, 80, 50)
+    assert v.tokens_per_s == 30.0 and v.max_num_seqs == 64 and v.free_slots == 64 - 12 - 3
+    assert s.snapshot().deployments["GpuDecode"].num_running == 3
+
+
+def test_unchanged_reports_leave_the_version_alone():
+    clock = Clock()
+    s = LoadState(clock=clock)
+    s.report(report("a", running=1))
+    snap = s.snapshot()
+    assert snap is not None and snap.version == s.version
+    clock.t += 1.0
+    s.report(report("a", running=1))  # the same content later: a heartbeat, nothing new
+    assert s.snapshot(since=snap.version) is None
+    s.report(report("a", running=2))
+    newer = s.snapshot(since=snap.version)
+    assert newer is not None and newer.version > snap.version
+    assert newer.deployments["CpuDecode"].num_running == 2
+
+
+def test_counters_are_news_and_accumulate():
+    s = LoadState(clock=Clock())
+    v0 = s.snapshot().version
+    s.add_counters({})
+    assert s.snapshot(since=v0) is None
+    s.add_counters({"moves": 2})
+    s.add_counters({"moves": 3, "kept": 1})
+    snap = s.snapshot(since=v0)
+    assert snap is not None and snap.counters == {"moves": 5, "kept": 1}
+
+
+def test_a_silent_replica_goes_stale_and_that_is_a_change():
+    clock = Clock()
+    s = LoadState(clock=clock)
+    s.report(report("a"))
+    s.report(report("b"))
+    v = s.snapshot().version
+    clock.t += STALE_AFTER_S / 2
+    s.report(report("b"))  # b keeps reporting (same content), a has gone quiet
+    assert s.snapshot(since=v) is None
+    clock.t += STALE_AFTER_S / 2 + 0.1
+    snap = s.snapshot(since=v)
+    assert snap is not None and snap.deployments["CpuDecode"].replicas == 1
+    assert [r["replica"] for r in snap.replicas] == ["b"]
+
+
+def test_system_figures_refresh_at_most_once_a_second_and_count_as_change():
+    clock = Clock()
+    probes = []
+
+    def probe():
+        probes.append(clock.t)
+        return {"available": False}, [{"node": 0, "util_pct": float(len(probes))}]
+
+    s = LoadState(clock=clock, system_probe=probe)
+    v = s.snapshot().version
+    assert s.snapshot(since=v) is None and len(probes) == 1  # inside the second: no new probe
+    clock.t += 1.5
+    snap = s.snapshot(since=v)
+    assert len(probes) == 2 and snap is not None and snap.cpu_numa[0]["util_pct"] == 2.0
