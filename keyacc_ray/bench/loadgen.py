@@ -5,7 +5,10 @@ Closed loop: each of `concurrency` clients sends streaming requests back to back
 is doing. Prompts are random token ids, outputs a fixed number of tokens (`ignore_eos`, a
 documented request extension, so runs are comparable), lengths fixed or uniformly spread,
 seeded. Per request it records TTFT, the arrival time of every token, and the `keyacc` trace
-(where it ran), when the server sends one."""
+(where it ran), when the server sends one.
+
+The client is aiohttp (it comes with ray[serve]): on a box where the load generator shares the
+cores with the server, its CPU per streamed chunk is CPU the server does not get."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +17,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 
 @dataclass
@@ -57,7 +60,7 @@ class Result:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], n: int,
+async def one_request(client: aiohttp.ClientSession, model: str, prompt: list[int], n: int,
                       extra: dict | None = None) -> Result:
     """One streaming completion. Tokens are counted from `token_ids` when the server sends them
     (keyacc's `return_token_ids`), else one per text chunk, and the final usage block (asked for
@@ -69,15 +72,15 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
     res = Result(False, 0, t0, wanted=n)
     usage = None
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            res.status = r.status_code
-            if r.status_code != 200:
-                res.error = (await r.aread()).decode(errors="replace")[:300]
+        async with client.post("v1/completions", json=body) as r:
+            res.status = r.status
+            if r.status != 200:
+                res.error = (await r.read()).decode(errors="replace")[:300]
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for raw in r.content:  # one line at a time
+                if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
                     continue
-                chunk = json.loads(line[6:])
+                chunk = json.loads(raw[6:])
                 if "error" in chunk:
                     res.error = chunk["error"].get("message", "")
                     return res
@@ -98,7 +101,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
         res.ok = res.output_tokens == n
         if not res.ok:
             res.error = f"{res.output_tokens} of {n} tokens"
-    except httpx.HTTPError as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         res.error = repr(e)
     return res
 
@@ -115,9 +118,10 @@ def _progress_bar(desc: str, total: float | None):
 HEADERS: dict = {}  # e.g. {"Authorization": "Bearer ..."}, set by the CLI
 
 
-def _client(url: str, n: int) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=url, timeout=300, headers=HEADERS,
-                             limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
+def _client(url: str, n: int) -> aiohttp.ClientSession:
+    # a base URL may carry a path prefix: it ends with "/", request paths are relative to it
+    return aiohttp.ClientSession(base_url=url.rstrip("/") + "/", headers=HEADERS, timeout=aiohttp.ClientTimeout(total=300),
+                                 connector=aiohttp.TCPConnector(limit=n), read_bufsize=1 << 16)
 
 
 async def closed_loop(url: str, model: str, concurrency: int, duration_s: float, wl: Workload,
