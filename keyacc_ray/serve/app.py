@@ -22,10 +22,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # Environment of the Ray cluster. The HTTP proxy talks to the ingress over gRPC instead of Ray task
 # streaming: about a quarter less proxy CPU per streamed chunk here. Serve's controller reconciles
 # every 0.5 s instead of every 0.1 s: it and the GCS it talks to used 0.06 cores of an idle box,
-# 0.03 after; replica starts and restarts are noticed up to 0.4 s later. Whoever starts Ray sets it
+# 0.03 after; replica starts and restarts are noticed up to 0.4 s later. Serve's own request
+# metrics (proxy, replicas, handles) go to Ray's metrics agent every second instead of every
+# 0.1 s (a Prometheus scrape reads them every 10-15 s anyway). Whoever starts Ray sets it
 # (`apply_cluster_env`; `python -m keyacc_ray.serve.app CMD` runs CMD with it, as `make run`
 # does; scripts/start_node.py sets it too); a value the operator set wins.
-CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+               "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
 REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
