@@ -1,7 +1,7 @@
 """Both mechanisms together. While the GPU accepts, requests run there. When the GPU decode
 pool is overloaded but prefill keeps up, only the decode moves to the CPU at the hand-off
 (stage offload, also when its KV would not fit the GPU decode pool now);
-when the whole GPU is queued (prefill too), or flooded beyond `gpu_queue_overflow` right now,
+when the whole GPU is queued (prefill too), or flooded right now (beyond `gpu_queue_overflow` or one GPU decode batch),
 whole requests go to the CPU (full offload's rule, `whole_request_route`). CPU
 decodes run in periods and move back after the memory check, as in both modes."""
 from keyacc_ray.policies import register
@@ -38,7 +38,7 @@ class Auto(Policy):
         self.observe(load)
         # whole-request offload when the whole GPU is queued; otherwise prefill on the GPU and
         # the decode is placed at the hand-off
-        return whole_request_route(self, self.gpu.overloaded and self.prefill.overloaded, self.cpu, load)
+        return whole_request_route(self, self.gpu.overloaded and self.prefill.overloaded, self.cpu, load, req)
 
     def after_prefill(self, req: RequestView, load: LoadView) -> str:
         return decode_placement(self, self.gpu, req, load)

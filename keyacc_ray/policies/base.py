@@ -32,6 +32,7 @@ class PoolLoad:
     """One deployment's load as the router sees it."""
 
     queue: int = 0  # requests waiting for admission (monitor), or beyond the slots (router count)
+    slots: int = 0  # requests it runs at once (sequence slots or, where it binds, the KV budget); 0: unknown
     running: int = 0
     free_blocks: int = 0  # the most free KV blocks on one replica
     total_blocks: int = 0

@@ -3,9 +3,10 @@
 New requests go to the CPU pool while the GPU queue stays above `gpu_queue_high`; the GPU gets
 new requests again only after its queue has stayed below `gpu_queue_safe` for `return_window_s`.
 A flood is not a blip: while the GPU queue right now (the router's own in-flight count
-included) exceeds `gpu_queue_overflow`, new requests overflow to the CPU at once, without
-waiting out the trigger window (a burst of 40 requests arrives within milliseconds; waiting
-0.5 s would queue them all on the GPU).
+included) exceeds `gpu_queue_overflow`, or one GPU decode batch (its slots, KV budget
+included) where that is less, new requests overflow to the CPU at once, without waiting out
+the trigger window (a burst of 40 requests arrives within milliseconds; waiting 0.5 s would
+queue them all on the GPU, each behind whole request lifetimes there, while CPU slots idle).
 The CPU pool is gated the same way. When both are overloaded a request has to queue somewhere:
 it goes to the pool that works off its queue sooner at its recent rate (queue / tokens per
 second, both from the monitor), and to the GPU while either rate is unknown.
@@ -42,7 +43,7 @@ class FullOffload(Policy):
 
     def route(self, req: RequestView, load: LoadView) -> str:
         self.observe(load)
-        return whole_request_route(self, self.gpu.overloaded, self.cpu, load)
+        return whole_request_route(self, self.gpu.overloaded, self.cpu, load, req)
 
     def after_period(self, req: RequestView, load: LoadView) -> str:
         return return_decision(self, self.gpu, req, load)

@@ -11,6 +11,7 @@ The router counts each request on its current hop (in flight) to correct the sna
 from __future__ import annotations
 
 import asyncio
+import math
 import logging
 import time
 
@@ -24,6 +25,7 @@ from keyacc_ray.serve.pools import MONITOR_NAME, MONITOR_NAMESPACE
 
 log = logging.getLogger("ray.serve")
 REFRESH_EVERY_S = 0.1
+FIRST_SNAPSHOT_WAIT_S = 1.0
 ACTIVE_TTL_S = 1800.0  # a request not heard of for this long no longer counts as in flight
 
 
@@ -44,7 +46,8 @@ class Router:
         self.policy = make_policy(policy, policy_options)
         self.allow_pinning = allow_route_pinning
         self.inflight = {h: 0 for h in self.deployment_of}  # requests on each hop, right now
-        self._active: dict[str, tuple[str, float]] = {}  # request id -> (hop, since)
+        self._active: dict[str, tuple[str, float, int]] = {}  # request id -> (hop, since, tokens)
+        self.inflight_tokens = {h: 0 for h in self.deployment_of}  # KV each hop's requests reserve (tokens)
         self._pending_blocks = {h: 0 for h in self.deployment_of}  # blocks sent there since the last snapshot
         self._policy_counted: dict[str, int] = {}
         self._cpu_loads: list[PoolLoad] = [PoolLoad() for _ in self.cpu_keys]
@@ -59,7 +62,19 @@ class Router:
     # ---- monitor snapshot --------------------------------------------------------------
     def _ensure_refresher(self) -> None:
         if self._refresher is None or self._refresher.done():
+            self._first_try = asyncio.Event()
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
+
+    async def _ready(self) -> None:
+        """Before a decision: the refresher runs, and the first decisions wait (up to
+        FIRST_SNAPSHOT_WAIT_S) for its first try, so that a burst arriving at a fresh router is not
+        routed blind (no slots, no KV budget known: every request of it would go to the GPU)."""
+        self._ensure_refresher()
+        if self.snapshot is None and not self._first_try.is_set():
+            try:
+                await asyncio.wait_for(self._first_try.wait(), FIRST_SNAPSHOT_WAIT_S)
+            except asyncio.TimeoutError:
+                pass
 
     async def _refresh_loop(self) -> None:
         last_ok = time.monotonic()
@@ -83,6 +98,7 @@ class Router:
                 except Exception:  # noqa: BLE001
                     pass
             self.snapshot_age_s = time.monotonic() - last_ok
+            self._first_try.set()
             await asyncio.sleep(REFRESH_EVERY_S)
 
     def reconfigure(self, user_config: dict) -> None:
@@ -91,6 +107,16 @@ class Router:
             self.policy = make_policy(user_config["policy"], user_config.get("policy_options") or {})
             self._policy_counted = {}
             log.info("keyacc router: policy is now %s %s", self.policy.name, self.policy.options)
+
+    def _slots(self, hop: str, v) -> int:
+        """How many of this hop's requests its replicas run at once: their sequence slots, or
+        fewer where the KV budget binds (every engine reserves prompt + max_tokens at admission;
+        the size is the average of this router's requests in flight there)."""
+        slots, n = v.max_num_seqs, self.inflight[hop]
+        if n and v.replicas and v.num_total_blocks:
+            per_request = max(1, math.ceil(self.inflight_tokens[hop] / n / v.block_size))
+            slots = min(slots, v.replicas * (v.num_total_blocks // v.replicas // per_request))
+        return slots
 
     def load_view(self) -> LoadView:
         """The monitor's snapshot, corrected by what this router knows right now: its requests
@@ -103,7 +129,8 @@ class Router:
             if v is None:
                 loads[hop] = PoolLoad(queue=self.inflight[hop], known=False)
                 continue
-            loads[hop] = PoolLoad(queue=max(v.num_waiting, self.inflight[hop] - v.max_num_seqs),
+            slots = self._slots(hop, v)
+            loads[hop] = PoolLoad(queue=max(v.num_waiting, self.inflight[hop] - slots), slots=slots,
                                   running=v.num_running,
                                   free_blocks=max(0, v.max_free_blocks - self._pending_blocks[hop]),
                                   total_blocks=v.num_total_blocks, block_size=v.block_size, known=True,
@@ -112,7 +139,8 @@ class Router:
         if gpu.get("available"):
             free = min(g["mem_free_bytes"] for g in gpu["gpus"])
         cpus = [loads[k] for k in self.cpu_keys]
-        cpu = PoolLoad(queue=sum(c.queue for c in cpus), running=sum(c.running for c in cpus),
+        cpu = PoolLoad(queue=sum(c.queue for c in cpus), slots=sum(c.slots for c in cpus),
+                       running=sum(c.running for c in cpus),
                        free_blocks=max(c.free_blocks for c in cpus), total_blocks=sum(c.total_blocks for c in cpus),
                        block_size=cpus[0].block_size, known=any(c.known for c in cpus),
                        tokens_per_s=sum(c.tokens_per_s for c in cpus))
@@ -153,8 +181,10 @@ class Router:
         if hop == "cpu_decode":
             hop = t.last_cpu = self._pick_cpu(prefer=t.last_cpu)
         t.hop, t.export_after, t.error = hop, export_after, None
-        self._active[t.request_id] = (hop, time.monotonic())
+        tokens = t.num_prompt_tokens + t.max_tokens
+        self._active[t.request_id] = (hop, time.monotonic(), tokens)
         self.inflight[hop] += 1
+        self.inflight_tokens[hop] += tokens
         return t
 
     def _leave(self, t: Ticket, end: HopEnd) -> None:
@@ -162,6 +192,7 @@ class Router:
         entry = self._active.pop(t.request_id, None)
         if entry is not None and entry[0] in self.inflight:
             self.inflight[entry[0]] -= 1
+            self.inflight_tokens[entry[0]] -= entry[2]
         if t.hop:
             pool = "gpu" if t.hop.startswith("gpu") else "cpu"
             self._count(f"pool_seconds_total|pool={pool}", end.seconds)
@@ -169,10 +200,11 @@ class Router:
     def _expire(self) -> None:
         """Forget requests whose ingress never reported back (it died): they stop counting."""
         now = time.monotonic()
-        for rid, (hop, since) in list(self._active.items()):
+        for rid, (hop, since, tokens) in list(self._active.items()):
             if now - since > ACTIVE_TTL_S:
                 del self._active[rid]
                 self.inflight[hop] -= 1
+                self.inflight_tokens[hop] -= tokens
 
     def _stop(self, t: Ticket, error) -> Ticket:
         t.hop, t.export_after, t.error = None, None, error
@@ -180,7 +212,7 @@ class Router:
 
     async def begin(self, t: Ticket) -> Ticket:
         """The first hop of a new request."""
-        self._ensure_refresher()
+        await self._ready()
         self._expire()
         if t.pinned_route is not None:
             if not self.allow_pinning:
@@ -195,7 +227,7 @@ class Router:
 
     async def advance(self, t: Ticket, end: HopEnd) -> Ticket:
         """The request's hop ended with a hand-off, a full queue or a failure: where next."""
-        self._ensure_refresher()
+        await self._ready()
         self._leave(t, end)
         kind = t.hop.split("/")[0]
         if end.outcome == "backpressure":  # the pool's bounded queue is full: not a fault

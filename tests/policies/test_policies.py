@@ -178,3 +178,19 @@ def test_debounced_counts_suppressed_episodes():
     d.update(False, False, 0.5)
     d.update(True, False, 0.6)
     assert d.update(True, False, 1.7) and d.suppressed == 1 and d.flips == 1
+
+
+@pytest.mark.parametrize("name", ["full_offload", "auto"])
+def test_flood_limit_is_one_gpu_batch_when_that_is_less_than_the_option(name):
+    clock = Clock()
+    p = make_policy(name, {"trigger_window_s": 5.0}, clock=clock)
+
+    def small_gpu(queue, slots=8):
+        v = view(gpu_queue=queue, prefill_queue=0)
+        v.gpu_decode.total_blocks, v.gpu_decode.slots = 16, slots  # KV for 4 requests of REQ's size
+        return v
+    assert p.route(REQ, small_gpu(4)) == "gpu"  # one batch waits: within the trigger window, no flip
+    assert p.route(REQ, small_gpu(5)) == "cpu"  # more than one batch: overflow at once
+    assert p.route(REQ, small_gpu(3, slots=2)) == "cpu"  # two sequence slots bind before the KV does
+    assert p.route(RequestView(20, 0, 120), small_gpu(2)) == "cpu"  # KV for one request this size
+    assert p.counters["overflow_to_cpu"] == 3

@@ -249,3 +249,70 @@ def test_any_router_replica_can_take_the_next_call(monkeypatch):
     monkeypatch.setattr(router_mod, "ACTIVE_TTL_S", 0.0)
     both.a._expire()
     assert settled(both.a)
+
+
+def _view(dep: str, pool: str, max_num_seqs: int, total_blocks: int, replicas: int = 1):
+    from keyacc_ray.serve.monitor import DeploymentView
+
+    return DeploymentView(dep, pool, replicas=replicas, max_num_seqs=max_num_seqs, num_total_blocks=total_blocks,
+                          num_free_blocks=total_blocks, max_free_blocks=total_blocks // replicas, block_size=16)
+
+
+def test_router_counts_a_kv_bound_pool_queue_and_a_burst_overflows_past_one_gpu_batch():
+    """8 sequence slots but KV for 4 requests of 64 + 96 tokens (10 blocks each of 40): the 5th
+    in flight is queued, and a burst overflows to the CPU pool once more than one GPU batch
+    waits, without waiting out the trigger window."""
+    from keyacc_ray.serve.monitor import Snapshot
+
+    r = Router(["CpuDecode"], "full_offload", {"trigger_window_s": 30.0}, monitor=_Unreachable())
+    r.snapshot = Snapshot(0.0, {"GpuPrefill": _view("GpuPrefill", "gpu", 8, 40),
+                                "GpuDecode": _view("GpuDecode", "gpu", 8, 40),
+                                "CpuDecode": _view("CpuDecode", "cpu", 32, 4000)})
+    routes = []
+
+    async def burst():
+        for i in range(14):
+            from keyacc_ray.serve.messages import Ticket
+
+            t = await r.begin(Ticket(f"b{i}", 64, 96))
+            routes.append(t.route)
+    asyncio.run(burst())
+    view = r.load_view()
+    assert view.gpu_prefill.slots == 4 and view.cpu.slots == 32
+    # on the GPU: 4 running and 4 queued (one batch); the rest went to the CPU at once
+    assert routes == ["gpu"] * 9 + ["cpu"] * 5
+    assert view.gpu_prefill.queue == 5 and view.cpu.queue == 0
+    assert r.policy.counters["overflow_to_cpu"] == 5
+    r.inflight_tokens["gpu_prefill"] = r.inflight["gpu_prefill"] * 16  # short requests: the slots bind again
+    assert r.load_view().gpu_prefill.slots == 8
+
+
+def test_a_burst_at_a_fresh_router_waits_for_the_first_snapshot():
+    """The first decisions of a new router replica wait for its first monitor snapshot (here
+    50 ms late): a burst is not routed blind, all to the GPU."""
+    from keyacc_ray.serve.messages import Ticket
+    from keyacc_ray.serve.monitor import Snapshot
+
+    class SlowMonitor:
+        class _Snap:
+            def remote(self, since=None):
+                async def later():
+                    await asyncio.sleep(0.05)
+                    return Snapshot(0.0, {"GpuPrefill": _view("GpuPrefill", "gpu", 8, 40),
+                                          "GpuDecode": _view("GpuDecode", "gpu", 8, 40),
+                                          "CpuDecode": _view("CpuDecode", "cpu", 32, 4000)}, version=1)
+                return later()
+
+        class _Count:
+            def remote(self, deltas):
+                return None
+
+        snapshot, add_counters = _Snap(), _Count()
+
+    r = Router(["CpuDecode"], "full_offload", {"trigger_window_s": 30.0}, monitor=SlowMonitor())
+
+    async def burst():
+        ts = await asyncio.gather(*(r.begin(Ticket(f"b{i}", 64, 96)) for i in range(14)))
+        return [t.route for t in ts]
+    routes = asyncio.run(burst())
+    assert routes.count("gpu") == 9 and routes.count("cpu") == 5
