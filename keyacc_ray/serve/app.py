@@ -29,6 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # does; scripts/start_node.py sets it too); a value the operator set wins.
 CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
                "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
+ACCESS_LOG = {"all": ("ingress", "internal"), "ingress": ("ingress",), "none": ()}
 REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
@@ -101,10 +102,16 @@ class AppConfig:
     # the serving stack's CPU (docs/benchmarks.md). Our replicas never block their loop (the
     # engines step on threads of their own).
     replica_env: dict = field(default_factory=lambda: dict(REPLICA_ENV))
+    # Serve's access log, one line per call a replica takes: "ingress" (one line per HTTP
+    # request), "all" (every internal hop too: router decisions, pool streams; 4-6 lines per
+    # request) or "none". Like vLLM's request log, off on the hot internal path by default.
+    access_log: str = "ingress"
 
     def __post_init__(self):
         if self.allow_route_pinning not in (True, False, "operators"):
             raise ConfigError(f"allow_route_pinning must be true, false or \"operators\", got {self.allow_route_pinning!r}")
+        if self.access_log not in ACCESS_LOG:
+            raise ConfigError(f"access_log must be one of {sorted(ACCESS_LOG)}, got {self.access_log!r}")
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "AppConfig":
@@ -186,7 +193,7 @@ def build_app(args: dict | None = None):
 
     def pool(cls, name: str, p: PoolConfig, num_gpus: float, numa_node: int | None = None):
         opts = {"num_replicas": p.replicas, "max_ongoing_requests": p.max_ongoing_requests,
-                "max_queued_requests": p.max_queued_requests, "health_check_period_s": 5}
+                "max_queued_requests": p.max_queued_requests, "health_check_period_s": 5, **logs("internal")}
         resources = dict(p.resources)
         if numa_node is not None and f"keyacc_numa_{numa_node}" in cluster:
             # a bundle that takes this NUMA node's cores (resources from scripts/start_node.py)
@@ -197,6 +204,9 @@ def build_app(args: dict | None = None):
             opts["ray_actor_options"] = {"num_cpus": p.num_cpus, "num_gpus": num_gpus, "resources": resources, **env}
         return serve.deployment(cls, name=name).options(**opts).bind(
             cfg.engine(p), name, p.emulate_if_no_cuda, p.cpu_affinity, numa_node, p.stream_interval_ms)
+
+    def logs(kind: str) -> dict:
+        return {"logging_config": {"enable_access_log": kind in ACCESS_LOG[cfg.access_log]}}
 
     cluster = ray.cluster_resources() if ray.is_initialized() else {}
     env = {"runtime_env": {"env_vars": {k: str(v) for k, v in cfg.replica_env.items()}}} if cfg.replica_env else {}
@@ -211,14 +221,14 @@ def build_app(args: dict | None = None):
         cpu_names, cpu_decode = ["CpuDecode"], pool(CpuDecode, "CpuDecode", cfg.cpu, 0)
     # The policy travels as user_config: switching it reconfigures the router in place.
     router = serve.deployment(Router, name="Router").options(
-        max_ongoing_requests=4096,
+        max_ongoing_requests=4096, **logs("internal"),
         ray_actor_options={"num_cpus": cfg.router_num_cpus, "resources": dict(cfg.control_resources), **env},
         user_config={"policy": cfg.policy, "policy_options": cfg.policy_options},
     ).bind(cpu_deployments=cpu_names, allow_route_pinning=cfg.allow_route_pinning)
     cpu_list = cpu_decode if isinstance(cpu_decode, list) else [cpu_decode]
     pools = dict(zip(hop_keys(len(cpu_list)), [gpu_prefill, gpu_decode, *cpu_list]))
     return serve.deployment(Ingress, name="Ingress").options(
-        max_ongoing_requests=4096, max_queued_requests=cfg.max_queued_requests,
+        max_ongoing_requests=4096, max_queued_requests=cfg.max_queued_requests, **logs("ingress"),
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus, "resources": dict(cfg.control_resources), **env},
     ).bind(router, pools, cfg.model, cfg.served_model_name, max_len, cfg.allow_route_pinning, cfg.max_body_bytes,
            cfg.api_keys_file, cfg.operator_keys_file)

@@ -34,6 +34,8 @@ def test_bad_app_config_names_the_field():
         PoolConfig(stream_interval_ms=-1)
     with pytest.raises(ConfigError, match="cpu_kernels"):
         AppConfig.from_dict({}).engine(PoolConfig(cpu_kernels="fast"))
+    with pytest.raises(ConfigError, match="access_log"):
+        AppConfig.from_dict({"access_log": "verbose"})
 
 
 def test_cluster_yaml_matches_the_autoscaler_schema():
