@@ -10,6 +10,7 @@ changed since version v, so an idle server's routers poll without moving a snaps
 """
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -81,7 +82,9 @@ class LoadState:
         self.counters: dict[str, float] = {}
         self._system_probe = system_probe
         self._system: tuple[float, dict, list] = (-1e9, {}, [])
-        self.version = 0
+        # a random start: a router holding a version from a monitor that restarted never mistakes
+        # it for this one's
+        self.version = random.getrandbits(48)
 
     def report(self, r: ReplicaReport) -> None:
         r.time_s = self.clock()

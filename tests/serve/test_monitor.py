@@ -85,3 +85,12 @@ def test_system_figures_refresh_at_most_once_a_second_and_count_as_change():
     clock.t += 1.5
     snap = s.snapshot(since=v)
     assert len(probes) == 2 and snap is not None and snap.cpu_numa[0]["util_pct"] == 2.0
+
+
+def test_a_restarted_monitor_does_not_answer_none_to_an_old_version():
+    old = LoadState(clock=Clock())
+    old.report(report("a"))
+    held = old.snapshot().version
+    fresh = LoadState(clock=Clock())  # the actor restarted: its state is new
+    fresh.report(report("a"))
+    assert fresh.snapshot(since=held) is not None
