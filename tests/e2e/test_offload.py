@@ -77,6 +77,17 @@ def test_burst_offloads_by_policy_and_outputs_match(app_url, policy, name, expec
     assert kv_directory_size() == 0, "a hand-off's KV reference was never taken"
 
 
+def test_full_offload_burst_puts_at_most_one_waiting_batch_on_the_gpu(app_url, policy):
+    """16 requests at once, a trigger window too long to matter: only the flood rule can send
+    work to the CPU. The GPU's KV budget holds 4 of these requests; at most one more batch may
+    wait there, the rest start on the CPU pool at once (session 3 queued them all on the GPU)."""
+    policy("full_offload", {**FAST, "trigger_window_s": 30.0})
+    traces = check(burst(app_url, 16, 160, rounds=1), 160)
+    first = [t["segments"][0]["pool"] for t in traces]
+    assert 1 <= first.count("gpu") <= 9 and first.count("cpu") >= 7, first
+    assert router_inflight_settles()
+
+
 def kv_directory_size() -> int:
     import ray
 
