@@ -104,3 +104,21 @@ def test_model_and_dtype_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("KEYACC_MODEL", "Qwen/Qwen3-0.6B")  # a hub id passes through untouched
     cfg = AppConfig.from_dict({})
     assert cfg.model == "Qwen/Qwen3-0.6B" and cfg.served_model_name == "Qwen/Qwen3-0.6B"
+
+
+def test_make_run_starts_serve_with_the_cluster_env():
+    """`python -m keyacc_ray.serve.app CMD` (what `make run` does) runs CMD with CLUSTER_ENV,
+    leaving a value the operator set."""
+    import os
+    import subprocess
+    import sys
+
+    from keyacc_ray.serve.app import CLUSTER_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in CLUSTER_ENV}
+    env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] = "0.2"
+    out = subprocess.run([sys.executable, "-m", "keyacc_ray.serve.app", "env"], env=env, capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    got = {k: v for k, v in (line.split("=", 1) for line in out.splitlines() if "=" in line) if k in CLUSTER_ENV}
+    assert got == {**CLUSTER_ENV, "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.2"}
+    assert "-m keyacc_ray.serve.app" in (ROOT / "Makefile").read_text()
