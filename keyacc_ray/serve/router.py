@@ -11,8 +11,8 @@ The router counts each request on its current hop (in flight) to correct the sna
 from __future__ import annotations
 
 import asyncio
-import math
 import logging
+import math
 import time
 
 import ray
