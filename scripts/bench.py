@@ -112,6 +112,10 @@ def main() -> None:
     ap.add_argument("--low-load-rounds", type=int, default=4, help="interleaved low-load rounds (each starts with another policy)")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--output-tokens", type=int, default=96)
+    ap.add_argument("--prompt-spread", type=float, default=0.0,
+                    help="prompt lengths uniform in --prompt-tokens * (1 +- spread); seeded, the same for every run")
+    ap.add_argument("--output-spread", type=float, default=0.0,
+                    help="output lengths likewise (fixed lengths keep every client in step: see docs/benchmarks.md)")
     ap.add_argument("--gpu-kv-blocks", type=int, default=40, help="emulated GPU KV budget (16-token blocks)")
     ap.add_argument("--ttft-slo-ms", type=float, default=2000)
     ap.add_argument("--tpot-slo-ms", type=float, default=150)
@@ -145,7 +149,8 @@ def main() -> None:
     plan = side_by_side.Plan(levels=args.levels, duration_s=args.duration, ramp_s=args.ramp, policies=args.policies,
                              ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms,
                              low_load_rounds=args.low_load_rounds)
-    wl = Workload(prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens)
+    wl = Workload(prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+                  prompt_spread=args.prompt_spread, output_spread=args.output_spread)
     t0 = time.time()
     from keyacc_ray.bench import cpu_account
 
