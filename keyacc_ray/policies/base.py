@@ -33,6 +33,7 @@ class PoolLoad:
 
     queue: int = 0  # requests waiting for admission (monitor), or beyond the slots (router count)
     slots: int = 0  # requests it runs at once (sequence slots or, where it binds, the KV budget); 0: unknown
+    inflight: int = 0  # requests the router has sent there that have not left it
     running: int = 0
     free_blocks: int = 0  # the most free KV blocks on one replica
     total_blocks: int = 0

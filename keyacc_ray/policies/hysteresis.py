@@ -79,29 +79,40 @@ def return_decision(policy: Policy, gate: PoolGate, req: RequestView, load: Load
     return "gpu"
 
 
-def flood_limit(policy: Policy, req: RequestView, load: LoadView) -> int:
-    """How many requests may queue on the GPU before new ones overflow at once: the option
-    `gpu_queue_overflow`, or one GPU decode batch where that is less: its slots, and how many
-    requests the size of this one its KV budget holds. A request behind a whole batch waits a
-    whole request's lifetime before it starts there."""
-    limit = policy.options["gpu_queue_overflow"]
+def gpu_batch(req: RequestView, load: LoadView) -> int | None:
+    """How many requests like this one the GPU decode pool runs at once: its slots, or fewer
+    where its KV budget binds (None: not known yet)."""
     dec = load.gpu_decode
-    if dec.slots > 0:
-        limit = min(limit, dec.slots)
+    batch = dec.slots if dec.slots > 0 else None
     if dec.total_blocks > 0:
-        limit = min(limit, max(1, dec.total_blocks // dec.blocks_for(req.total_tokens)))
-    return limit
+        kv = max(1, dec.total_blocks // dec.blocks_for(req.total_tokens))
+        batch = kv if batch is None else min(batch, kv)
+    return batch
+
+
+def flooded(policy: Policy, req: RequestView, load: LoadView) -> bool:
+    """More requests wait for the GPU right now than `gpu_queue_overflow`, or than one GPU decode
+    batch where that is less (a request behind a whole batch waits a whole request's lifetime
+    before it starts there). Waiting: the GPU's queues and, by this router's own counts, every
+    request in prefill or decode beyond one batch (a prefilled request needs a decode slot next)."""
+    batch = gpu_batch(req, load)
+    limit = policy.options["gpu_queue_overflow"]
+    waiting = load.gpu_queue
+    if batch is not None:
+        limit = min(limit, batch)
+        waiting = max(waiting, load.gpu_prefill.inflight + load.gpu_decode.inflight - batch)
+    return waiting > limit
 
 
 def whole_request_route(policy: Policy, gpu_overloaded: bool, cpu_gate: PoolGate, load: LoadView,
                         req: RequestView) -> str:
     """Where a new request runs, whole-request offload style. The GPU while it accepts; the CPU
     pool while the GPU is overloaded (its gate) or flooded right now (its queue, the router's
-    in-flight count included, beyond `flood_limit`: a burst of 40 requests arrives within
+    in-flight count included, see `flooded`: a burst of 40 requests arrives within
     milliseconds, and waiting out the trigger window would queue them all on the GPU).
     When the CPU pool is overloaded too, the request queues where the queue drains sooner at
     the pool's recent rate (queue / tokens per second), and on the GPU while a rate is unknown."""
-    flood = load.gpu_queue > flood_limit(policy, req, load)
+    flood = flooded(policy, req, load)
     if not gpu_overloaded and not flood:
         return "gpu"
     if not cpu_gate.overloaded:

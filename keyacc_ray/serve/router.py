@@ -127,10 +127,11 @@ class Router:
         for hop, dep in self.deployment_of.items():
             v = views.get(dep)
             if v is None:
-                loads[hop] = PoolLoad(queue=self.inflight[hop], known=False)
+                loads[hop] = PoolLoad(queue=self.inflight[hop], inflight=self.inflight[hop], known=False)
                 continue
             slots = self._slots(hop, v)
             loads[hop] = PoolLoad(queue=max(v.num_waiting, self.inflight[hop] - slots), slots=slots,
+                                  inflight=self.inflight[hop],
                                   running=v.num_running,
                                   free_blocks=max(0, v.max_free_blocks - self._pending_blocks[hop]),
                                   total_blocks=v.num_total_blocks, block_size=v.block_size, known=True,
@@ -140,6 +141,7 @@ class Router:
             free = min(g["mem_free_bytes"] for g in gpu["gpus"])
         cpus = [loads[k] for k in self.cpu_keys]
         cpu = PoolLoad(queue=sum(c.queue for c in cpus), slots=sum(c.slots for c in cpus),
+                       inflight=sum(c.inflight for c in cpus),
                        running=sum(c.running for c in cpus),
                        free_blocks=max(c.free_blocks for c in cpus), total_blocks=sum(c.total_blocks for c in cpus),
                        block_size=cpus[0].block_size, known=any(c.known for c in cpus),

@@ -268,21 +268,27 @@ def test_router_counts_a_kv_bound_pool_queue_and_a_burst_overflows_past_one_gpu_
     r.snapshot = Snapshot(0.0, {"GpuPrefill": _view("GpuPrefill", "gpu", 8, 40),
                                 "GpuDecode": _view("GpuDecode", "gpu", 8, 40),
                                 "CpuDecode": _view("CpuDecode", "cpu", 32, 4000)})
-    routes = []
+    routes, tickets = [], []
 
     async def burst():
-        for i in range(14):
-            from keyacc_ray.serve.messages import Ticket
+        from keyacc_ray.serve.messages import HopEnd, Ticket
 
+        for i in range(14):
             t = await r.begin(Ticket(f"b{i}", 64, 96))
             routes.append(t.route)
+            tickets.append(t)
+        # four prefills hand off to the GPU decode pool (its batch): a request still in prefill
+        # needs a decode slot next, so nothing was freed for new requests on the GPU
+        for t in tickets[:4]:
+            assert (await r.advance(t, HopEnd("handoff", 0.1, 1, has_handoff=True))).hop == "gpu_decode"
+        routes.append((await r.begin(Ticket("late", 64, 96))).route)
     asyncio.run(burst())
     view = r.load_view()
     assert view.gpu_prefill.slots == 4 and view.cpu.slots == 32
-    # on the GPU: 4 running and 4 queued (one batch); the rest went to the CPU at once
-    assert routes == ["gpu"] * 9 + ["cpu"] * 5
-    assert view.gpu_prefill.queue == 5 and view.cpu.queue == 0
-    assert r.policy.counters["overflow_to_cpu"] == 5
+    # on the GPU: 4 running and 4 queued (one batch) + 1; the rest went to the CPU at once
+    assert routes == ["gpu"] * 9 + ["cpu"] * 5 + ["cpu"]
+    assert view.gpu_prefill.inflight == 5 and view.gpu_decode.inflight == 4 and view.cpu.queue == 0
+    assert r.policy.counters["overflow_to_cpu"] == 6
     r.inflight_tokens["gpu_prefill"] = r.inflight["gpu_prefill"] * 16  # short requests: the slots bind again
     assert r.load_view().gpu_prefill.slots == 8
 
