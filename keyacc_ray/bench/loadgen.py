@@ -120,7 +120,8 @@ HEADERS: dict = {}  # e.g. {"Authorization": "Bearer ..."}, set by the CLI
 
 def _client(url: str, n: int) -> aiohttp.ClientSession:
     # a base URL may carry a path prefix: it ends with "/", request paths are relative to it
-    return aiohttp.ClientSession(base_url=url.rstrip("/") + "/", headers=HEADERS, timeout=aiohttp.ClientTimeout(total=300),
+    return aiohttp.ClientSession(base_url=url.rstrip("/") + "/", headers=HEADERS,
+                                 timeout=aiohttp.ClientTimeout(total=300),
                                  connector=aiohttp.TCPConnector(limit=n), read_bufsize=1 << 16)
 
 

@@ -197,10 +197,10 @@ class EnginePool:
                 if monitor is None:
                     monitor = ray.get_actor(MONITOR_NAME, namespace=MONITOR_NAMESPACE)
                 r = self.report()
-                now = time.monotonic()
-                if r.content() != last or now - sent_at >= HEARTBEAT_S:
+                content, now = r.content(), time.monotonic()
+                if content != last or now - sent_at >= HEARTBEAT_S:
                     monitor.report.remote(r)
-                    last, sent_at = r.content(), now
+                    last, sent_at = content, now
             except Exception:  # noqa: BLE001 - the monitor may be (re)starting; keep serving
                 monitor, last = None, None
             time.sleep(REPORT_EVERY_S)
