@@ -38,6 +38,18 @@ def test_models_and_health(app_url, client):
     assert httpx.get(f"{app_url}/health").json() == {"status": "ok"}
 
 
+def test_http_reaches_the_ingress_through_serve_haproxy(app_url):
+    """The cluster env turns Serve's HAProxy mode on: HAProxy holds the HTTP port and forwards to
+    the ingress replica's own HTTP server; no Python proxy actor carries the tokens."""
+    import psutil
+
+    port = int(app_url.rsplit(":", 1)[1])
+    listeners = {psutil.Process(c.pid).name() for c in psutil.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid}
+    assert listeners == {"haproxy"}, listeners
+    assert httpx.get(f"{app_url}/v1/models").status_code == 200
+
+
 def test_completion_matches_generate(client):
     r = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=20, temperature=0,
                                   extra_body={"ignore_eos": True, "return_token_ids": True})

