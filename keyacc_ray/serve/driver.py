@@ -5,7 +5,10 @@ full queue); this driver, running inside each ingress replica, does: it calls th
 streams the tokens straight to the client, and asks the router again when the hop ends. Tokens
 therefore cross one Serve hop (pool -> ingress) instead of two, and the router sees a few small
 calls per request instead of every token. Hops: GPU prefill -> (hand-off) -> GPU or CPU decode,
-CPU decode in periods after which the router may move the decode back.
+CPU decode in periods after which the router may move the decode back. The CPU pool asks the
+router itself after each period (the sequence keeps decoding meanwhile) and sends the answer
+along as a `TicketUpdate`: the driver takes it as its own and, when it names another hop, goes
+on there after the hand-off without asking again.
 
 If the router cannot be reached, the driver decides alone (`fallback`): finish where the
 request is, fail over as usual. No Ray import here: pools and the router come in as handles
@@ -19,7 +22,7 @@ import logging
 import time
 
 from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopEnd, SegmentStart, Ticket,
-                                       TokenChunk, Trace)
+                                       TicketUpdate, TokenChunk, Trace)
 
 log = logging.getLogger("ray.serve")
 ROUTER_TIMEOUT_S = 10.0
@@ -123,12 +126,26 @@ class RequestDriver:
             outcome, err_name = "done", ""
             stream = None
             segment_started = False  # this hop's replica said where it runs
+            decided: Ticket | None = None  # the pool's check after a CPU period chose the next hop
+            # Policy periods on the CPU: the pool checks with the router itself (a move lands a few
+            # tokens after the period, when the answer comes). A pinned `migrate_back_after` moves
+            # after exactly that many tokens: the old way, a hand-off at the period's end.
+            in_periods = ({"ticket": t} if t.hop.startswith("cpu_decode") and t.export_after
+                          and t.pinned_route is None else {})
             try:
-                stream = self.hops[t.hop].options(**POOL_CALL).generate.remote(req, handoff, t.export_after)
+                stream = self.hops[t.hop].options(**POOL_CALL).generate.remote(req, handoff, t.export_after,
+                                                                               **in_periods)
                 async for items in stream:
                     out = []
                     for it in items:
-                        if isinstance(it, SegmentStart):
+                        if isinstance(it, TicketUpdate):
+                            if it.ticket.hop == t.hop:  # the next period, where it is
+                                t = it.ticket
+                                if trace.segments:
+                                    trace.segments[-1]["periods"] += 1
+                            else:
+                                decided = it.ticket
+                        elif isinstance(it, SegmentStart):
                             trace.start(it)
                             segment_started = True
                         elif isinstance(it, Handoff):
@@ -164,6 +181,9 @@ class RequestDriver:
                 break
             if outcome == "handoff":
                 handoff = next_handoff
+                if decided is not None:  # the router already chose (and counted) the next hop
+                    t = decided
+                    continue
             elif outcome == "failed":
                 # Go on elsewhere from what the client already has: prompt + tokens so far, no
                 # KV (prefilled again there); greedy output stays exact. Nothing yet: start over.

@@ -5,8 +5,10 @@ runs `engine.step()` while there is work (torch releases the GIL, so the replica
 stays responsive), and hands each step's outputs to the waiting streams. A caller reads a
 batch of everything produced since its last read, so a slow reader gets bigger chunks instead
 of one round trip per token. A sequence with `export_after=N` is exported right after its Nth
-token on this engine and its stream ends with the hand-off. No Ray here: the pool injects
-`on_export` to place the package in the object store.
+token on this engine and its stream ends with the hand-off. A sequence with `check_every=N` keeps
+decoding and gets a `Checkpoint` in its stream after every N tokens here; `export(request_id)`
+then hands it off at the next step boundary (an elastic-pipeline period whose check says "stay"
+costs nothing). No Ray here: the pool injects `on_export` to place the package in the object store.
 """
 from __future__ import annotations
 
@@ -28,10 +30,18 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class Checkpoint:
+    """In a `check_every` stream: this many tokens were produced here; the sequence keeps going."""
+    produced: int
+    num_output_tokens: int
+
+
+@dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     q: asyncio.Queue
     export_after: int | None
+    check_every: int | None = None
     produced: int = 0
 
     def push(self, item) -> None:
@@ -59,9 +69,9 @@ class AsyncEngine:
     # ---- caller side (event loop) ------------------------------------------------------
     async def generate(self, request_id: str, *, prompt_ids: list[int] | None = None,
                        params: SamplingParams, package: KVPackage | None = None,
-                       export_after: int | None = None) -> AsyncIterator[list]:
-        """Yields lists of TokenChunk / ErrorItem / hand-off objects until the sequence ends."""
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), export_after)
+                       export_after: int | None = None, check_every: int | None = None) -> AsyncIterator[list]:
+        """Yields lists of TokenChunk / ErrorItem / Checkpoint / hand-off objects until the sequence ends."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), export_after, check_every)
         self._inbox.put(("add", request_id, prompt_ids, params, package, stream))
         self._wake.set()
         done = False
@@ -86,6 +96,12 @@ class AsyncEngine:
             if not done:  # the client went away: free the sequence and its blocks now
                 self._inbox.put(("abort", request_id))
                 self._wake.set()
+
+    def export(self, request_id: str) -> None:
+        """Hand a running sequence off at the next step boundary (its stream ends with the hand-off);
+        nothing if it has finished by then."""
+        self._inbox.put(("export", request_id))
+        self._wake.set()
 
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop
@@ -128,6 +144,8 @@ class AsyncEngine:
                     self._close(o.request_id)
                 elif s.export_after is not None and s.produced >= s.export_after:
                     self._export(o.request_id, s)
+                elif s.check_every and s.produced % s.check_every == 0:
+                    s.push(Checkpoint(s.produced, o.num_output_tokens))
 
     def _drain_inbox(self) -> None:
         while True:
@@ -138,6 +156,11 @@ class AsyncEngine:
             if cmd[0] == "abort":
                 self._streams.pop(cmd[1], None)
                 self.engine.abort(cmd[1])
+                continue
+            if cmd[0] == "export":
+                s = self._streams.get(cmd[1])
+                if s is not None and cmd[1] in self.engine.seqs:
+                    self._export(cmd[1], s)
                 continue
             _, rid, prompt_ids, params, package, stream = cmd
             try:

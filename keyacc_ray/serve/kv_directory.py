@@ -24,6 +24,7 @@ class KVDirectory:
         self.clock = clock
         self._refs: dict[str, tuple[list, float]] = {}
         self._waiting: dict[str, asyncio.Event] = {}
+        self.puts = 0  # hand-offs that carried KV, since this actor started
 
     def _expire(self) -> None:
         now = self.clock()
@@ -33,6 +34,7 @@ class KVDirectory:
     async def put(self, key: str, refs: list) -> None:
         self._expire()
         self._refs[key] = (refs, self.clock())
+        self.puts += 1
         ev = self._waiting.pop(key, None)
         if ev is not None:
             ev.set()
@@ -53,3 +55,6 @@ class KVDirectory:
     async def size(self) -> int:
         self._expire()
         return len(self._refs)
+
+    async def num_puts(self) -> int:
+        return self.puts

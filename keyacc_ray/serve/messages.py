@@ -1,8 +1,9 @@
 """Typed messages that cross a process boundary between ingress, router and pools.
 
-A pool's `generate` stream yields lists of these items: one `SegmentStart`, then `TokenChunk`s,
-and at the end either a finished `TokenChunk`, a `Handoff` (the sequence stops here and goes
-on elsewhere) or an `ErrorItem`. Nothing here is ever built from client bytes by unpickling:
+A pool's `generate` stream yields lists of these items: one `SegmentStart`, then `TokenChunk`s
+(in CPU decode periods, a `TicketUpdate` after each period's check), and at the end either a
+finished `TokenChunk`, a `Handoff` (the sequence stops here and goes on elsewhere) or an
+`ErrorItem`. Nothing here is ever built from client bytes by unpickling:
 the ingress parses JSON into `GenerateRequest`.
 """
 from __future__ import annotations
@@ -120,6 +121,14 @@ class Ticket:
     def of(cls, req: GenerateRequest) -> "Ticket":
         return cls(req.request_id, len(req.prompt_token_ids), int(req.params.get("max_tokens", 16)),
                    req.route, req.migrate_back_after)
+
+
+@dataclass
+class TicketUpdate:
+    """In a CPU decode period's stream: the router's answer to the pool's check after a period.
+    Same hop: the decode goes on where it is (the next period, no hand-off); another hop: the
+    stream ends with a `Handoff` and the request goes on there, as this ticket says."""
+    ticket: Ticket
 
 
 @dataclass

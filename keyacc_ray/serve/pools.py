@@ -3,7 +3,11 @@
 Plain classes; `app.py` wraps them with `serve.deployment`. One method, `generate`, serves every
 role: a whole request (prompt in, tokens out), a prefill (`export_after=1`: the first token, then
 a hand-off) or a decode (a hand-off in, tokens out, and with `export_after=N` a hand-off out
-after N tokens: one period of the elastic pipeline).
+after N tokens). CPU decode in periods of the elastic pipeline (`export_after=N` with the
+request's `ticket`): the sequence keeps decoding while the pool asks the router after every N
+tokens (`advance`, as the driver would at a hand-off); it is handed off only when the answer is
+another hop, so a check that says "stay" costs one small call instead of a KV export, a new
+stream and an import.
 """
 from __future__ import annotations
 
@@ -28,9 +32,9 @@ from keyacc_ray.engine.request import SamplingParams
 from keyacc_ray.errors import KeyaccError
 from keyacc_ray.hw.pinning import pin_process
 from keyacc_ray.hw.topology import gpu_info, gpu_local_cpus, numa_nodes
-from keyacc_ray.serve.engine_loop import AsyncEngine
+from keyacc_ray.serve.engine_loop import AsyncEngine, Checkpoint
 from keyacc_ray.serve.kv_directory import NAME as KV_DIRECTORY, KVDirectory
-from keyacc_ray.serve.messages import ErrorItem, GenerateRequest, Handoff, SegmentStart
+from keyacc_ray.serve.messages import ErrorItem, GenerateRequest, Handoff, HopEnd, SegmentStart, Ticket, TicketUpdate
 from keyacc_ray.serve.monitor import ReplicaReport
 
 log = logging.getLogger("ray.serve")
@@ -40,6 +44,7 @@ KV_HOLD_S = 60.0
 MONITOR_NAME = "keyacc_load_monitor"
 MONITOR_NAMESPACE = "keyacc"
 REPORT_EVERY_S = 0.2
+ROUTER_CHECK_TIMEOUT_S = 10.0
 HEARTBEAT_S = 1.0
 
 
@@ -86,6 +91,7 @@ class EnginePool:
         self._calls = 0
         self._held: collections.deque = collections.deque()
         self._kv_dir = None  # the KV directory actor's handle, made on first use
+        self._router_handle = None  # the Router deployment's handle, for period checks, made on first use
         self.loop = AsyncEngine(self.engine, on_export=self._to_handoff, stream_interval_s=stream_interval_ms / 1e3)
         label = ("EMULATED GPU: runs on CPU cores with an emulated KV budget of "
                  f"{self.engine.blocks.num_blocks} blocks x {self.engine.blocks.block_size} tokens"
@@ -97,7 +103,7 @@ class EnginePool:
 
     # ---- requests ----------------------------------------------------------------------
     async def generate(self, req: GenerateRequest, handoff: Handoff | None = None,
-                       export_after: int | None = None):
+                       export_after: int | None = None, ticket: Ticket | None = None):
         if handoff is not None:
             phase = "decode"
         else:
@@ -116,9 +122,62 @@ class EnginePool:
         # (the same request comes back here for its next decode period) can never hit this one.
         self._calls += 1
         rid = f"{req.request_id}/{self._calls}"
-        async for items in self.loop.generate(rid, prompt_ids=req.prompt_token_ids, params=params,
-                                              package=package, export_after=export_after):
+        if ticket is None or not export_after:
+            async for items in self.loop.generate(rid, prompt_ids=req.prompt_token_ids, params=params,
+                                                  package=package, export_after=export_after):
+                yield items
+            return
+        async for items in self._periods(rid, req, params, package, export_after, ticket):
             yield items
+
+    async def _periods(self, rid, req, params, package, period: int, ticket: Ticket):
+        """Decode in periods: after every `period` tokens the router decides (in a task: the
+        sequence keeps decoding meanwhile); its ticket goes to the driver, and if it names another
+        hop the sequence is exported at the next step and the stream ends with the hand-off."""
+        state = {"ticket": ticket, "started": time.monotonic(), "moving": False}
+        updates: list[TicketUpdate] = []
+        check: asyncio.Task | None = None
+        try:
+            async for items in self.loop.generate(rid, prompt_ids=req.prompt_token_ids, params=params,
+                                                  package=package, check_every=period):
+                out = []
+                for it in items:
+                    if isinstance(it, Checkpoint):
+                        if (check is None or check.done()) and not state["moving"]:
+                            check = asyncio.ensure_future(self._check(rid, it, state, updates))
+                    else:
+                        out.append(it)
+                if updates:
+                    out[:0], updates[:] = list(updates), []
+                if out:
+                    yield out
+            if updates:  # a check answered after the last tokens: the driver still wants the ticket
+                yield list(updates)
+        finally:
+            if check is not None and not check.done():
+                check.cancel()
+
+    async def _check(self, rid: str, cp: Checkpoint, state: dict, updates: list) -> None:
+        t: Ticket = state["ticket"]
+        here = t.hop
+        end = HopEnd("handoff", time.monotonic() - state["started"], cp.num_output_tokens, True)
+        try:
+            nt = await asyncio.wait_for(self._router().options(_by_reference=False).advance.remote(t, end),
+                                        ROUTER_CHECK_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - router restarting or gone: keep decoding here
+            log.warning("period check of %s failed (%s); decoding on here", t.request_id, e.__class__.__name__)
+            self._router_handle = None
+            return
+        state["ticket"], state["started"] = nt, time.monotonic()
+        updates.append(TicketUpdate(nt))
+        if nt.hop != here:  # move: the stream ends with the hand-off (or the request finished first)
+            state["moving"] = True
+            self.loop.export(rid)
+
+    def _router(self):
+        if self._router_handle is None:
+            self._router_handle = serve.get_deployment_handle("Router", serve.get_replica_context().app_name)
+        return self._router_handle
 
     async def _receive(self, h: Handoff) -> KVPackage:
         """Fetch the KV arrays (a zero-copy view when on this node). If their owner died before

@@ -62,6 +62,7 @@ def check(results, max_tokens):
                                                 ("auto", None)])
 def test_burst_offloads_by_policy_and_outputs_match(app_url, policy, name, expect_phase):
     policy(name, FAST)
+    puts = kv_directory_puts()
     traces = check(burst(app_url, 16, 160), 160)
     cpu_segments = [s for t in traces for s in t["segments"] if s["pool"] == "cpu"]
     assert cpu_segments, "no request ran on the CPU pool"
@@ -75,6 +76,11 @@ def test_burst_offloads_by_policy_and_outputs_match(app_url, policy, name, expec
     assert "keyacc_moves_total" in text or name == "full_offload"
     assert router_inflight_settles(), "the router still counts finished requests in flight"
     assert kv_directory_size() == 0, "a hand-off's KV reference was never taken"
+    # CPU periods are checked in place: a check that keeps the decode where it is hands nothing
+    # off, so KV crossed exactly at the segment boundaries the traces show
+    segs = [s for t in traces for s in t["segments"]]
+    assert any(s["pool"] == "cpu" and s["periods"] > 1 for s in segs), "no CPU decode lasted several periods"
+    assert kv_directory_puts() - puts == sum(s.get("kv") == "received" for s in segs)
 
 
 def test_full_offload_burst_puts_at_most_one_waiting_batch_on_the_gpu(app_url, policy):
@@ -95,6 +101,19 @@ def kv_directory_size() -> int:
     from keyacc_ray.serve.pools import MONITOR_NAMESPACE
 
     return ray.get(ray.get_actor(NAME, namespace=MONITOR_NAMESPACE).size.remote(), timeout=10)
+
+
+def kv_directory_puts() -> int:
+    import ray
+
+    from keyacc_ray.serve.kv_directory import NAME
+    from keyacc_ray.serve.pools import MONITOR_NAMESPACE
+
+    try:
+        directory = ray.get_actor(NAME, namespace=MONITOR_NAMESPACE)
+    except ValueError:  # no hand-off yet: the pools make it on first use
+        return 0
+    return ray.get(directory.num_puts.remote(), timeout=10)
 
 
 def router_inflight_settles(timeout_s: float = 10.0) -> bool:

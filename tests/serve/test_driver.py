@@ -4,11 +4,13 @@ through Serve with the real engine."""
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import pytest
 
 from keyacc_ray.serve.driver import RequestDriver
-from keyacc_ray.serve.messages import ErrorItem, GenerateRequest, Handoff, SegmentStart, TokenChunk, Trace
+from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopEnd, SegmentStart, TicketUpdate,
+                                       TokenChunk, Trace)
 from keyacc_ray.serve.router import Router, hop_keys
 
 PROMPT = [1, 2, 3, 4]
@@ -53,7 +55,8 @@ class FakePool:
     def options(self, stream: bool, **kw):
         return self
 
-    def remote(self, req: GenerateRequest, handoff: Handoff | None, export_after: int | None):
+    def remote(self, req: GenerateRequest, handoff: Handoff | None, export_after: int | None, ticket=None):
+        # a pool that does not check periods itself: it hands off after each one (the driver asks)
         self.calls.append((None if handoff is None else len(handoff.token_ids), export_after))
         s = FakeStream(self._run(req, handoff, export_after))
         self.streams.append(s)
@@ -82,6 +85,39 @@ class FakePool:
                 yield [Handoff(req.request_id, None, [], list(req.prompt_token_ids) + [100 + i for i in range(done)],
                                len(req.prompt_token_ids), req.params, None, 0)]
                 return
+
+
+class CheckingPool(FakePool):
+    """A CPU pool as the real one runs periods: with a ticket it keeps decoding, asks the router
+    after every period and hands off only when the answer is another hop."""
+
+    router: Router
+
+    def remote(self, req, handoff, export_after, ticket=None):
+        if ticket is None:
+            return super().remote(req, handoff, export_after)
+        self.calls.append((None if handoff is None else len(handoff.token_ids), export_after))
+        s = FakeStream(self._periods(req, handoff, export_after, ticket))
+        self.streams.append(s)
+        return s
+
+    async def _periods(self, req, handoff, period, t):
+        yield [SegmentStart(self.pool, "decode" if handoff else self.phase, self.name + "-r0", self.name)]
+        done = len(handoff.token_ids) - len(req.prompt_token_ids) if handoff else 0
+        here = 0
+        while done < req.params["max_tokens"]:
+            tok, done, here = 100 + done, done + 1, here + 1
+            last = done == req.params["max_tokens"]
+            yield [TokenChunk([tok], f"<{tok}>", "length" if last else None, len(PROMPT), done)]
+            if not last and here % period == 0:
+                nt = await self.router.advance(copy.deepcopy(t), HopEnd("handoff", 0.0, done, True))  # as over gRPC
+                if nt.hop != t.hop:
+                    yield [TicketUpdate(nt), Handoff(req.request_id, None, [], list(req.prompt_token_ids) +
+                                                     [100 + i for i in range(done)], len(req.prompt_token_ids),
+                                                     req.params, None, 0)]
+                    return
+                t = nt
+                yield [TicketUpdate(nt)]
 
 
 def make(policy="gpu_only", options=None, allow_pinning=True, router=None):
@@ -322,3 +358,54 @@ def test_a_burst_at_a_fresh_router_waits_for_the_first_snapshot():
         return [t.route for t in ts]
     routes = asyncio.run(burst())
     assert routes.count("gpu") == 9 and routes.count("cpu") == 5
+
+
+def _checking(driver, router):
+    pool = CheckingPool("CpuDecode", "cpu", "whole")
+    pool.router = router
+    driver.hops["cpu_decode/0"] = pool
+    asks = []
+    advance = router.advance
+
+    async def counted(t, end):
+        asks.append(end.num_output_tokens)
+        return await advance(t, end)
+
+    router.advance = counted
+    pool.router = type("R", (), {"advance": staticmethod(advance)})  # the pool's own calls: not counted
+    return pool, asks
+
+
+def test_cpu_periods_checked_by_the_pool_move_back_without_the_driver_asking_again():
+    driver, router, pools = make("full_offload", {"trigger_window_s": 0.0, "decode_period_tokens": 3})
+    router.policy.gpu.flag.state = True  # overloaded: the request starts on the CPU
+    router.policy.after_period = lambda req, load: "gpu"  # and the first check finds room there
+    cpu, asks = _checking(driver, router)
+    tokens, errors, trace = asyncio.run(collect(driver, request(10)))
+    assert tokens == [100 + i for i in range(10)] and not errors
+    assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == [("cpu", 3), ("gpu", 7)]
+    assert cpu.calls == [(None, 3)]
+    assert asks == []  # the pool's check chose the GPU; the driver did not ask again
+    assert router._counters["moves_total|from=cpu,to=gpu,reason=return"] == 1
+    assert settled(router)
+
+
+def test_pinned_migrate_back_still_hands_off_after_exactly_n_tokens():
+    driver, router, pools = make()
+    cpu, asks = _checking(driver, router)
+    tokens, errors, trace = asyncio.run(collect(driver, request(10, route="cpu", migrate_back_after=4)))
+    assert tokens == [100 + i for i in range(10)] and not errors
+    assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == [("cpu", 4), ("gpu", 6)]
+    assert asks == [4] and settled(router)  # the driver asked at the hand-off, as before
+
+
+def test_cpu_periods_that_stay_cost_no_hand_off():
+    driver, router, pools = make("full_offload", {"trigger_window_s": 0.0})
+    router.policy.gpu.flag.state = True  # the GPU is overloaded: new requests and checks stay on the CPU
+    cpu, asks = _checking(driver, router)
+    n, period = 20, router.policy.decode_period_tokens()
+    tokens, errors, trace = asyncio.run(collect(driver, request(n)))
+    assert tokens == [100 + i for i in range(n)] and not errors
+    assert [(s["pool"], s["tokens"], s["periods"]) for s in trace["segments"]] == [("cpu", n, -(-n // period))]
+    assert cpu.calls == [(None, period)]  # one stream for every period: no hand-off, no new call
+    assert asks == [] and settled(router)

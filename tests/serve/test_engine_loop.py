@@ -111,3 +111,45 @@ def test_a_cancelled_stream_aborts_its_sequence():
         assert eng.aborted == ["gone"] and not eng.reqs
     finally:
         loop.shutdown()
+
+
+def test_checkpoints_keep_decoding_and_export_hands_off_mid_stream(qwen3_path):
+    """`check_every`: a Checkpoint after every N tokens while the sequence goes on decoding;
+    `export()` hands it off at the next step, and another engine continues it to exactly
+    transformers' greedy output (the real engine, the tiny model)."""
+    from keyacc_ray.config import EngineConfig
+    from keyacc_ray.engine.llm_engine import LLMEngine
+    from keyacc_ray.serve.engine_loop import Checkpoint
+    from tests.helpers import hf_greedy
+
+    prompt, n = [5, 17, 42, 7, 99, 3], 24
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    loop = AsyncEngine(LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=4, dtype="float32")),
+                       on_export=lambda pkg: pkg, stream_interval_s=0.0)
+
+    async def run():
+        got, checks, pkg = [], [], None
+        async for items in loop.generate("a", prompt_ids=prompt, params=params, check_every=5):
+            for it in items:
+                if isinstance(it, Checkpoint):
+                    checks.append(it.produced)
+                    if it.produced == 10:
+                        loop.export("a")
+                elif isinstance(it, TokenChunk):
+                    got.extend(it.token_ids)
+                else:
+                    pkg = it
+        return got, checks, pkg
+
+    try:
+        got, checks, pkg = asyncio.run(run())
+    finally:
+        loop.shutdown()
+    assert checks == [5, 10] and pkg is not None and 10 <= len(got) < n
+    assert pkg.token_ids == prompt + got  # handed off right where the stream stopped
+    other = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=4, dtype="float32"))
+    other.import_request(pkg, "b")
+    rest = []
+    while other.has_unfinished():
+        rest += [t for o in other.step() for t in o.new_token_ids]
+    assert got + rest == hf_greedy(qwen3_path, prompt, n)
