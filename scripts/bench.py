@@ -130,16 +130,13 @@ def main() -> None:
     ap.add_argument("--gpu-seqs", type=int, default=32, help="with --gpu: sequences per GPU replica")
     ap.add_argument("--stream-interval-ms", type=float, default=5.0, help="pools' stream interval (see README)")
     ap.add_argument("--stack-cpus", type=int, nargs="*", default=None,
-                    help="CPUs for Ray, Serve, router, ingress and the load generator. Default here: 1, the "
-                         "CPU pool's core, in every run (the emulated GPU's core stays the GPU's alone, as a GPU "
-                         "runs no host code; see docs/benchmarks.md). Given with no CPUs: they float over "
-                         "every core (each stand-alone baseline then borrows the idle pool's core)")
+                    help="CPUs for Ray, Serve, router, ingress and the load generator (default: they float over "
+                         "every core). `--stack-cpus 1` puts them on the CPU pool's core in every run, leaving the "
+                         "emulated GPU's core to the GPU pools, as a GPU runs no host code (docs/benchmarks.md)")
     ap.add_argument("--out-dir", default=None, help="default results/bench-<time>")
     args = ap.parse_args()
     if args.quick:
         args.levels, args.duration = [2, 8, 24, 40], 10.0
-    if args.stack_cpus is None:
-        args.stack_cpus = [] if args.gpu else [1]
     args.model = args.model or (Path(args.model_path).name if args.model_path else MODEL_NAME)
 
     out = Path(args.out_dir or ROOT / "results" / time.strftime("bench-%Y%m%d-%H%M%S"))
