@@ -52,7 +52,7 @@ def app_config(args, model: Path) -> dict:
         "gpu": {"device": "auto", "max_num_seqs": 8, "num_kv_blocks": args.gpu_kv_blocks, "num_threads": 1,
                 "num_cpus": 0.5, "cpu_affinity": [0], "stream_interval_ms": args.stream_interval_ms},
         "cpu": {"device": "cpu", "max_num_seqs": 32, "num_threads": 1, "num_cpus": 0.5, "cpu_affinity": [1],
-                "stream_interval_ms": args.stream_interval_ms},
+                "stream_interval_ms": args.stream_interval_ms, "max_prefill_tokens": args.cpu_prefill_tokens},
     }
 
 
@@ -128,6 +128,8 @@ def main() -> None:
     ap.add_argument("--model-path", help="model to serve (default: models/medium-qwen3, made if missing)")
     ap.add_argument("--gpu", action="store_true", help="a real GPU host: GPU pools on CUDA, CPU pool on the other cores")
     ap.add_argument("--gpu-seqs", type=int, default=32, help="with --gpu: sequences per GPU replica")
+    ap.add_argument("--cpu-prefill-tokens", type=int, default=4096,
+                    help="the CPU pool's prompt tokens admitted per engine step (PoolConfig.max_prefill_tokens)")
     ap.add_argument("--stream-interval-ms", type=float, default=5.0, help="pools' stream interval (see README)")
     ap.add_argument("--stack-cpus", type=int, nargs="*", default=None,
                     help="CPUs for Ray, Serve, router, ingress and the load generator (default: they float over "

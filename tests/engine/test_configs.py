@@ -36,6 +36,14 @@ def test_bad_app_config_names_the_field():
         AppConfig.from_dict({}).engine(PoolConfig(cpu_kernels="fast"))
     with pytest.raises(ConfigError, match="access_log"):
         AppConfig.from_dict({"access_log": "verbose"})
+    with pytest.raises(ConfigError, match="max_prefill_tokens"):
+        AppConfig.from_dict({}).engine(PoolConfig(max_prefill_tokens=0))
+
+
+def test_pool_prefill_budget_reaches_its_engines():
+    cfg = AppConfig.from_dict({"cpu": {"max_prefill_tokens": 256}})
+    assert cfg.engine(cfg.cpu)["max_prefill_tokens"] == 256
+    assert cfg.engine(cfg.gpu)["max_prefill_tokens"] == 4096
 
 
 def test_cluster_yaml_matches_the_autoscaler_schema():
