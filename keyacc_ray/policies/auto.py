@@ -1,9 +1,9 @@
 """Both mechanisms together. While the GPU accepts, requests run there. When the GPU decode
 pool is overloaded but prefill keeps up, only the decode moves to the CPU at the hand-off
-(stage offload, also when its KV would not fit the GPU decode pool now);
-when the whole GPU is queued (prefill too), or flooded right now (beyond `gpu_queue_overflow` or one GPU decode batch),
-whole requests go to the CPU (full offload's rule, `whole_request_route`). CPU
-decodes run in periods and move back after the memory check, as in both modes."""
+(stage offload, also when its KV would not fit the GPU decode pool now); when the whole GPU is
+queued (prefill too), or flooded right now (beyond `gpu_queue_overflow` or one GPU decode batch),
+whole requests go to the CPU (full offload's rule, `whole_request_route`). CPU decodes run in
+periods and move back after the memory check, as in both modes."""
 from keyacc_ray.policies import register
 from keyacc_ray.policies.base import LoadView, Policy, RequestView
 from keyacc_ray.policies.hysteresis import gate, return_decision, whole_request_route

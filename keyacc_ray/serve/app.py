@@ -218,7 +218,7 @@ def build_app(args: dict | None = None):
     from ray import serve
 
     from keyacc_ray.serve.ingress import Ingress
-    from keyacc_ray.serve.pools import CpuDecode, GpuDecode, GpuPrefill
+    from keyacc_ray.serve.pools import ROUTER_NAME, CpuDecode, GpuDecode, GpuPrefill
     from keyacc_ray.serve.router import Router, hop_keys
 
     cfg = AppConfig.from_dict(args)
@@ -258,7 +258,7 @@ def build_app(args: dict | None = None):
     else:
         cpu_names, cpu_decode = ["CpuDecode"], pool(CpuDecode, "CpuDecode", cfg.cpu, 0)
     # The policy travels as user_config: switching it reconfigures the router in place.
-    router = serve.deployment(Router, name="Router").options(
+    router = serve.deployment(Router, name=ROUTER_NAME).options(
         max_ongoing_requests=4096, **logs("internal"),
         ray_actor_options={"num_cpus": cfg.router_num_cpus, "resources": dict(cfg.control_resources), **env},
         user_config={"policy": cfg.policy, "policy_options": cfg.policy_options},

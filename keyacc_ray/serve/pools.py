@@ -34,7 +34,8 @@ from keyacc_ray.hw.pinning import pin_process
 from keyacc_ray.hw.topology import gpu_info, gpu_local_cpus, numa_nodes
 from keyacc_ray.serve.engine_loop import AsyncEngine, Checkpoint
 from keyacc_ray.serve.kv_directory import NAME as KV_DIRECTORY, KVDirectory
-from keyacc_ray.serve.messages import ErrorItem, GenerateRequest, Handoff, HopEnd, SegmentStart, Ticket, TicketUpdate
+from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopEnd, SegmentStart, Ticket,
+                                       TicketUpdate)
 from keyacc_ray.serve.monitor import ReplicaReport
 
 log = logging.getLogger("ray.serve")
@@ -43,6 +44,7 @@ KV_TAKE_TIMEOUT_S = 5.0  # how long a hand-off's KV reference may take to reach 
 KV_HOLD_S = 60.0
 MONITOR_NAME = "keyacc_load_monitor"
 MONITOR_NAMESPACE = "keyacc"
+ROUTER_NAME = "Router"  # the Router deployment's name in the app (app.py binds it; pools look it up)
 REPORT_EVERY_S = 0.2
 ROUTER_CHECK_TIMEOUT_S = 10.0
 HEARTBEAT_S = 1.0
@@ -176,7 +178,7 @@ class EnginePool:
 
     def _router(self):
         if self._router_handle is None:
-            self._router_handle = serve.get_deployment_handle("Router", serve.get_replica_context().app_name)
+            self._router_handle = serve.get_deployment_handle(ROUTER_NAME, serve.get_replica_context().app_name)
         return self._router_handle
 
     async def _receive(self, h: Handoff) -> KVPackage:
