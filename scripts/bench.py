@@ -158,14 +158,19 @@ def main() -> None:
     t0 = time.time()
     from keyacc_ray.bench import cpu_account
 
+    out.mkdir(parents=True, exist_ok=True)
+
+    def checkpoint(partial: dict) -> None:  # report.json as it grows: a run cut short still has figures
+        (out / "report.json").write_text(json.dumps(partial, indent=1))
+
     report = side_by_side.run(url, args.model, wl, plan, policy_switcher(options), options,
-                              log=lambda m: print(m, flush=True), cpu_probe=cpu_account.snapshot)
+                              log=lambda m: print(m, flush=True), cpu_probe=cpu_account.snapshot,
+                              checkpoint=checkpoint)
     report["wall_s"] = round(time.time() - t0, 1)
     report["box"] = {"cpus": os.cpu_count(), "gpu": ("as served" if args.url else "CUDA (see env.json)" if args.gpu
                                                      else "emulated on CPU 0"), "config": None if args.url else
                      app_config(args, Path(args.model_path or ROOT / "models" / MODEL_NAME)),
                      "stack_cpus": None if args.url else (args.stack_cpus or "all")}
-    out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     files = plot_report(report, out, title="keyacc-ray policies, this box")
     print(f"report: {out / 'report.json'}; plots: {', '.join(f.name for f in files)}", flush=True)

@@ -107,11 +107,18 @@ def low_load_ratios(samples: dict[str, list[dict]], pooled: dict[str, dict] | No
 
 def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[str], None],
         policy_options: dict | None = None, log: Callable[[str], None] = print,
-        cpu_probe: Callable[[], dict] | None = None) -> dict:
+        cpu_probe: Callable[[], dict] | None = None, checkpoint: Callable[[dict], None] | None = None) -> dict:
     """`cpu_probe`, when given, returns cumulative CPU seconds per server component; each run then
-    records the cores each component used (`cores_used`)."""
+    records the cores each component used (`cores_used`). `checkpoint`, when given, gets the
+    report so far (marked `"partial": true`) after each run, so a run cut short still leaves figures."""
     runs: dict = {}
     timeline = None
+    cpu_alone = None
+
+    def save() -> None:
+        if checkpoint:
+            checkpoint({"partial": True, "plan": asdict(plan), "workload": asdict(wl),
+                        "policy_options": policy_options or {}, "runs": runs, "cpu_alone": cpu_alone})
     for pol in plan.policies:
         set_policy(pol)
         asyncio.run(closed_loop(url, model, 2, plan.warmup_s, wl, desc=f"{pol} warm-up"))
@@ -129,7 +136,7 @@ def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[st
             log(f"{pol:<14} c={c:<3} tok/s={s['output_tok_per_s']:<7} req/s={s['req_per_s']:<6} "
                 f"ttft p50/p99={s['ttft_p50_ms']}/{s['ttft_p99_ms']} tpot p50/p99={s['tpot_p50_ms']}/"
                 f"{s['tpot_p99_ms']} share={s['token_share']} moves={s['moves']} failed={s['failed']}")
-    cpu_alone = None
+            save()
     if plan.cpu_alone:
         set_policy("gpu_only")
         c = max(plan.levels)
@@ -140,6 +147,7 @@ def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[st
         if cpu_probe:
             cpu_alone.update(_cpu_figures(before, cpu_probe(), res, wall))
         log(f"{'cpu alone':<14} c={c:<3} tok/s={cpu_alone['output_tok_per_s']} failed={cpu_alone['failed']}")
+        save()
     samples: dict[str, list[dict]] = {p: [] for p in plan.policies}
     raw: dict[str, list] = {p: [] for p in plan.policies}
     walls: dict[str, float] = {p: 0.0 for p in plan.policies}
