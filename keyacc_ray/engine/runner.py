@@ -71,6 +71,21 @@ class SlotKVCache:
         return 0
 
 
+def cache_kwarg(model) -> str:
+    """The forward argument that takes the KV cache: `cache` in transformers >= 5.2x,
+    `past_key_values` before (and in remote-code models). Passed under the wrong name, the cache
+    lands in **kwargs unused and the model attends over the current token alone."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    if "cache" in params:
+        return "cache"
+    if "past_key_values" in params:
+        return "past_key_values"
+    raise ModelLoadError(f"{type(model).__name__}.forward takes no KV cache argument (cache / past_key_values)",
+                         param="model")
+
+
 class ModelRunner:
     def __init__(self, model: str, dtype: str, device: str, num_slots: int, max_model_len: int | None,
                  num_threads: int | None = None, kv_memory_fraction: float = 0.85, cpu_kernels: str = "off",
@@ -93,6 +108,7 @@ class ModelRunner:
             log.warning("float16 on CPU is slow; consider bfloat16")
         self.model = AutoModelForCausalLM.from_pretrained(
             model, dtype=torch_dtype, attn_implementation="sdpa").to(self.device).eval()
+        self._cache_kw = cache_kwarg(self.model)
         cfg = self.model.config
         self.hf_config = cfg
         self.dtype = torch_dtype
@@ -257,8 +273,8 @@ class ModelRunner:
         pos = torch.arange(start, start + t, device=self.device)[None]
         self.cache.bind_extend(slot, start, start + t)
         out = self.model(input_ids=torch.tensor([token_ids], device=self.device), position_ids=pos,
-                         attention_mask=self._masks(pos, start + t), cache=self.cache,
-                         use_cache=True, logits_to_keep=1)
+                         attention_mask=self._masks(pos, start + t), use_cache=True,
+                         logits_to_keep=1, **{self._cache_kw: self.cache})
         return out.logits[0, -1]
 
     @torch.inference_mode()
@@ -274,7 +290,7 @@ class ModelRunner:
         self.cache.bind_decode(rows, pos, kv_len)
         out = self.model(input_ids=torch.tensor(token_ids, device=self.device)[:, None],
                          position_ids=pos[:, None], attention_mask=self._masks(pos[:, None], kv_len),
-                         cache=self.cache, use_cache=True)
+                         use_cache=True, **{self._cache_kw: self.cache})
         return out.logits[:, -1]
 
     # ---- device facts ------------------------------------------------------------------
