@@ -127,9 +127,30 @@ class ModelRunner:
         self._min = torch.finfo(torch_dtype).min
         self.fast_path = None  # what keyacc_ray.kernels swapped in (FastPathReport)
         self.fused_step = None  # FusedDecodeStep once it reproduced the model's own logits
+        self._check_cache_used()
         if self.device.type == "cpu" and cpu_kernels != "off":
             self._enable_cpu_kernels(required=cpu_kernels == "on",
                                      quant=None if cpu_weight_quant == "none" else cpu_weight_quant)
+
+    def _check_cache_used(self) -> None:
+        """One 2-token forward into a probe slot must write its keys: a model (or transformers
+        version) that takes the cache under another name would otherwise attend over the current
+        token alone and produce fluent garbage with no error."""
+        rid = "__keyacc_cache_probe__"
+        slot = self.alloc_slot(rid)
+        try:
+            for buf in self.cache.k:  # a slot keeps what its last sequence left
+                buf[slot, :, :2].zero_()
+            self.extend(rid, [1, 2], 0)
+            written = bool(self.cache.k[0][slot, :, :2].abs().sum() > 0)
+            for buf in (*self.cache.k, *self.cache.v):
+                buf[slot, :, :2].zero_()
+        finally:
+            self.free_slot(rid)
+        if not written:
+            raise ModelLoadError(f"{type(self.model).__name__} did not write the KV cache passed as "
+                                 f"{self._cache_kw!r}; this transformers version or model is not supported",
+                                 param="model")
 
     # ---- CPU fast path -----------------------------------------------------------------
     def _enable_cpu_kernels(self, required: bool, quant: str | None) -> None:
