@@ -24,7 +24,7 @@ from keyacc_ray.engine.kv_package import KVPackage
 from keyacc_ray.engine.llm_engine import LLMEngine
 from keyacc_ray.engine.request import SamplingParams
 from keyacc_ray.errors import KeyaccError
-from keyacc_ray.serve.messages import ErrorItem, TokenChunk
+from keyacc_ray.serve.messages import ErrorItem, TokenChunk, merge_chunks
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,14 @@ class _Stream:
     check_every: int | None = None
     produced: int = 0
 
-    def push(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.q.put_nowait, item)
+
+def _internal_error(message: str) -> ErrorItem:
+    return ErrorItem(500, {"error": {"message": message, "type": "internal_error", "param": None, "code": None}})
+
+
+def _put_all(items: list) -> None:
+    for stream, item in items:
+        stream.q.put_nowait(item)
 
 
 _END = object()
@@ -60,6 +66,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        self._out: list[tuple[_Stream, object]] = []  # this iteration's items, delivered together
         self._stop = False
         self.error: BaseException | None = None
         self._tps_window: list[tuple[float, int]] = []
@@ -91,7 +98,7 @@ class AsyncEngine:
                     done = True
                     items = [i for i in items if i is not _END]
                 if items:
-                    yield items
+                    yield merge_chunks(items)
         finally:
             if not done:  # the client went away: free the sequence and its blocks now
                 self._inbox.put(("abort", request_id))
@@ -120,6 +127,7 @@ class AsyncEngine:
         while not self._stop:
             self._wake.clear()  # before draining: a command put after this sets it again
             self._drain_inbox()
+            self._deliver()
             if not self.engine.has_unfinished():
                 self._wake.wait(1.0)  # every command and shutdown set it: no need to poll
                 continue
@@ -129,6 +137,7 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self.error = e
                 self._fail_all(f"engine step failed: {e}")
+                self._deliver()
                 continue
             now = time.monotonic()
             self._tps_window = [(t, n) for t, n in self._tps_window if now - t <= 5.0]
@@ -138,14 +147,33 @@ class AsyncEngine:
                 if s is None:
                     continue
                 s.produced += len(o.new_token_ids)
-                s.push(TokenChunk(o.new_token_ids, o.text, o.finish_reason, o.num_prompt_tokens,
+                self._push(s, TokenChunk(o.new_token_ids, o.text, o.finish_reason, o.num_prompt_tokens,
                                   o.num_output_tokens))
                 if o.finished:
                     self._close(o.request_id)
                 elif s.export_after is not None and s.produced >= s.export_after:
                     self._export(o.request_id, s)
                 elif s.check_every and s.produced % s.check_every == 0:
-                    s.push(Checkpoint(s.produced, o.num_output_tokens))
+                    self._push(s, Checkpoint(s.produced, o.num_output_tokens))
+            self._deliver()
+
+    def _push(self, stream: _Stream, item) -> None:
+        self._out.append((stream, item))
+
+    def _deliver(self) -> None:
+        """Everything this iteration produced, handed to the event loop in one call: one wake-up
+        of the replica's loop per engine step, not one per stream (and order kept per stream)."""
+        if not self._out:
+            return
+        batch, self._out = self._out, []
+        by_loop: dict = {}
+        for stream, item in batch:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that caller's loop is closed: nobody is reading
+                log.debug("dropping %d items for a closed event loop", len(items))
 
     def _drain_inbox(self) -> None:
         while True:
@@ -169,35 +197,32 @@ class AsyncEngine:
                 else:
                     self.engine.add_request(rid, prompt_ids, params)
             except KeyaccError as e:
-                stream.push(ErrorItem(e.status_code, e.to_dict()))
-                stream.push(_END)
+                self._push(stream, ErrorItem(e.status_code, e.to_dict()))
+                self._push(stream, _END)
                 continue
             except Exception as e:  # noqa: BLE001
                 log.exception("could not add request %s", rid)
-                stream.push(ErrorItem(500, {"error": {"message": f"internal error: {e}", "type": "internal_error",
-                                                      "param": None, "code": None}}))
-                stream.push(_END)
+                self._push(stream, _internal_error(f"internal error: {e}"))
+                self._push(stream, _END)
                 continue
             self._streams[rid] = stream
 
     def _export(self, rid: str, s: _Stream) -> None:
         try:
-            s.push(self.on_export(self.engine.export_request(rid)))
+            self._push(s, self.on_export(self.engine.export_request(rid)))
         except Exception as e:  # noqa: BLE001
             log.exception("export of %s failed", rid)
-            s.push(ErrorItem(500, {"error": {"message": f"KV export failed: {e}", "type": "internal_error",
-                                             "param": None, "code": None}}))
+            self._push(s, _internal_error(f"KV export failed: {e}"))
             self.engine.abort(rid)
         self._close(rid)
 
     def _close(self, rid: str) -> None:
         s = self._streams.pop(rid, None)
         if s is not None:
-            s.push(_END)
+            self._push(s, _END)
 
     def _fail_all(self, msg: str) -> None:
         for rid in list(self._streams):
-            self._streams[rid].push(ErrorItem(500, {"error": {"message": msg, "type": "internal_error",
-                                                              "param": None, "code": None}}))
+            self._push(self._streams[rid], _internal_error(msg))
             self.engine.abort(rid)
             self._close(rid)

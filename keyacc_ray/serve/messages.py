@@ -42,6 +42,21 @@ class TokenChunk:
     num_output_tokens: int = 0
 
 
+def merge_chunks(items: list) -> list:
+    """Consecutive TokenChunks as one (tokens and text joined, the last one's counts and finish
+    reason): a batch read after a wait crosses every later hop, and becomes one SSE event, as one
+    item instead of one per token. Other items keep their place."""
+    out: list = []
+    for item in items:
+        prev = out[-1] if out else None
+        if isinstance(item, TokenChunk) and isinstance(prev, TokenChunk) and prev.finish_reason is None:
+            out[-1] = TokenChunk(prev.token_ids + item.token_ids, prev.text + item.text, item.finish_reason,
+                                 item.num_prompt_tokens, item.num_output_tokens)
+        else:
+            out.append(item)
+    return out
+
+
 @dataclass
 class ErrorItem:
     status_code: int

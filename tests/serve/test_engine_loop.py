@@ -80,6 +80,64 @@ def test_streams_every_token_of_concurrent_requests():
         loop.shutdown()
 
 
+def test_one_wake_up_of_the_callers_loop_per_engine_step():
+    """Each step's items for every stream reach the event loop in one call_soon_threadsafe
+    (each is a self-pipe write and a loop wake-up; per stream it cost a syscall per token)."""
+    eng = FakeEngine()
+    steps = []
+    real_step = eng.step
+    eng.step = lambda: steps.append(1) or real_step()
+    loop = AsyncEngine(eng, on_export=lambda p: p, stream_interval_s=0.0)
+    try:
+        async def main():
+            ev = asyncio.get_running_loop()
+            calls = []
+            real = ev.call_soon_threadsafe
+            ev.call_soon_threadsafe = lambda *a, **k: calls.append(1) or real(*a, **k)
+            res = await asyncio.wait_for(asyncio.gather(*(_collect(loop, f"r{i}", 12) for i in range(8))), 10)
+            return res, len(calls)
+        res, calls = asyncio.run(main())
+        assert res == [list(range(100, 112))] * 8
+        # 8 streams x 12 tokens (+ 8 ends) were 104 wake-ups; now at most one per step, plus the
+        # commands' own iterations (adds arrive while the first steps run)
+        assert len(steps) >= 12
+        assert calls <= len(steps) + 8, (calls, len(steps))
+    finally:
+        loop.shutdown()
+
+
+def test_a_slow_reader_gets_its_tokens_merged_into_one_chunk_per_read():
+    eng = FakeEngine()
+    loop = AsyncEngine(eng, on_export=lambda p: p, stream_interval_s=0.03)  # steps take 2 ms
+    try:
+        async def main():
+            batches = []
+            async for items in loop.generate("slow", prompt_ids=[1, 2], params=SamplingParams(max_tokens=40)):
+                batches.append(items)
+            return batches
+        batches = asyncio.run(asyncio.wait_for(main(), 10))
+        assert all(len(b) == 1 and isinstance(b[0], TokenChunk) for b in batches)
+        chunks = [b[0] for b in batches]
+        assert [t for c in chunks for t in c.token_ids] == list(range(100, 140))
+        assert "".join(c.text for c in chunks) == "x" * 40
+        assert max(len(c.token_ids) for c in chunks) > 1 and len(chunks) < 40
+        assert [c.finish_reason for c in chunks][-1] == "length" and chunks[-1].num_output_tokens == 40
+        assert all(c.finish_reason is None for c in chunks[:-1])
+    finally:
+        loop.shutdown()
+
+
+def test_merge_chunks_keeps_other_items_in_place():
+    from keyacc_ray.serve.engine_loop import Checkpoint
+    from keyacc_ray.serve.messages import merge_chunks
+
+    a, b, c = TokenChunk([1], "a", None, 3, 1), TokenChunk([2], "b", None, 3, 2), TokenChunk([3], "c", "stop", 3, 3)
+    cp = Checkpoint(2, 2)
+    assert merge_chunks([a, b, cp, c]) == [TokenChunk([1, 2], "ab", None, 3, 2), cp, c]
+    assert merge_chunks([a, c, b]) == [TokenChunk([1, 3], "ac", "stop", 3, 3), b]  # nothing joins a finished one
+    assert merge_chunks([]) == []
+
+
 def test_idle_thread_waits_for_a_command_instead_of_polling():
     eng = FakeEngine()
     loop = AsyncEngine(eng, on_export=lambda p: p)
