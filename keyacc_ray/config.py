@@ -31,6 +31,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # default: enough for every slot at max_model_len
     max_waiting: int = 256  # bounded waiting queue
     max_prefill_tokens: int = 4096  # prefill tokens admitted per step (at least one request)
+    batched_prefill: bool = True  # a step's fresh prompts in one padded forward (off: one forward each)
     num_threads: int | None = None  # torch intra-op threads
     kv_export_layout: str = "LHTD"
     kv_memory_fraction: float = 0.85  # CUDA: share of free device memory (after weights) for KV

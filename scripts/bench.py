@@ -51,7 +51,7 @@ def app_config(args, model: Path) -> dict:
         "model": str(model), "max_model_len": 1024, "policy": "gpu_only",
         "gpu": {"device": "auto", "max_num_seqs": 8, "num_kv_blocks": args.gpu_kv_blocks, "num_threads": 1,
                 "num_cpus": 0.5, "cpu_affinity": [0], "stream_interval_ms": args.stream_interval_ms},
-        "cpu": {"device": "cpu", "max_num_seqs": 32, "num_threads": 1, "num_cpus": 0.5, "cpu_affinity": [1],
+        "cpu": {"device": "cpu", "max_num_seqs": args.cpu_seqs, "num_threads": 1, "num_cpus": 0.5, "cpu_affinity": [1],
                 "stream_interval_ms": args.stream_interval_ms, "max_prefill_tokens": args.cpu_prefill_tokens},
     }
 
@@ -101,7 +101,7 @@ def policy_switcher(options: dict):
     return set_policy
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="levels 2 8 24 40, 10 s each: under 15 minutes here")
     ap.add_argument("--levels", type=int, nargs="+", default=[2, 8, 16, 24, 40],
@@ -128,6 +128,7 @@ def main() -> None:
     ap.add_argument("--model-path", help="model to serve (default: models/medium-qwen3, made if missing)")
     ap.add_argument("--gpu", action="store_true", help="a real GPU host: GPU pools on CUDA, CPU pool on the other cores")
     ap.add_argument("--gpu-seqs", type=int, default=32, help="with --gpu: sequences per GPU replica")
+    ap.add_argument("--cpu-seqs", type=int, default=32, help="the CPU pool's max_num_seqs (this box)")
     ap.add_argument("--cpu-prefill-tokens", type=int, default=4096,
                     help="the CPU pool's prompt tokens admitted per engine step (PoolConfig.max_prefill_tokens)")
     ap.add_argument("--stream-interval-ms", type=float, default=5.0, help="pools' stream interval (see README)")
@@ -136,7 +137,11 @@ def main() -> None:
                          "every core). `--stack-cpus 1` puts them on the CPU pool's core in every run, leaving the "
                          "emulated GPU's core to the GPU pools, as a GPU runs no host code (docs/benchmarks.md)")
     ap.add_argument("--out-dir", default=None, help="default results/bench-<time>")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.quick:
         args.levels, args.duration = [2, 8, 24, 40], 10.0
     args.model = args.model or (Path(args.model_path).name if args.model_path else MODEL_NAME)

@@ -37,8 +37,7 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=8.0, help="seconds to wait after the app is ready")
     ap.add_argument("--port", type=int, default=8021)
     args = ap.parse_args()
-    bench.start(argparse.Namespace(model_path=None, stack_cpus=None, gpu=False, port=args.port, gpu_kv_blocks=40,
-                                   stream_interval_ms=5.0, gpu_seqs=32))
+    bench.start(bench.parser().parse_args(["--port", str(args.port)]))  # the bench's graph, its defaults
     time.sleep(args.settle)
     a = per_process()
     time.sleep(args.seconds)

@@ -45,6 +45,21 @@ class EngineStats:
     device: str
 
 
+def prefill_groups(lengths: list[int], max_padding: float = 0.25) -> list[list[int]]:
+    """Indices of prompts to prefill together, longest first: a group grows while its padded
+    size (rows x longest) stays within (1 + max_padding) x its real tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        g = groups[-1] if groups else None
+        if g is not None and (len(g) + 1) * lengths[g[0]] <= (1 + max_padding) * (sum(lengths[k] for k in g)
+                                                                                  + lengths[i]):
+            g.append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None):
         from transformers import AutoTokenizer
@@ -135,13 +150,29 @@ class LLMEngine:
             for s, t in zip(rows, ids):
                 s.num_cached += 1
                 new_tokens.append((s, t))
+        fresh = []
         for s in sched.admitted:
             self.runner.alloc_slot(s.request_id)
             if s.imported is not None:
                 self._write_imported(s)
+            if s.num_cached == 0 and self.config.batched_prefill:
+                fresh.append(s)
+                continue
             logits = self.runner.extend(s.request_id, s.token_ids[s.num_cached:], s.num_cached)
             s.num_cached = s.num_tokens
             new_tokens.append((s, self.sampler.sample(logits[None], [s.request_id], [s.params])[0]))
+        # Fresh prompts in few forwards instead of one each: a wave of arrivals stalls the
+        # running decodes for one batched step, not for one forward per arrival.
+        for group in prefill_groups([s.num_tokens for s in fresh]):
+            seqs = [fresh[i] for i in group]
+            if len(seqs) == 1:
+                logits = self.runner.extend(seqs[0].request_id, seqs[0].token_ids, 0)[None]
+            else:
+                logits = self.runner.prefill([s.request_id for s in seqs], [s.token_ids for s in seqs])
+            ids = self.sampler.sample(logits, [s.request_id for s in seqs], [s.params for s in seqs])
+            for s, t in zip(seqs, ids):
+                s.num_cached = s.num_tokens
+                new_tokens.append((s, t))
         return [self._postprocess(s, t) for s, t in new_tokens]
 
     def _postprocess(self, seq: Sequence, token: int) -> RequestOutput:

@@ -55,9 +55,19 @@ class SlotKVCache:
     def bind_extend(self, slot: int, start: int, kv_len: int) -> None:
         self._mode = ("extend", slot, start, None, kv_len)
 
+    def bind_prefill(self, slots: list[int], offsets: list[int]) -> None:
+        """Fresh prompts, left-padded: row r's tokens are columns offsets[r].. of the batch."""
+        self._mode = ("prefill", slots, offsets, None, None)
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         kind, a, b, rows_idx, kv_len = self._mode
         k, v = self.k[layer_idx], self.v[layer_idx]
+        if kind == "prefill":  # a = slots, b = offsets; nothing cached before: attend over these
+            t = key_states.shape[2]
+            for r, (slot, off) in enumerate(zip(a, b)):
+                k[slot, :, :t - off] = key_states[r, :, off:]
+                v[slot, :, :t - off] = value_states[r, :, off:]
+            return key_states, value_states
         if kind == "decode":  # a = rows, b = positions [rows]
             k[rows_idx, :, b, :] = key_states[:, :, 0, :]
             v[rows_idx, :, b, :] = value_states[:, :, 0, :]
@@ -270,21 +280,46 @@ class ModelRunner:
 
     # ---- forward -----------------------------------------------------------------------
     def _masks(self, q_pos: torch.Tensor, kv_len: int):
-        """Additive masks [rows, 1, q, kv_len] for query positions q_pos [rows, q]."""
+        """Additive masks [rows, 1, q, kv_len] for query positions q_pos [rows, q] over the
+        cache (key index = position)."""
         j = torch.arange(kv_len, device=self.device)
-        allowed = j[None, None, :] <= q_pos[:, :, None]
+        dist = q_pos[:, :, None] - j[None, None, :]  # query position - key position
+        return self._to_masks(dist >= 0, dist)
 
+    def _to_masks(self, allowed: torch.Tensor, dist: torch.Tensor):
+        """Additive mask(s) [rows, 1, q, k] from `allowed` [rows, q, k]; sliding-window layers
+        also need dist (query position - key position) < window."""
         def to_mask(ok):
             m = torch.zeros(ok.shape, dtype=self.dtype, device=self.device)
             return m.masked_fill_(~ok, self._min)[:, None]
 
         full = to_mask(allowed)
         if self.layer_types and "sliding_attention" in self.layer_types:
-            window = allowed & (j[None, None, :] > q_pos[:, :, None] - self.sliding_window)
-            return {"full_attention": full, "sliding_attention": to_mask(window)}
+            return {"full_attention": full, "sliding_attention": to_mask(allowed & (dist < self.sliding_window))}
         if self.layer_types is None and self.sliding_window:
-            return to_mask(allowed & (j[None, None, :] > q_pos[:, :, None] - self.sliding_window))
+            return to_mask(allowed & (dist < self.sliding_window))
         return full
+
+    @torch.inference_mode()
+    def prefill(self, request_ids: list[str], prompts: list[list[int]]) -> torch.Tensor:
+        """Fresh sequences (nothing cached) in one forward; logits of each one's last token
+        [rows, vocab]. Left-padded, so every row's last token is the batch's last column
+        (`logits_to_keep=1` holds for all); padding is masked out of every real row and never
+        written to the cache."""
+        width = max(len(p) for p in prompts)
+        offsets = [width - len(p) for p in prompts]
+        ids = torch.tensor([[0] * o + p for o, p in zip(offsets, prompts)], device=self.device)
+        col = torch.arange(width, device=self.device)
+        off = torch.tensor(offsets, device=self.device)[:, None, None]
+        c, j = col[None, :, None], col[None, None, :]
+        real = (j >= off) & (j <= c)
+        # a padding query attends to itself alone: finite garbage nobody reads, not a NaN row
+        allowed = real | ((c < off) & (j == c))
+        pos = (col[None, :] - off[:, :, 0]).clamp_(min=0)
+        self.cache.bind_prefill([self._slot_of[r] for r in request_ids], offsets)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=self._to_masks(allowed, c - j),
+                         use_cache=True, logits_to_keep=1, **{self._cache_kw: self.cache})
+        return out.logits[:, -1]
 
     @torch.inference_mode()
     def extend(self, request_id: str, token_ids: list[int], start: int) -> torch.Tensor:

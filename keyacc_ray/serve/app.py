@@ -94,6 +94,7 @@ class PoolConfig:
     # Prompt tokens each engine step admits (at least one request): on CPU, a smaller budget keeps
     # a wave of arrivals from stalling every running decode for one long step.
     max_prefill_tokens: int = 4096
+    batched_prefill: bool = True
     emulate_if_no_cuda: bool = True
     cpu_affinity: list[int] | None = None  # pin every thread of the pool's replicas to these CPUs
     kv_memory_fraction: float = 0.85  # CUDA: share of free device memory each replica takes for KV
@@ -172,6 +173,7 @@ class AppConfig:
                                    max_num_seqs=pool.max_num_seqs, max_model_len=self.max_model_len,
                                    kv_block_size=pool.kv_block_size, num_kv_blocks=pool.num_kv_blocks,
                                    max_waiting=pool.max_waiting, max_prefill_tokens=pool.max_prefill_tokens,
+                                   batched_prefill=pool.batched_prefill,
                                    num_threads=pool.num_threads,
                                    kv_memory_fraction=pool.kv_memory_fraction, cpu_kernels=pool.cpu_kernels,
                                    cpu_weight_quant=pool.cpu_weight_quant))
