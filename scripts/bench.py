@@ -36,18 +36,25 @@ MODEL_NAME = "medium-qwen3"
 
 
 def app_config(args, model: Path) -> dict:
-    if args.gpu:  # a real GPU host: both GPU pools on GPU 0, the CPU pool on the remaining cores
-        cores = os.cpu_count() or 4
-        cpu_threads = max(1, cores - 4)
-        return {
-            "model": str(model), "dtype": "bfloat16", "max_model_len": 2048, "policy": "gpu_only",
-            "gpu": {"device": "cuda", "max_num_seqs": args.gpu_seqs, "num_kv_blocks": None, "num_gpus": 0.45,
-                    "num_cpus": 1, "num_threads": 1, "kv_memory_fraction": 0.3,
-                    "stream_interval_ms": args.stream_interval_ms},
-            "cpu": {"device": "cpu", "max_num_seqs": 16, "num_threads": cpu_threads, "num_cpus": cpu_threads,
-                    "stream_interval_ms": args.stream_interval_ms},
-        }
-    return {  # this box: the "GPU" pools emulated on CPU 0, the CPU pool on CPU 1
+    cfg = _gpu_host(args, model) if args.gpu else _this_box(args, model)
+    for pool in ("gpu", "cpu"):
+        cfg[pool]["batched_prefill"] = not args.no_batched_prefill
+    return cfg
+
+
+def _gpu_host(args, model: Path) -> dict:  # both GPU pools on GPU 0, the CPU pool on the remaining cores
+    cpu_threads = max(1, (os.cpu_count() or 4) - 4)
+    return {
+        "model": str(model), "dtype": "bfloat16", "max_model_len": 2048, "policy": "gpu_only",
+        "gpu": {"device": "cuda", "max_num_seqs": args.gpu_seqs, "num_kv_blocks": None, "num_gpus": 0.45,
+                "num_cpus": 1, "num_threads": 1, "kv_memory_fraction": 0.3, "stream_interval_ms": args.stream_interval_ms},
+        "cpu": {"device": "cpu", "max_num_seqs": 16, "num_threads": cpu_threads, "num_cpus": cpu_threads,
+                "stream_interval_ms": args.stream_interval_ms},
+    }
+
+
+def _this_box(args, model: Path) -> dict:  # the "GPU" pools emulated on CPU 0, the CPU pool on CPU 1
+    return {
         "model": str(model), "max_model_len": 1024, "policy": "gpu_only",
         "gpu": {"device": "auto", "max_num_seqs": 8, "num_kv_blocks": args.gpu_kv_blocks, "num_threads": 1,
                 "num_cpus": 0.5, "cpu_affinity": [0], "stream_interval_ms": args.stream_interval_ms},
@@ -129,6 +136,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpu", action="store_true", help="a real GPU host: GPU pools on CUDA, CPU pool on the other cores")
     ap.add_argument("--gpu-seqs", type=int, default=32, help="with --gpu: sequences per GPU replica")
     ap.add_argument("--cpu-seqs", type=int, default=32, help="the CPU pool's max_num_seqs (this box)")
+    ap.add_argument("--no-batched-prefill", action="store_true", help="one forward per new prompt (an A/B)")
     ap.add_argument("--cpu-prefill-tokens", type=int, default=4096,
                     help="the CPU pool's prompt tokens admitted per engine step (PoolConfig.max_prefill_tokens)")
     ap.add_argument("--stream-interval-ms", type=float, default=5.0, help="pools' stream interval (see README)")
