@@ -55,18 +55,27 @@ class SlotKVCache:
     def bind_extend(self, slot: int, start: int, kv_len: int) -> None:
         self._mode = ("extend", slot, start, None, kv_len)
 
-    def bind_prefill(self, slots: list[int], offsets: list[int]) -> None:
-        """Fresh prompts, left-padded: row r's tokens are columns offsets[r].. of the batch."""
-        self._mode = ("prefill", slots, offsets, None, None)
+    def bind_prefill(self, slots: list[int], offsets: list[int], width: int, device: torch.device) -> None:
+        """Fresh prompts, left-padded to `width`: row r's tokens are columns offsets[r].. of the
+        batch. Every real token's (row, column) -> (slot, position), for one gather and one write
+        per layer (not one copy per row: on a GPU each is a kernel launch)."""
+        rows, cols, dst_slots, positions = [], [], [], []
+        for r, (slot, off) in enumerate(zip(slots, offsets)):
+            n = width - off
+            rows += [r] * n
+            cols += range(off, width)
+            dst_slots += [slot] * n
+            positions += range(n)
+        idx = torch.tensor([rows, cols, dst_slots, positions], device=device)
+        self._mode = ("prefill", idx, None, None, None)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         kind, a, b, rows_idx, kv_len = self._mode
         k, v = self.k[layer_idx], self.v[layer_idx]
-        if kind == "prefill":  # a = slots, b = offsets; nothing cached before: attend over these
-            t = key_states.shape[2]
-            for r, (slot, off) in enumerate(zip(a, b)):
-                k[slot, :, :t - off] = key_states[r, :, off:]
-                v[slot, :, :t - off] = value_states[r, :, off:]
+        if kind == "prefill":  # a = [rows, cols, slots, positions]; nothing cached before: attend over these
+            rows, cols, slots, positions = a
+            k[slots, :, positions] = key_states[rows, :, cols]
+            v[slots, :, positions] = value_states[rows, :, cols]
             return key_states, value_states
         if kind == "decode":  # a = rows, b = positions [rows]
             k[rows_idx, :, b, :] = key_states[:, :, 0, :]
@@ -316,7 +325,7 @@ class ModelRunner:
         # a padding query attends to itself alone: finite garbage nobody reads, not a NaN row
         allowed = real | ((c < off) & (j == c))
         pos = (col[None, :] - off[:, :, 0]).clamp_(min=0)
-        self.cache.bind_prefill([self._slot_of[r] for r in request_ids], offsets)
+        self.cache.bind_prefill([self._slot_of[r] for r in request_ids], offsets, width, self.device)
         out = self.model(input_ids=ids, position_ids=pos, attention_mask=self._to_masks(allowed, c - j),
                          use_cache=True, logits_to_keep=1, **{self._cache_kw: self.cache})
         return out.logits[:, -1]
