@@ -194,6 +194,7 @@ def main() -> None:
         serve.shutdown()
         ray.shutdown()
     last = {k: report[k] for k in ("harvest_efficiency", "concurrency_gain", "throughput_gain", "low_load")}
+    last["harvest_model"] = report.get("harvest_model")  # what the stack's cost predicts (side_by_side)
     last["cpu_alone_tok_per_s"] = report["cpu_alone"]["output_tok_per_s"] if report["cpu_alone"] else None
     # the serving stack's CPU per streamed token (what keeps harvest down on a small box)
     top = max(args.levels)

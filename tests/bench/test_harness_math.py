@@ -103,6 +103,21 @@ def test_derived_figures():
     assert d["low_load"]["auto"]["tpot_p50_ratio"] == 1.5
     none = side_by_side.derive(runs, None, plan)
     assert none["harvest_efficiency"]["auto"] is None
+    assert d["harvest_model"] == {"gpu_only": None, "full_offload": None, "auto": None}  # no CPU accounting here
+
+
+def test_harvest_model_from_the_stack_cost():
+    # stack 0.7 ms/token, gpu_only 180 tok/s, the CPU engine alone 480 tok/s on one core:
+    # (1 - 0.0007 * 180) / (1 + 0.0007 * 480) = 0.874 / 1.336
+    runs = {8: {"output_tok_per_s": 300.0, "stack_ms_per_token": 1.5},
+            40: {"output_tok_per_s": 500.0, "stack_ms_per_token": 0.7}}
+    cpu = {"output_tok_per_s": 480.0, "cores_used": {"cpu_decode": 1.0}}
+    assert side_by_side.harvest_model(runs, 180.0, cpu) == 0.654
+    # a free stack bounds nothing; a stack as dear as the engine halves what the CPU pool adds
+    assert side_by_side.harvest_model({40: {"output_tok_per_s": 1, "stack_ms_per_token": 1e-9}}, 180.0, cpu) == 1.0
+    assert side_by_side.harvest_model(runs, 0.0, {"output_tok_per_s": 1000 / 0.7, "cores_used": {"cpu_decode": 1.0}}) == 0.5
+    assert side_by_side.harvest_model(runs, 180.0, None) is None
+    assert side_by_side.harvest_model(runs, 180.0, {"output_tok_per_s": 480.0}) is None
 
 
 METRICS_A = """# HELP keyacc_queue_depth per replica
