@@ -39,6 +39,11 @@ def app_config(args, model: Path) -> dict:
     cfg = _gpu_host(args, model) if args.gpu else _this_box(args, model)
     for pool in ("gpu", "cpu"):
         cfg[pool]["batched_prefill"] = not args.no_batched_prefill
+    if args.profile_steps:  # keyacc_ray/serve/step_profile.py, in every pool replica
+        from keyacc_ray.serve.app import REPLICA_ENV
+        from keyacc_ray.serve.step_profile import ENV
+
+        cfg["replica_env"] = {**REPLICA_ENV, ENV: args.profile_steps}
     return cfg
 
 
@@ -144,6 +149,8 @@ def parser() -> argparse.ArgumentParser:
                     help="CPUs for Ray, Serve, router, ingress and the load generator (default: they float over "
                          "every core). `--stack-cpus 1` puts them on the CPU pool's core in every run, leaving the "
                          "emulated GPU's core to the GPU pools, as a GPU runs no host code (docs/benchmarks.md)")
+    ap.add_argument("--profile-steps", metavar="DIR[:SKIP[:COUNT]]",
+                    help="torch.profiler over COUNT engine steps of every pool replica -> DIR/steps-<pid>.txt")
     ap.add_argument("--out-dir", default=None, help="default results/bench-<time>")
     return ap
 

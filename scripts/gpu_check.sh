@@ -114,9 +114,13 @@ fi
 log "5/5 side by side on $BENCH_SIZE, GPU + CPU cores ($(left) s left)"
 timeout "$(cap 600)" $PY scripts/bench.py $GPU_FLAG --model-path "$WORK/m-$BENCH_SIZE" \
   --levels ${KEYACC_CHECK_LEVELS:-16 64} --duration ${KEYACC_CHECK_DURATION:-6} --ramp 2 --low-load-rounds 1 \
-  --tpot-slo-ms 200 --ttft-slo-ms 3000 --out-dir "$OUT_DIR/bench" >"$WORK/bench.log" 2>&1
+  --tpot-slo-ms 200 --ttft-slo-ms 3000 --out-dir "$OUT_DIR/bench" --profile-steps "$WORK/prof:500:40" \
+  >"$WORK/bench.log" 2>&1
 BENCH_RC=$?
 grep -v "^INFO\|^WARNING\|^(\|it/s\]\|s/it\]" "$WORK/bench.log" | tail -25 | tee -a "$OUT_DIR/log.txt"
+for f in "$WORK"/prof/steps-*.txt; do   # where each pool replica's step time goes (host ops, launches)
+  [ -f "$f" ] && head -24 "$f" >> "$OUT_DIR/log.txt" && head -3 "$f"
+done
 if [ "$BENCH_RC" != 0 ]; then   # what went wrong, for the log that comes back
   grep -n "Error\|Traceback\|error" "$WORK/bench.log" | tail -20 | tee -a "$OUT_DIR/log.txt"
   for f in /tmp/ray/session_latest/logs/serve/*.log; do

@@ -25,6 +25,7 @@ from keyacc_ray.engine.llm_engine import LLMEngine
 from keyacc_ray.engine.request import SamplingParams
 from keyacc_ray.errors import KeyaccError
 from keyacc_ray.serve.messages import ErrorItem, TokenChunk, merge_chunks
+from keyacc_ray.serve.step_profile import StepProfiler
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._out: list[tuple[_Stream, object]] = []  # this iteration's items, delivered together
         self._stop = False
+        self._profiler = StepProfiler.from_env(label=str(getattr(getattr(engine, "runner", None), "device", "")))
         self.error: BaseException | None = None
         self._tps_window: list[tuple[float, int]] = []
         self._thread = threading.Thread(target=self._run, name="keyacc-engine", daemon=True)
@@ -132,7 +134,7 @@ class AsyncEngine:
                 self._wake.wait(1.0)  # every command and shutdown set it: no need to poll
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self._profiler.step(self.engine.step) if self._profiler else self.engine.step()
             except Exception as e:  # noqa: BLE001 - a bug must not hang every stream
                 log.exception("engine step failed")
                 self.error = e

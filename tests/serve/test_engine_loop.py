@@ -211,3 +211,27 @@ def test_checkpoints_keep_decoding_and_export_hands_off_mid_stream(qwen3_path):
     while other.has_unfinished():
         rest += [t for o in other.step() for t in o.new_token_ids]
     assert got + rest == hf_greedy(qwen3_path, prompt, n)
+
+
+def test_step_profile_writes_launches_and_ops_per_step(qwen3_path, tmp_path, monkeypatch):
+    """KEYACC_PROFILE_STEPS=DIR:SKIP:COUNT profiles COUNT engine steps after SKIP (the real
+    engine): a table of ops by self CPU time, with per-step figures on top."""
+    from keyacc_ray.config import EngineConfig
+    from keyacc_ray.engine.llm_engine import LLMEngine
+
+    monkeypatch.setenv("KEYACC_PROFILE_STEPS", f"{tmp_path}:3:6")
+    loop = AsyncEngine(LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=4, dtype="float32", cpu_kernels="off")),
+                       on_export=lambda p: p, stream_interval_s=0.0)
+    try:
+        async def main():
+            return await asyncio.gather(*(_collect(loop, f"p{i}", 16) for i in range(2)))
+        assert [len(t) for t in asyncio.run(asyncio.wait_for(main(), 60))] == [16, 16]
+    finally:
+        loop.shutdown()
+    files = list(tmp_path.glob("steps-*.txt"))
+    assert len(files) == 1
+    text = files[0].read_text()
+    assert "(cpu) pid" in text and "6 steps profiled after 3" in text and "rows (tokens) per step 2.0" in text
+    assert "aten::" in text  # the model's ops, by self CPU time
+    per_step = float(text.split("aten ops per step ")[1].split(",")[0])
+    assert per_step > 20  # a 2-layer transformer step is dozens of ops
