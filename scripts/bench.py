@@ -69,11 +69,6 @@ def _this_box(args, model: Path) -> dict:  # the "GPU" pools emulated on CPU 0, 
 
 
 def start(args) -> str:
-    import ray
-    from ray import serve
-
-    from keyacc_ray.serve.app import apply_cluster_env, build_app
-
     model = Path(args.model_path) if args.model_path else ROOT / "models" / MODEL_NAME
     if not (model / "config.json").exists():
         subprocess.run([sys.executable, str(ROOT / "scripts/make_tiny_model.py"), "--size", "medium",
@@ -82,14 +77,21 @@ def start(args) -> str:
         # Ray, Serve, the router, ingress and this load generator start here and inherit this
         # mask; the pools pin themselves (the CPU pool's cores are its own).
         os.sched_setaffinity(0, set(args.stack_cpus))
+    return serve_app(app_config(args, model), args.port, None if args.gpu else 2)
+
+
+def serve_app(cfg: dict, port: int, num_cpus: int | None) -> str:
+    """A local Ray cluster with the cluster env, and the app of `cfg` on it as "keyacc"; its URL."""
+    import ray
+    from ray import serve
+
+    from keyacc_ray.serve.app import apply_cluster_env, build_app
+
     apply_cluster_env()
-    if args.gpu:
-        ray.init(include_dashboard=False, log_to_driver=False)
-    else:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    serve.run(build_app(app_config(args, model)), name="keyacc", route_prefix="/")
-    return f"http://127.0.0.1:{args.port}"
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(cfg), name="keyacc", route_prefix="/")
+    return f"http://127.0.0.1:{port}"
 
 
 def policy_switcher(options: dict):

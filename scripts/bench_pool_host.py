@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 
 def main() -> None:
@@ -36,20 +36,16 @@ def main() -> None:
     import ray
     from ray import serve
 
+    from bench import serve_app
     from keyacc_ray.bench import cpu_account
     from keyacc_ray.bench.loadgen import Workload, closed_loop, summarize
-    from keyacc_ray.serve.app import apply_cluster_env, build_app
 
     cfg = {"model": args.model_path, "max_model_len": 512, "policy": "gpu_only",
            "gpu": {"device": "auto", "max_num_seqs": max(64, args.clients), "num_kv_blocks": 4000, "num_threads": 1,
                    "num_cpus": 0.5, "cpu_affinity": [0], "stream_interval_ms": args.stream_interval_ms},
            "cpu": {"device": "cpu", "max_num_seqs": 4, "num_threads": 1, "num_cpus": 0.5,
                    "cpu_affinity": [1 % (os.cpu_count() or 1)]}}
-    apply_cluster_env()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    serve.run(build_app(cfg), name="keyacc", route_prefix="/")
-    url, name = f"http://127.0.0.1:{args.port}", Path(args.model_path).name
+    url, name = serve_app(cfg, args.port, 2), Path(args.model_path).name
     wl = Workload(prompt_tokens=32, output_tokens=args.output_tokens)
     asyncio.run(closed_loop(url, name, 4, 3, wl))  # warm-up
     pid = next(p.pid for p in psutil.process_iter(["cmdline"]) if "GpuDecode" in " ".join(p.info["cmdline"] or []))

@@ -9,6 +9,7 @@ the last one), so the batched decode attends over plain views: no gather copy, n
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from dataclasses import dataclass
@@ -94,8 +95,6 @@ def cache_kwarg(model) -> str:
     """The forward argument that takes the KV cache: `cache` in transformers >= 5.2x,
     `past_key_values` before (and in remote-code models). Passed under the wrong name, the cache
     lands in **kwargs unused and the model attends over the current token alone."""
-    import inspect
-
     params = inspect.signature(model.forward).parameters
     if "cache" in params:
         return "cache"
@@ -162,8 +161,6 @@ class ModelRunner:
                 buf[slot, :, :2].zero_()
             self.extend(rid, [1, 2], 0)
             written = bool(self.cache.k[0][slot, :, :2].abs().sum() > 0)
-            for buf in (*self.cache.k, *self.cache.v):
-                buf[slot, :, :2].zero_()
         finally:
             self.free_slot(rid)
         if not written:
