@@ -78,6 +78,15 @@ class LLMEngine:
         slots = self.runner.num_slots
         num_blocks = config.num_kv_blocks or -(-slots * self.max_model_len // config.kv_block_size)
         self.blocks = BlockManager(num_blocks, config.kv_block_size)
+        # A sequence reserves its whole length at admission, so the longest one this engine can
+        # ever take is its KV budget: the context it serves is no longer than that (a client that
+        # leaves max_tokens out gets the rest of this context, which then always fits).
+        budget = num_blocks * config.kv_block_size
+        if budget < self.max_model_len:
+            log.warning("KV budget of %d blocks x %d tokens holds %d tokens, less than the model's context "
+                        "of %d: serving a context of %d", num_blocks, config.kv_block_size, budget,
+                        self.max_model_len, budget)
+            self.max_model_len = budget
         self.scheduler = Scheduler(self.blocks, slots, config.max_waiting,
                                    config.max_prefill_tokens)
         self.sampler = Sampler()

@@ -199,7 +199,14 @@ def _max_model_len(cfg: AppConfig) -> int:
     except Exception as e:  # noqa: BLE001
         raise ConfigError(f"cannot load model {cfg.model!r}: {e}") from e
     limit = getattr(hf, "max_position_embeddings", None) or 2048
-    return min(cfg.max_model_len or limit, limit)
+    served = min(cfg.max_model_len or limit, limit)
+    # Every pool must be able to take a request of the served length (engines reserve prompt +
+    # max_tokens): a pool's configured KV budget caps the context (LLMEngine does the same).
+    budgets = [p.num_kv_blocks * p.kv_block_size for p in (cfg.gpu, cfg.cpu) if p.num_kv_blocks]
+    if budgets and min(budgets) < served:
+        log.warning("keyacc: serving a context of %d tokens, what the smallest pool KV budget holds "
+                    "(model/config: %d)", min(budgets), served)
+    return min([served, *budgets])
 
 
 def cpu_numa_nodes(p: PoolConfig, cluster: dict) -> list[int]:

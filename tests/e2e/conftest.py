@@ -68,7 +68,10 @@ def stop_app():
         ray.shutdown()
 
 
-APP_ARGS = {"model": tiny_model("qwen3"), "max_model_len": 512}
+# As deployments/app.yaml: a context (1024) larger than the emulated GPU's KV budget (48 x 16 =
+# 768 tokens), so the app serves a context of 768.
+APP_ARGS = {"model": tiny_model("qwen3"), "max_model_len": 1024}
+SERVED_CONTEXT = 768
 
 
 @pytest.fixture(scope="session")

@@ -94,6 +94,22 @@ def test_chat_streaming_and_not(client):
     assert text == r.choices[0].message.content
 
 
+def test_chat_without_max_tokens_gets_the_rest_of_the_served_context(app_url, client):
+    """Most OpenAI clients send no max_tokens: the request gets the rest of the context the app
+    serves, which every pool's KV budget holds (a budget smaller than the model's context caps
+    it), and runs like any other."""
+    from tests.e2e.conftest import SERVED_CONTEXT
+
+    assert httpx.get(f"{app_url}/v1/models").json()["data"][0]["max_model_len"] == SERVED_CONTEXT
+    msgs = [{"role": "user", "content": "Tell me everything."}]
+    for route in ("gpu", "cpu"):
+        r = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
+                                           extra_body={"return_token_ids": True, "keyacc": {"route": route}})
+        u = r.usage
+        assert r.choices[0].model_extra["token_ids"] == chat_ref(msgs, SERVED_CONTEXT - u.prompt_tokens), route
+        assert r.choices[0].finish_reason == "stop" or u.prompt_tokens + u.completion_tokens == SERVED_CONTEXT
+
+
 @pytest.mark.parametrize("route, expect", [
     ("gpu", [("gpu", "prefill"), ("gpu", "decode")]),
     ("cpu", [("cpu", "whole")]),

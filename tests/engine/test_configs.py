@@ -148,3 +148,15 @@ def test_cluster_env_turns_on_serve_haproxy_mode_where_the_binary_is_there(monke
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
     off = app.cluster_env()
     assert off == app.CLUSTER_ENV and not any("HAPROXY" in k or "HA_PROXY" in k for k in off)
+
+
+def test_served_context_fits_every_pool_kv_budget(qwen3_path):
+    """The ingress's context (what a request without max_tokens gets) is what every pool can
+    take: the smallest configured KV budget caps it."""
+    from keyacc_ray.serve.app import _max_model_len
+
+    base = {"model": qwen3_path, "max_model_len": 512}
+    assert _max_model_len(AppConfig.from_dict({**base, "gpu": {"num_kv_blocks": 20}})) == 320
+    assert _max_model_len(AppConfig.from_dict({**base, "gpu": {"num_kv_blocks": 64},
+                                               "cpu": {"num_kv_blocks": 24, "kv_block_size": 8}})) == 192
+    assert _max_model_len(AppConfig.from_dict({**base, "gpu": {"num_kv_blocks": None}})) == 512

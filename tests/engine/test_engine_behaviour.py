@@ -35,6 +35,23 @@ def test_budget_for_n_sequences_admits_at_most_n(qwen3_path):
         assert outs[f"r{i}"] == hf_greedy(qwen3_path, p, max_tokens)
 
 
+def test_context_is_capped_by_the_kv_budget(qwen3_path):
+    """A budget smaller than the model's context caps the context served: the longest request
+    the engine can ever admit, so a request of the full served length runs instead of being
+    refused as too big for the budget."""
+    eng = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=4, kv_block_size=16, num_kv_blocks=4,
+                                 max_model_len=256))
+    assert eng.max_model_len == 64
+    prompt = eng.tokenize(PROMPTS[0])[:10]
+    with pytest.raises(InvalidRequest) as e:
+        eng.add_request("long", prompt, SamplingParams(max_tokens=64 - len(prompt) + 1))
+    assert e.value.code == "context_length_exceeded"
+    params = SamplingParams(max_tokens=64 - len(prompt), temperature=0, ignore_eos=True)
+    assert eng.generate([prompt], params)[0] == hf_greedy(qwen3_path, prompt, 64 - len(prompt))
+    # a budget that holds the whole context leaves it alone
+    assert LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=2, num_kv_blocks=16, max_model_len=256)).max_model_len == 256
+
+
 def test_seeded_sampling_is_reproducible_across_batches(engine):
     params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
     alone = engine.generate([PROMPTS[3]], params)[0]
