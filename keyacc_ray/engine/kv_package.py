@@ -31,6 +31,12 @@ class KVMeta:
     num_kv_tokens: int  # tokens of `token_ids` whose K/V the package holds
     block_size: int  # the exporting engine's KV block size (informational)
     source: str = ""  # device / replica that exported it
+    v_head_dim: int = 0  # the values' head size where it differs from the keys' (MLA); 0: head_dim
+
+    @property
+    def dims(self) -> tuple[int, int, int, int]:
+        """(layers, kv_heads, key head size, value head size): what an importer must match."""
+        return (self.num_layers, self.num_kv_heads, self.head_dim, self.v_head_dim or self.head_dim)
 
 
 @dataclass
@@ -64,12 +70,12 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def to_engine_tensors(pkg: KVPackage, dtype: torch.dtype, device: torch.device,
-                      expect: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+                      expect: tuple[int, int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Package arrays -> [L, H, T, D] tensors in the importer's dtype, on its device."""
     m = pkg.meta
-    got = (m.num_layers, m.num_kv_heads, m.head_dim)
+    got = m.dims
     if got != expect:
-        raise ValueError(f"KV package shape (layers, kv_heads, head_dim)={got} does not match "
+        raise ValueError(f"KV package shape (layers, kv_heads, k_dim, v_dim)={got} does not match "
                          f"this engine's model {expect}")
     src_dtype = _FROM_NAME[m.dtype]
 

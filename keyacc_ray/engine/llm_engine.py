@@ -221,7 +221,7 @@ class LLMEngine:
             n = seq.num_cached if seq.status == SeqStatus.RUNNING else 0
             k, v = self.runner.read_kv(request_id, n)
             meta = KVMeta(self.config.model, s.num_layers, s.num_kv_heads, s.head_dim, dtype_name(s.dtype),
-                          layout, n, self.config.kv_block_size, source or str(self.runner.device))
+                          layout, n, self.config.kv_block_size, source or str(self.runner.device), s.v_head_dim)
             keys, values = to_wire(k, layout), to_wire(v, layout)
         else:  # still waiting with an imported package: pass its arrays on untouched
             meta, keys, values = seq.imported.meta, seq.imported.keys, seq.imported.values
@@ -230,9 +230,9 @@ class LLMEngine:
         self._finish(seq, SeqStatus.FINISHED_EXPORTED)
         return pkg
 
-    def _kv_dims(self) -> tuple[int, int, int]:
+    def _kv_dims(self) -> tuple[int, int, int, int]:
         s = self.runner.kv_shape
-        return (s.num_layers, s.num_kv_heads, s.head_dim)
+        return (s.num_layers, s.num_kv_heads, s.head_dim, s.v_dim)
 
     def import_request(self, pkg: KVPackage, request_id: str | None = None,
                        params: SamplingParams | None = None) -> Sequence:
@@ -242,9 +242,9 @@ class LLMEngine:
         if rid in self.seqs:
             raise InvalidRequest(f"duplicate request id {rid!r}")
         dims = self._kv_dims()
-        got = (pkg.meta.num_layers, pkg.meta.num_kv_heads, pkg.meta.head_dim)
+        got = pkg.meta.dims
         if got != dims:
-            raise InvalidRequest(f"KV package for {got} (layers, kv_heads, head_dim) cannot continue "
+            raise InvalidRequest(f"KV package for {got} (layers, kv_heads, k_dim, v_dim) cannot continue "
                                  f"on this engine's model {dims}")
         params = params or SamplingParams(**pkg.params)
         seq = Sequence(rid, list(pkg.token_ids), pkg.num_prompt_tokens, params,

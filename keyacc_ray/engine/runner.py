@@ -34,8 +34,13 @@ def resolve_device(device: str) -> torch.device:
 class KVShape:
     num_layers: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # of the keys
     dtype: torch.dtype
+    v_head_dim: int = 0  # of the values, where it differs (multi-head latent attention); 0: head_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
 
 
 class SlotKVCache:
@@ -44,9 +49,10 @@ class SlotKVCache:
     is_compileable = False
 
     def __init__(self, shape: KVShape, num_slots: int, max_len: int, device: torch.device):
-        dims = (num_slots, shape.num_kv_heads, max_len, shape.head_dim)
-        self.k = [torch.zeros(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
-        self.v = [torch.zeros(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+        kdims = (num_slots, shape.num_kv_heads, max_len, shape.head_dim)
+        vdims = (num_slots, shape.num_kv_heads, max_len, shape.v_dim)
+        self.k = [torch.zeros(kdims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+        self.v = [torch.zeros(vdims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
         self._mode = None
 
     # Set by the runner before each forward.
@@ -91,6 +97,40 @@ class SlotKVCache:
         return 0
 
 
+class _ShapeProbe:
+    """A cache that records the key/value shapes each attention layer hands it (and attends
+    over the current tokens only): what the KV buffers must hold, read from the model itself
+    rather than from config attribute names that differ between architectures."""
+
+    is_compileable = False
+
+    def __init__(self):
+        self.shapes: dict[int, tuple[int, int, int]] = {}  # layer -> (kv_heads, k_dim, v_dim)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        assert key_states.shape[1] == value_states.shape[1], "keys and values with different head counts"
+        self.shapes[layer_idx] = (key_states.shape[1], key_states.shape[3], value_states.shape[3])
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+def load_model(model: str, dtype: torch.dtype):
+    """transformers' model with SDPA attention, or its eager attention for an architecture
+    that has no SDPA path (Gemma2's logit soft-capping, Bloom's ALiBi, ...): both take the
+    additive 4D masks the runner builds."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa")
+    except ValueError as e:
+        if "attention implementation" not in str(e):
+            raise
+        log.warning("%s: no SDPA attention in this architecture; using its eager attention", model)
+        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="eager")
+
+
 def cache_kwarg(model) -> str:
     """The forward argument that takes the KV cache: `cache` in transformers >= 5.2x,
     `past_key_values` before (and in remote-code models). Passed under the wrong name, the cache
@@ -108,7 +148,7 @@ class ModelRunner:
     def __init__(self, model: str, dtype: str, device: str, num_slots: int, max_model_len: int | None,
                  num_threads: int | None = None, kv_memory_fraction: float = 0.85, cpu_kernels: str = "off",
                  cpu_weight_quant: str = "none"):
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -124,31 +164,55 @@ class ModelRunner:
             torch_dtype = DTYPES[dtype]
         if self.device.type == "cpu" and torch_dtype == torch.float16:
             log.warning("float16 on CPU is slow; consider bfloat16")
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model, dtype=torch_dtype, attn_implementation="sdpa").to(self.device).eval()
+        self.model = load_model(model, torch_dtype).to(self.device).eval()
         self._cache_kw = cache_kwarg(self.model)
         cfg = self.model.config
         self.hf_config = cfg
         self.dtype = torch_dtype
         self.vocab_size = cfg.vocab_size
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.kv_shape = KVShape(cfg.num_hidden_layers, n_kv, head_dim, torch_dtype)
-        limit = getattr(cfg, "max_position_embeddings", None) or 2048
+        limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
         self.max_model_len = min(max_model_len or limit, limit)
         self.layer_types = getattr(cfg, "layer_types", None)
         self.sliding_window = getattr(cfg, "sliding_window", None)
+        self._min = torch.finfo(torch_dtype).min
+        self.kv_shape = self._probe_kv_shape()
         self.num_slots = self._fit_slots(num_slots, kv_memory_fraction)
         self.cache = SlotKVCache(self.kv_shape, self.num_slots, self.max_model_len, self.device)
         self._slot_of: dict[str, int] = {}
         self._owner: list[str | None] = [None] * self.num_slots
-        self._min = torch.finfo(torch_dtype).min
         self.fast_path = None  # what keyacc_ray.kernels swapped in (FastPathReport)
         self.fused_step = None  # FusedDecodeStep once it reproduced the model's own logits
         self._check_cache_used()
         if self.device.type == "cpu" and cpu_kernels != "off":
             self._enable_cpu_kernels(required=cpu_kernels == "on",
                                      quant=None if cpu_weight_quant == "none" else cpu_weight_quant)
+
+    @torch.inference_mode()
+    def _probe_kv_shape(self) -> KVShape:
+        """One 2-token forward through a recording cache: the heads and head sizes of what every
+        attention layer caches. A model whose layers keep other state (Mamba / convolution
+        layers of hybrid models) fails here with a clear error, not on its first request."""
+        name = type(self.model).__name__
+        probe = _ShapeProbe()
+        pos = torch.arange(2, device=self.device)[None]
+        try:
+            self.model(input_ids=torch.tensor([[1, 2]], device=self.device), position_ids=pos,
+                       attention_mask=self._masks(pos, 2), use_cache=True, logits_to_keep=1,
+                       **{self._cache_kw: probe})
+        except Exception as e:  # noqa: BLE001 - whatever the architecture needs beyond a KV cache
+            raise ModelLoadError(f"{name} does not run on keyacc's KV cache and 4D attention masks "
+                                 f"({type(e).__name__}: {e}); supported: decoders whose layers are all "
+                                 "attention (no recurrent / convolution state, no ALiBi from a 2D mask)",
+                                 param="model") from e
+        n = self.model.config.num_hidden_layers
+        shapes = set(probe.shapes.values())
+        if not shapes:
+            raise ModelLoadError(f"{name} passed nothing to the KV cache; not supported", param="model")
+        if len(shapes) > 1 or max(probe.shapes) >= n:
+            raise ModelLoadError(f"{name} caches differently shaped keys/values per layer {sorted(shapes)}; "
+                                 "not supported", param="model")
+        heads, kdim, vdim = shapes.pop()
+        return KVShape(n, heads, kdim, self.dtype, 0 if vdim == kdim else vdim)
 
     def _check_cache_used(self) -> None:
         """One 2-token forward into a probe slot must write its keys: a model (or transformers
@@ -268,9 +332,9 @@ class ModelRunner:
     def read_kv(self, request_id: str, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one sequence as [layers, kv_heads, tokens, head_dim] on the CPU."""
         if num_tokens == 0:
-            shape = self.kv_shape
-            empty = torch.empty((shape.num_layers, shape.num_kv_heads, 0, shape.head_dim), dtype=shape.dtype)
-            return empty, empty.clone()
+            s = self.kv_shape
+            return (torch.empty((s.num_layers, s.num_kv_heads, 0, s.head_dim), dtype=s.dtype),
+                    torch.empty((s.num_layers, s.num_kv_heads, 0, s.v_dim), dtype=s.dtype))
         s = self._slot_of[request_id]
         k = torch.stack([b[s, :, :num_tokens] for b in self.cache.k]).cpu()
         v = torch.stack([b[s, :, :num_tokens] for b in self.cache.v]).cpu()
@@ -358,7 +422,7 @@ class ModelRunner:
     # ---- device facts ------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
         s = self.kv_shape
-        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.finfo(s.dtype).bits // 8
+        return s.num_layers * s.num_kv_heads * (s.head_dim + s.v_dim) * torch.finfo(s.dtype).bits // 8
 
     def device_label(self) -> str:
         if self.device.type == "cuda":

@@ -214,6 +214,12 @@ def _enable_attention(model: nn.Module, kernels) -> bool:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        # a model on its eager attention (soft-capping, ALiBi, ...): the fallback below is SDPA's
+        log.info("attention kernel not enabled for %s: it runs %s attention", type(model).__name__,
+                 getattr(model.config, "_attn_implementation", None))
+        return False
+
     def keyacc_cpu_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         if (query.shape[2] == 1 and query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16)
                 and key.dtype == query.dtype and dropout == 0.0 and isinstance(attention_mask, torch.Tensor)
@@ -221,7 +227,7 @@ def _enable_attention(model: nn.Module, kernels) -> bool:
                 and attention_mask.shape[-1] == key.shape[2] and attention_mask.shape[-2] == 1
                 and kwargs.get("s_aux") is None and getattr(module, "sinks", None) is None
                 and not getattr(module, "attn_logit_softcapping", None)
-                and query.shape[1] % key.shape[1] == 0):
+                and query.shape[1] % key.shape[1] == 0 and value.shape[-1] == query.shape[-1]):
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             return kernels.decode_attention(query, key, value, attention_mask, float(scale)), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

@@ -207,7 +207,8 @@ class EnginePool:
         if keys is None:  # no KV (lost, or a recovery hand-off): prefill prompt + tokens so far
             shape = self.engine.runner.kv_shape
             meta = KVMeta(self.engine.config.model, shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                          dtype_name(shape.dtype), "LHTD", 0, self.engine.config.kv_block_size, "none")
+                          dtype_name(shape.dtype), "LHTD", 0, self.engine.config.kv_block_size, "none",
+                          shape.v_head_dim)
             keys = values = np.zeros((0,), dtype=np.float32)
         return KVPackage(meta, keys, values, h.request_id, list(h.token_ids), h.num_prompt_tokens, dict(h.params),
                          h.rng_state, h.emitted_text_chars)

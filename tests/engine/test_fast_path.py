@@ -129,9 +129,9 @@ def _random_model(tmp_path, cls: str, **kw) -> str:
 
     import transformers
 
-    cfg = getattr(transformers, cls)(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                     pad_token_id=0, eos_token_id=1, bos_token_id=None, **kw)
+    base = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    cfg = getattr(transformers, cls)(**{**base, **kw})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
