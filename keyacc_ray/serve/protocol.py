@@ -162,7 +162,10 @@ def _chat_prompt(data: dict, tokenizer) -> list[int]:
         clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequest("this model has no chat template; use /v1/completions", param="messages")
-    text = tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
+    try:
+        text = tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - a template's own check (e.g. "roles must alternate", no system role)
+        raise InvalidRequest(f"this model's chat template rejected the messages: {e}", param="messages") from None
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
