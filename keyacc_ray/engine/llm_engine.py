@@ -31,6 +31,8 @@ class RequestOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    # per new token, where the request asked for them: (logprob, [(id, logprob) alternatives])
+    logprobs: list[tuple] | None = None
 
 
 @dataclass
@@ -155,8 +157,7 @@ class LLMEngine:
         if sched.decode:
             rows = sorted(sched.decode, key=lambda s: self.runner.slot_of(s.request_id))
             logits = self.runner.decode([s.token_ids[-1] for s in rows], [s.num_cached for s in rows])
-            ids = self.sampler.sample(logits, [s.request_id for s in rows], [s.params for s in rows])
-            for s, t in zip(rows, ids):
+            for s, t in zip(rows, self._sample(logits, rows)):
                 s.num_cached += 1
                 new_tokens.append((s, t))
         fresh = []
@@ -169,7 +170,7 @@ class LLMEngine:
                 continue
             logits = self.runner.extend(s.request_id, s.token_ids[s.num_cached:], s.num_cached)
             s.num_cached = s.num_tokens
-            new_tokens.append((s, self.sampler.sample(logits[None], [s.request_id], [s.params])[0]))
+            new_tokens.append((s, self._sample(logits[None], [s])[0]))
         # Fresh prompts in few forwards instead of one each: a wave of arrivals stalls the
         # running decodes for one batched step, not for one forward per arrival.
         for group in prefill_groups([s.num_tokens for s in fresh]):
@@ -178,13 +179,24 @@ class LLMEngine:
                 logits = self.runner.extend(seqs[0].request_id, seqs[0].token_ids, 0)[None]
             else:
                 logits = self.runner.prefill([s.request_id for s in seqs], [s.token_ids for s in seqs])
-            ids = self.sampler.sample(logits, [s.request_id for s in seqs], [s.params for s in seqs])
-            for s, t in zip(seqs, ids):
+            for s, t in zip(seqs, self._sample(logits, seqs)):
                 s.num_cached = s.num_tokens
                 new_tokens.append((s, t))
         return [self._postprocess(s, t) for s, t in new_tokens]
 
-    def _postprocess(self, seq: Sequence, token: int) -> RequestOutput:
+    def _sample(self, logits, seqs: list[Sequence]) -> list[tuple[int, tuple | None]]:
+        """One token per row, with its logprobs where the request asked for them."""
+        ids = self.sampler.sample(logits, [s.request_id for s in seqs], [s.params for s in seqs])
+        lps: list = [None] * len(seqs)
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if want:
+            got = self.sampler.logprobs(logits[want], [ids[i] for i in want], [seqs[i].params.logprobs for i in want])
+            for i, lp in zip(want, got):
+                lps[i] = lp
+        return list(zip(ids, lps))
+
+    def _postprocess(self, seq: Sequence, sampled: tuple[int, tuple | None]) -> RequestOutput:
+        token, lp = sampled
         seq.token_ids.append(token)
         self.tokens_generated += 1
         p = seq.params
@@ -198,7 +210,7 @@ class LLMEngine:
         text = self.detok[seq.request_id].take(final=status is not None)
         out = RequestOutput(seq.request_id, [token], text, status is not None,
                             status.finish_reason if status else None,
-                            seq.num_prompt_tokens, seq.num_output_tokens)
+                            seq.num_prompt_tokens, seq.num_output_tokens, None if lp is None else [lp])
         if status is not None:
             self._finish(seq, status)
         return out

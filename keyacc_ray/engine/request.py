@@ -11,6 +11,7 @@ from keyacc_ray.errors import InvalidRequest
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -25,6 +26,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Log-probabilities of each generated token (under the model's distribution, before
+    # temperature / top-k / top-p) and of this many most likely alternatives; None: none.
+    logprobs: int | None = None
 
     def validate(self) -> "SamplingParams":
         def bad(msg: str, param: str) -> InvalidRequest:
@@ -54,6 +58,9 @@ class SamplingParams:
                       "characters each", "stop")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative integers", "stop_token_ids")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}", "logprobs")
         return self
 
     @property

@@ -40,6 +40,17 @@ class Sampler:
         return out
 
     @staticmethod
+    def logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[tuple]:
+        """For each row: (log-probability of token_ids[row], [(id, logprob) of its num_top[row]
+        most likely tokens]), under the model's own distribution (log-softmax of the raw logits)."""
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = lp.gather(1, torch.tensor(token_ids, device=lp.device)[:, None])[:, 0].tolist()
+        k = max(num_top)
+        top_v, top_i = (lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long()))
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        return [(chosen[r], list(zip(top_i[r][:n], top_v[r][:n]))) for r, n in enumerate(num_top)]
+
+    @staticmethod
     def _sample_row(row: torch.Tensor, p: SamplingParams, g: torch.Generator) -> int:
         row = row / p.temperature
         if p.top_k and p.top_k > 0 and p.top_k < row.numel():

@@ -122,6 +122,9 @@ class Ingress:
     async def chat(self, request: Request):
         return await self._handle(request, "chat")
 
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
     # ---- the request path --------------------------------------------------------------
     async def _handle(self, request: Request, kind: str):
         self._count(f"{kind}_requests")
@@ -169,17 +172,21 @@ class Ingress:
     async def _collect(self, p, first, it):
         text, reason, n_prompt, n_out, trace = [], None, len(p.request.prompt_token_ids), 0, {}
         ids: list[int] = []
+        lps: list | None = [] if p.request.params.get("logprobs") is not None else None
         async for i in self._items(first, it):
             if isinstance(i, TokenChunk):
                 text.append(i.text)
                 ids.extend(i.token_ids)
+                if lps is not None:
+                    lps.extend(i.logprobs or [])
                 n_out = i.num_output_tokens or n_out
                 reason = i.finish_reason or reason
             elif isinstance(i, ErrorItem):
                 return error_response(i.status_code, i.body, _retry_after(i.status_code))
             elif isinstance(i, Trace):
                 trace = i.to_dict()
-        return protocol.full_body(p, "".join(text), reason, n_prompt, n_out, trace, ids)
+        return protocol.full_body(p, "".join(text), reason, n_prompt, n_out, trace, ids,
+                                  protocol.logprobs_body(p.kind, ids, lps, self._token_text))
 
     async def _sse_stream(self, p, first, it):
         created = int(time.time())
@@ -189,11 +196,16 @@ class Ingress:
             head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             yield _sse(head)
         pending = None  # only the finishing chunk waits, so the trace can ride on it
+        want_lps, offset = p.request.params.get("logprobs") is not None, 0
         async for i in self._items(first, it):
             if isinstance(i, TokenChunk):
                 n_out = i.num_output_tokens or n_out
                 reason = i.finish_reason or reason
-                body = protocol.chunk_body(p, created, i.text, i.finish_reason, i.token_ids)
+                lps = protocol.logprobs_body(p.kind, i.token_ids, (i.logprobs or []) if want_lps else None,
+                                             self._token_text, offset)
+                if lps is not None and p.kind != "chat" and lps["tokens"]:
+                    offset = lps["text_offset"][-1] + len(lps["tokens"][-1])
+                body = protocol.chunk_body(p, created, i.text, i.finish_reason, i.token_ids, lps)
                 if i.finish_reason is None:
                     yield _sse(body)
                 else:

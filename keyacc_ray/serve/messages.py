@@ -40,6 +40,7 @@ class TokenChunk:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    logprobs: list | None = None  # per token: (logprob, [(id, logprob) alternatives]), where asked for
 
 
 def merge_chunks(items: list) -> list:
@@ -50,8 +51,10 @@ def merge_chunks(items: list) -> list:
     for item in items:
         prev = out[-1] if out else None
         if isinstance(item, TokenChunk) and isinstance(prev, TokenChunk) and prev.finish_reason is None:
+            lps = None if prev.logprobs is None and item.logprobs is None else \
+                (prev.logprobs or []) + (item.logprobs or [])
             out[-1] = TokenChunk(prev.token_ids + item.token_ids, prev.text + item.text, item.finish_reason,
-                                 item.num_prompt_tokens, item.num_output_tokens)
+                                 item.num_prompt_tokens, item.num_output_tokens, lps)
         else:
             out.append(item)
     return out

@@ -7,13 +7,12 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from keyacc_ray.engine.request import SamplingParams
+from keyacc_ray.engine.request import MAX_LOGPROBS, SamplingParams
 from keyacc_ray.errors import InvalidRequest, ModelNotFound
 from keyacc_ray.serve.messages import GenerateRequest
 
 # Accepted only at their neutral values; anything else is refused rather than silently ignored.
-NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False, 0),
-           "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
            "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
            "suffix": (None, ""), "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,)}
 
@@ -104,7 +103,7 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
     _type(ignore_eos, (bool,), "ignore_eos", "a boolean")
     params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                             top_k=top_k, seed=seed, stop=list(stop), stop_token_ids=list(stop_token_ids),
-                            ignore_eos=ignore_eos).validate()
+                            ignore_eos=ignore_eos, logprobs=_logprobs(data, kind)).validate()
 
     stream = data.get("stream", False)
     _type(stream, (bool,), "stream", "a boolean")
@@ -119,6 +118,49 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     req = GenerateRequest(f"{prefix}-{uuid.uuid4().hex}", list(prompt_ids), params.to_dict(), route, back)
     return ParsedRequest(kind, req, stream, include_usage, model, return_ids)
+
+
+def _logprobs(data: dict, kind: str) -> int | None:
+    """How many alternatives per token to return logprobs for (None: no logprobs). Chat:
+    `logprobs: true` and `top_logprobs: N`; completions: `logprobs: N`."""
+    lp = data.get("logprobs")
+    if kind != "chat":
+        return None if lp is None or lp is False else _type(lp, (int,), "logprobs", "an integer")
+    on = bool(lp is not None and _type(lp, (bool,), "logprobs", "a boolean"))
+    top = data.get("top_logprobs")
+    if top is None:
+        return 0 if on else None
+    _type(top, (int,), "top_logprobs", "an integer")
+    if not 0 <= top <= MAX_LOGPROBS:
+        raise InvalidRequest(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs")
+    if not on and top > 0:
+        raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return top if on else None
+
+
+def logprobs_body(kind: str, token_ids: list[int], lps: list | None, token_text, text_offset: int = 0):
+    """OpenAI's `logprobs` object for these tokens (None where the request asked for none).
+    `token_text(id)` is a token's text; chat adds its UTF-8 bytes, completions the offsets."""
+    if lps is None:
+        return None
+    if kind == "chat":
+        def entry(i, lp):
+            t = token_text(i)
+            return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+        return {"content": [{**entry(i, lp), "top_logprobs": [entry(j, ljp) for j, ljp in top]}
+                            for i, (lp, top) in zip(token_ids, lps)]}
+    tokens, offsets, off = [], [], text_offset
+    for i in token_ids:
+        tokens.append(token_text(i))
+        offsets.append(off)
+        off += len(tokens[-1])
+    tops = []
+    for _, top in lps:  # keyed by text: of two ids with one text, the likelier one (top is sorted)
+        d: dict = {}
+        for j, ljp in top:
+            d.setdefault(token_text(j), ljp)
+        tops.append(d)
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in lps], "top_logprobs": tops, "text_offset": offsets}
 
 
 def _completion_prompt(data: dict, tokenizer) -> list[int]:
@@ -195,15 +237,16 @@ def usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def chunk_body(p: ParsedRequest, created: int, text: str, finish_reason, token_ids: list[int] | None = None) -> dict:
+def chunk_body(p: ParsedRequest, created: int, text: str, finish_reason, token_ids: list[int] | None = None,
+               logprobs: dict | None = None) -> dict:
     rid = p.request.request_id
     if p.kind == "chat":
-        choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
+        choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": logprobs,
                   "finish_reason": finish_reason}
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": p.model,
                 "choices": [choice]}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         body = {"id": rid, "object": "text_completion", "created": created, "model": p.model, "choices": [choice]}
     if p.return_token_ids and token_ids is not None:
         choice["token_ids"] = token_ids
@@ -211,15 +254,15 @@ def chunk_body(p: ParsedRequest, created: int, text: str, finish_reason, token_i
 
 
 def full_body(p: ParsedRequest, text: str, finish_reason, n_prompt: int, n_out: int, trace: dict,
-              token_ids: list[int]) -> dict:
+              token_ids: list[int], logprobs: dict | None = None) -> dict:
     created = int(time.time())
     rid = p.request.request_id
     if p.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish_reason}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     if p.return_token_ids:
         choice["token_ids"] = token_ids

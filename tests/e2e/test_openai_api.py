@@ -6,6 +6,7 @@ import concurrent.futures as cf
 import json
 
 import httpx
+import torch
 import openai
 import pytest
 
@@ -108,6 +109,50 @@ def test_chat_without_max_tokens_gets_the_rest_of_the_served_context(app_url, cl
         u = r.usage
         assert r.choices[0].model_extra["token_ids"] == chat_ref(msgs, SERVED_CONTEXT - u.prompt_tokens), route
         assert r.choices[0].finish_reason == "stop" or u.prompt_tokens + u.completion_tokens == SERVED_CONTEXT
+
+
+@pytest.mark.parametrize("route", ["gpu", "stage", "cpu"])
+def test_logprobs_match_transformers_on_every_route(client, route):
+    """Completions `logprobs: N` and chat `logprobs` / `top_logprobs`: transformers' own
+    log-probabilities, wherever the tokens were made (stage: prefill on the GPU pool, decode on
+    the CPU pool, the first token's logprobs from the GPU)."""
+    from tests.engine.test_logprobs import hf_logprobs
+
+    path = tiny_model("qwen3")
+    _, tok = hf_model(path)
+    prompt = tok(PROMPTS[4])["input_ids"]
+    extra = {"ignore_eos": True, "return_token_ids": True, "keyacc": {"route": route}}
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=12, temperature=0, logprobs=3,
+                                  extra_body=extra)
+    c = r.choices[0]
+    ref = hf_logprobs(path, prompt, c.token_ids)
+    assert c.token_ids == ref_ids(PROMPTS[4], 12)
+    assert len(c.logprobs.token_logprobs) == 12
+    for t, (lp, top) in enumerate(zip(c.logprobs.token_logprobs, c.logprobs.top_logprobs)):
+        assert abs(lp - float(ref[t, c.token_ids[t]])) < 1e-4
+        want = torch.topk(ref[t], 3)  # keyed by text: two ids with the same text share one entry
+        assert {tok.decode([i]) for i in want.indices.tolist()} == set(top)
+        assert max(top.values()) == pytest.approx(float(want.values[0]), abs=1e-4)
+    assert c.logprobs.tokens == [tok.decode([i]) for i in c.token_ids]
+    stream = list(client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=12, temperature=0,
+                                            logprobs=3, stream=True, extra_body=extra))
+    lps = [x for ch in stream if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs]
+    offsets = [x for ch in stream if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.text_offset]
+    assert lps == pytest.approx(c.logprobs.token_logprobs, abs=1e-5)
+    assert offsets == c.logprobs.text_offset
+    msgs = [{"role": "user", "content": "Hello, world!"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body=extra)
+    content = r.choices[0].logprobs.content
+    ids = r.choices[0].model_extra["token_ids"]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    ref = hf_logprobs(path, tok(text, add_special_tokens=False)["input_ids"], ids)
+    assert len(content) == len(ids) == r.usage.completion_tokens
+    for t, e in enumerate(content):
+        assert abs(e.logprob - float(ref[t, ids[t]])) < 1e-4 and len(e.top_logprobs) == 2
+        assert e.top_logprobs[0].logprob == pytest.approx(float(ref[t].max()), abs=1e-4)
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, temperature=0)
+    assert plain.choices[0].logprobs is None
 
 
 @pytest.mark.parametrize("route, expect", [

@@ -20,6 +20,7 @@ class Out:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
