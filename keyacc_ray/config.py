@@ -37,6 +37,7 @@ class EngineConfig:
     kv_memory_fraction: float = 0.85  # CUDA: share of free device memory (after weights) for KV
     cpu_kernels: str = "auto"  # CPU fast path (keyacc_ray/kernels): auto (where it builds and checks out), on, off
     cpu_weight_quant: str = "none"  # none, or int8: weight-only int8 (per-row scales) for bf16 linears on the fast path
+    trust_remote_code: bool = False  # run the model repository's own Python code (transformers' flag)
 
 
     def __post_init__(self):
@@ -76,6 +77,12 @@ def env_model(default: str) -> str:
 
 def env_dtype(default: str) -> str:
     return os.environ.get("KEYACC_DTYPE") or default
+
+
+def env_trust_remote_code(default: bool) -> bool:
+    """KEYACC_TRUST_REMOTE_CODE=1 (or true) lets a model repository's own code run."""
+    v = os.environ.get("KEYACC_TRUST_REMOTE_CODE", "").strip().lower()
+    return v in ("1", "true", "yes") if v else default
 
 
 def _keys(env_var: str, file_env_var: str, path: str | None = None) -> frozenset[str]:

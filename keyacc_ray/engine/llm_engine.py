@@ -68,12 +68,14 @@ class LLMEngine:
 
         self.config = config
         try:
-            self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.model)
+            self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.model,
+                                                                        trust_remote_code=config.trust_remote_code)
         except Exception as e:  # noqa: BLE001
             raise ModelLoadError(f"cannot load tokenizer for {config.model!r}: {e}", param="model") from e
         self.runner = ModelRunner(config.model, config.dtype, config.device, config.max_num_seqs,
                                   config.max_model_len, config.num_threads, config.kv_memory_fraction,
-                                  config.cpu_kernels, config.cpu_weight_quant)
+                                  config.cpu_kernels, config.cpu_weight_quant,
+                                  trust_remote_code=config.trust_remote_code)
         self.max_model_len = self.runner.max_model_len
         # The KV budget in blocks: configured, or what the preallocated slots hold (on CUDA the
         # slots themselves are sized from free device memory).

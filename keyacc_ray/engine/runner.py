@@ -116,19 +116,21 @@ class _ShapeProbe:
         return 0
 
 
-def load_model(model: str, dtype: torch.dtype):
+def load_model(model: str, dtype: torch.dtype, trust_remote_code: bool = False):
     """transformers' model with SDPA attention, or its eager attention for an architecture
     that has no SDPA path (Gemma2's logit soft-capping, Bloom's ALiBi, ...): both take the
     additive 4D masks the runner builds."""
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa")
+        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa",
+                                                    trust_remote_code=trust_remote_code)
     except ValueError as e:
         if "attention implementation" not in str(e):
             raise
         log.warning("%s: no SDPA attention in this architecture; using its eager attention", model)
-        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="eager")
+        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="eager",
+                                                    trust_remote_code=trust_remote_code)
 
 
 def cache_kwarg(model) -> str:
@@ -147,14 +149,14 @@ def cache_kwarg(model) -> str:
 class ModelRunner:
     def __init__(self, model: str, dtype: str, device: str, num_slots: int, max_model_len: int | None,
                  num_threads: int | None = None, kv_memory_fraction: float = 0.85, cpu_kernels: str = "off",
-                 cpu_weight_quant: str = "none"):
+                 cpu_weight_quant: str = "none", trust_remote_code: bool = False):
         from transformers import AutoConfig
 
         if num_threads:
             torch.set_num_threads(num_threads)
         self.device = resolve_device(device)
         try:
-            hf_config = AutoConfig.from_pretrained(model)
+            hf_config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
         except Exception as e:  # noqa: BLE001 - any loader failure is the user's path/id
             raise ModelLoadError(f"cannot load model {model!r}: {e}", param="model") from e
         if dtype == "auto":
@@ -164,7 +166,7 @@ class ModelRunner:
             torch_dtype = DTYPES[dtype]
         if self.device.type == "cpu" and torch_dtype == torch.float16:
             log.warning("float16 on CPU is slow; consider bfloat16")
-        self.model = load_model(model, torch_dtype).to(self.device).eval()
+        self.model = load_model(model, torch_dtype, trust_remote_code).to(self.device).eval()
         self._cache_kw = cache_kwarg(self.model)
         cfg = self.model.config
         self.hf_config = cfg

@@ -18,7 +18,7 @@ import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from keyacc_ray.config import ConfigError, EngineConfig, _from_dict, env_dtype, env_model
+from keyacc_ray.config import ConfigError, EngineConfig, _from_dict, env_dtype, env_model, env_trust_remote_code
 
 log = logging.getLogger("ray.serve")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -122,6 +122,7 @@ class AppConfig:
     dtype: str = "auto"
     served_model_name: str | None = None
     max_model_len: int | None = 1024
+    trust_remote_code: bool = False  # run the model repository's own Python code (as vLLM's --trust-remote-code)
     policy: str = "gpu_only"
     policy_options: dict = field(default_factory=dict)
     allow_route_pinning: bool | str = True  # True, False, or "operators" (operator keys only)
@@ -160,6 +161,7 @@ class AppConfig:
             setattr(cfg, k, v)
         cfg.model = resolve_model(env_model(cfg.model))
         cfg.dtype = env_dtype(cfg.dtype)
+        cfg.trust_remote_code = env_trust_remote_code(cfg.trust_remote_code)
         # a local path is served under its folder's name, a hub id under the id (as vLLM does)
         local = os.path.basename(cfg.model.rstrip("/")) if os.path.isdir(cfg.model) else None
         cfg.served_model_name = cfg.served_model_name or local or cfg.model
@@ -176,7 +178,7 @@ class AppConfig:
                                    batched_prefill=pool.batched_prefill,
                                    num_threads=pool.num_threads,
                                    kv_memory_fraction=pool.kv_memory_fraction, cpu_kernels=pool.cpu_kernels,
-                                   cpu_weight_quant=pool.cpu_weight_quant))
+                                   cpu_weight_quant=pool.cpu_weight_quant, trust_remote_code=self.trust_remote_code))
 
 
 def resolve_model(model: str) -> str:
@@ -195,7 +197,7 @@ def _max_model_len(cfg: AppConfig) -> int:
     from transformers import AutoConfig
 
     try:
-        hf = AutoConfig.from_pretrained(cfg.model)
+        hf = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     except Exception as e:  # noqa: BLE001
         raise ConfigError(f"cannot load model {cfg.model!r}: {e}") from e
     limit = getattr(hf, "max_position_embeddings", None) or 2048
@@ -278,7 +280,7 @@ def build_app(args: dict | None = None):
         max_ongoing_requests=4096, max_queued_requests=cfg.max_queued_requests, **logs("ingress"),
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus, "resources": dict(cfg.control_resources), **env},
     ).bind(router, pools, cfg.model, cfg.served_model_name, max_len, cfg.allow_route_pinning, cfg.max_body_bytes,
-           cfg.api_keys_file, cfg.operator_keys_file)
+           cfg.api_keys_file, cfg.operator_keys_file, cfg.trust_remote_code)
 
 
 if __name__ == "__main__":  # python -m keyacc_ray.serve.app serve run deployments/app.yaml

@@ -51,14 +51,15 @@ def _sse(obj) -> str:
 class Ingress:
     def __init__(self, router, pools: dict, model: str, served_model_name: str, max_model_len: int,
                  allow_route_pinning: bool | str = True, max_body_bytes: int = 1 << 20,
-                 api_keys_file: str | None = None, operator_keys_file: str | None = None):
+                 api_keys_file: str | None = None, operator_keys_file: str | None = None,
+                 trust_remote_code: bool = False):
         """router: the Router deployment's handle; pools: the pool handles by hop key
         ("gpu_prefill", "gpu_decode", "cpu_decode/0", ...)."""
         from transformers import AutoTokenizer
 
         self.router = router
         self.driver = RequestDriver(RemoteRouter(router), pools)
-        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
         self.model_name = served_model_name
         self.max_model_len = max_model_len
         self.allow_pinning = allow_route_pinning
