@@ -290,11 +290,15 @@ class ModelRunner:
                     self.free_slot(rid)
 
     def _fit_slots(self, wanted: int, fraction: float) -> int:
-        """On CUDA the KV buffer is sized from the free device memory after the weights: as many
-        slots (up to `wanted`) as `fraction` of it holds. On CPU the configured number stands."""
-        if self.device.type != "cuda":
-            return wanted
-        free, _ = torch.cuda.mem_get_info(self.device)
+        """The KV buffer is sized from the free memory after the weights: as many slots (up to
+        `wanted`) as `fraction` of it holds: free device memory on CUDA, available RAM on CPU
+        (where a buffer too big would only fail later, when decoding first touches its pages)."""
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available
         per_slot = self.kv_bytes_per_token() * self.max_model_len
         fit = int(free * fraction) // per_slot
         if fit < 1:

@@ -152,3 +152,22 @@ def test_detokenizer_never_splits_a_character(engine):
         pieces.append(d.take(final=False))
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == text
+
+
+def test_cpu_kv_buffer_fits_the_available_memory(qwen3_path, monkeypatch):
+    """On CPU the preallocated KV slots are bounded by the RAM available (as on CUDA by free device
+    memory): fewer slots with a warning, or a clear load error, not an OOM kill under load."""
+    import collections
+
+    import psutil
+
+    probe = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=1, max_model_len=128))
+    per_slot = probe.runner.kv_bytes_per_token() * 128
+    mem = collections.namedtuple("mem", "available")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: mem(int(3.5 * per_slot / 0.5)))
+    eng = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=8, max_model_len=128, kv_memory_fraction=0.5))
+    assert eng.runner.num_slots == 3 and eng.stats().max_num_seqs == 3
+    assert eng.generate([PROMPTS[0]] * 5, SamplingParams(max_tokens=4, temperature=0))  # 5 requests, 3 at a time
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: mem(per_slot // 2))
+    with pytest.raises(ModelLoadError, match="no room for even one sequence"):
+        LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=8, max_model_len=128))
