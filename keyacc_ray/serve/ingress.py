@@ -105,8 +105,22 @@ class Ingress:
     async def models(self, request: Request):
         if (err := self._auth_error(request)) is not None:
             return err
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "keyacc-ray", "max_model_len": self.max_model_len}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request):
+        """OpenAI's retrieve-model (`client.models.retrieve(id)`)."""
+        if (err := self._auth_error(request)) is not None:
+            return err
+        if model_id != self.model_name:
+            return error_response(404, {"error": {"message": f"the model '{model_id}' does not exist",
+                                                  "type": "invalid_request_error", "param": "model",
+                                                  "code": "model_not_found"}})
+        return self._model_card()
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "keyacc-ray",
+                "max_model_len": self.max_model_len}
 
     @app.get("/metrics")
     async def metrics(self, request: Request):

@@ -36,6 +36,10 @@ def chat_ref(messages, n):
 
 def test_models_and_health(app_url, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found"
     assert httpx.get(f"{app_url}/health").json() == {"status": "ok"}
 
 
