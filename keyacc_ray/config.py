@@ -38,6 +38,9 @@ class EngineConfig:
     cpu_kernels: str = "auto"  # CPU fast path (keyacc_ray/kernels): auto (where it builds and checks out), on, off
     cpu_weight_quant: str = "none"  # none, or int8: weight-only int8 (per-row scales) for bf16 linears on the fast path
     trust_remote_code: bool = False  # run the model repository's own Python code (transformers' flag)
+    # KV blocks: "lazy" as a sequence grows, preempting the newest when they run out (vLLM), or
+    # "reserve" prompt + max_tokens at admission (never preempts; fewer sequences at once).
+    kv_allocation: str = "lazy"
 
 
     def __post_init__(self):
@@ -57,6 +60,8 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.cpu_kernels not in ("auto", "on", "off"):
             raise ConfigError(f"EngineConfig.cpu_kernels must be auto/on/off, got {self.cpu_kernels!r}")
+        if self.kv_allocation not in ("lazy", "reserve"):
+            raise ConfigError(f"EngineConfig.kv_allocation must be lazy/reserve, got {self.kv_allocation!r}")
         if self.cpu_weight_quant not in ("none", "int8"):
             raise ConfigError(f"EngineConfig.cpu_weight_quant must be none/int8, got {self.cpu_weight_quant!r}")
         if self.kv_export_layout not in ("LHTD", "LTHD"):

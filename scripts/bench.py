@@ -62,6 +62,7 @@ def _this_box(args, model: Path) -> dict:  # the "GPU" pools emulated on CPU 0, 
     return {
         "model": str(model), "max_model_len": 1024, "policy": "gpu_only",
         "gpu": {"device": "auto", "max_num_seqs": 8, "num_kv_blocks": args.gpu_kv_blocks, "num_threads": 1,
+                "kv_allocation": args.gpu_kv_allocation,
                 "num_cpus": 0.5, "cpu_affinity": [0], "stream_interval_ms": args.stream_interval_ms},
         "cpu": {"device": "cpu", "max_num_seqs": args.cpu_seqs, "num_threads": 1, "num_cpus": 0.5, "cpu_affinity": [1],
                 "stream_interval_ms": args.stream_interval_ms, "max_prefill_tokens": args.cpu_prefill_tokens},
@@ -131,6 +132,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-spread", type=float, default=0.0,
                     help="output lengths likewise (fixed lengths keep every client in step: see docs/benchmarks.md)")
     ap.add_argument("--gpu-kv-blocks", type=int, default=40, help="emulated GPU KV budget (16-token blocks)")
+    ap.add_argument("--gpu-kv-allocation", choices=("lazy", "reserve"), default="lazy",
+                    help="the emulated GPU pool's KV allocation (EngineConfig.kv_allocation)")
     ap.add_argument("--ttft-slo-ms", type=float, default=2000)
     ap.add_argument("--tpot-slo-ms", type=float, default=150)
     ap.add_argument("--policies", nargs="+", default=side_by_side.POLICIES)

@@ -1,8 +1,9 @@
 """KV block accounting. No torch: a replica's KV budget is a number of fixed-size token blocks.
 
-A sequence reserves blocks for its prompt plus every token it may generate when it is admitted,
-so it can never run out mid-decode: running out is a `False` at admission (the request waits),
-never an out-of-memory error. The same figure answers the offload policies' memory check.
+Two ways to spend it (`EngineConfig.kv_allocation`, see scheduler.py): "reserve" takes blocks for
+the prompt plus every token a sequence may generate at admission, so it never runs out
+mid-decode; "lazy" (vLLM's way) takes blocks as the sequence grows (`grow`), and the scheduler
+preempts the newest sequence when they run out. Running out is a `False`, never an error.
 """
 from __future__ import annotations
 
@@ -36,6 +37,16 @@ class BlockManager:
         if n > len(self._free):
             return False
         self._tables[seq_id] = [self._free.pop() for _ in range(n)]
+        return True
+
+    def grow(self, seq_id: str, num_tokens: int) -> bool:
+        """Extend a sequence's blocks to hold `num_tokens`; False (nothing changed) if the free
+        blocks do not suffice."""
+        table = self._tables[seq_id]
+        need = self.blocks_for(num_tokens) - len(table)
+        if need > len(self._free):
+            return False
+        table.extend(self._free.pop() for _ in range(max(0, need)))
         return True
 
     def free(self, seq_id: str) -> None:

@@ -82,9 +82,9 @@ class LLMEngine:
         slots = self.runner.num_slots
         num_blocks = config.num_kv_blocks or -(-slots * self.max_model_len // config.kv_block_size)
         self.blocks = BlockManager(num_blocks, config.kv_block_size)
-        # A sequence reserves its whole length at admission, so the longest one this engine can
-        # ever take is its KV budget: the context it serves is no longer than that (a client that
-        # leaves max_tokens out gets the rest of this context, which then always fits).
+        # The longest sequence this engine can ever hold is its KV budget (reserved at admission,
+        # or grown to by a sequence running alone): the context it serves is no longer than that
+        # (a client that leaves max_tokens out gets the rest of this context, which then fits).
         budget = num_blocks * config.kv_block_size
         if budget < self.max_model_len:
             log.warning("KV budget of %d blocks x %d tokens holds %d tokens, less than the model's context "
@@ -92,7 +92,7 @@ class LLMEngine:
                         self.max_model_len, budget)
             self.max_model_len = budget
         self.scheduler = Scheduler(self.blocks, slots, config.max_waiting,
-                                   config.max_prefill_tokens)
+                                   config.max_prefill_tokens, lazy=config.kv_allocation == "lazy")
         self.sampler = Sampler()
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
@@ -155,6 +155,9 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        for s in sched.preempted:  # its KV is gone: readmitted, it prefills prompt + output again
+            self.runner.free_slot(s.request_id)
+            s.num_cached = 0
         new_tokens: list[tuple[Sequence, int]] = []
         if sched.decode:
             rows = sorted(sched.decode, key=lambda s: self.runner.slot_of(s.request_id))

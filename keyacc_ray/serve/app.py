@@ -83,6 +83,7 @@ class PoolConfig:
     max_num_seqs: int = 16
     kv_block_size: int = 16
     num_kv_blocks: int | None = None
+    kv_allocation: str = "lazy"  # KV blocks as sequences grow (preempting the newest), or "reserve" up front
     num_threads: int | None = 1
     num_cpus: float = 0.5
     num_gpus: float | None = None  # None: 0.5 per GPU replica when the cluster has GPUs
@@ -174,6 +175,7 @@ class AppConfig:
         return asdict(EngineConfig(model=self.model, dtype=self.dtype, device=pool.device,
                                    max_num_seqs=pool.max_num_seqs, max_model_len=self.max_model_len,
                                    kv_block_size=pool.kv_block_size, num_kv_blocks=pool.num_kv_blocks,
+                                   kv_allocation=pool.kv_allocation,
                                    max_waiting=pool.max_waiting, max_prefill_tokens=pool.max_prefill_tokens,
                                    batched_prefill=pool.batched_prefill,
                                    num_threads=pool.num_threads,

@@ -211,6 +211,40 @@ def test_sixteen_concurrent_requests(client):
         assert got == ref_ids(prompt, n)
 
 
+def test_gpu_pool_runs_more_than_its_budget_reserves(client):
+    """Lazy KV blocks: four requests of 310 tokens each on the GPU pool, whose 48-block budget
+    reserves room for two whole ones, all decode at once (each streams tokens before any of
+    them ends); when blocks run out the newest is preempted and recomputed, and every request
+    still gets generate()'s tokens."""
+    import threading
+
+    prompts = [PROMPTS[i] for i in (0, 4, 9, 13)]
+    n = 300
+    first_done, counts, lock = threading.Event(), {}, threading.Lock()
+    before_any_end = {}
+
+    def one(i):
+        ids = []
+        for ch in client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=n, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                                     "keyacc": {"route": "gpu"}}):
+            if ch.choices:
+                ids += ch.choices[0].model_extra.get("token_ids") or []
+                with lock:
+                    counts[i] = len(ids)
+        with lock:
+            if not first_done.is_set():
+                before_any_end.update(counts)
+                first_done.set()
+        return ids
+
+    with cf.ThreadPoolExecutor(4) as ex:
+        outs = list(ex.map(one, range(4)))
+    assert len(before_any_end) == 4 and min(before_any_end.values()) >= 5, before_any_end
+    for p, got in zip(prompts, outs):
+        assert got == ref_ids(p, n)
+
+
 def test_stop_strings_and_seed(client):
     full = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0,
                                      extra_body={"ignore_eos": True})

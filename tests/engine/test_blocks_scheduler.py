@@ -65,3 +65,25 @@ def test_prefill_budget_limits_admissions_per_step():
 def test_status_order():
     assert not SeqStatus.RUNNING.finished and SeqStatus.FINISHED_LENGTH.finished
     assert SeqStatus.FINISHED_STOPPED.finish_reason == "stop"
+
+
+def test_lazy_blocks_grow_and_the_newest_is_preempted():
+    bm = BlockManager(num_blocks=5, block_size=4)
+    sch = Scheduler(bm, max_num_seqs=8, max_waiting=8, max_prefill_tokens=100, lazy=True)
+    a, b, c = seq("a", 4, 8), seq("b", 4, 8), seq("c", 5, 8)  # 1, 1, 2 blocks for their prompts
+    for s in (a, b, c):
+        sch.add(s)
+    out = sch.schedule()
+    assert out.admitted == [a, b, c] and bm.num_free_blocks == 1  # reserving, only a would fit
+    for s in (a, b, c):  # prefilled, one token sampled each: a and b now need a 2nd block
+        s.num_cached = s.num_tokens
+        s.token_ids.append(1)
+    out = sch.schedule()  # a grows into the last free block; b cannot: c (newest) is preempted
+    assert out.preempted == [c] and out.decode == [a, b] and out.admitted == []
+    assert sch.waiting[0] is c and c.status == SeqStatus.WAITING
+    assert len(bm.block_table("a")) == 2 and len(bm.block_table("b")) == 2 and bm.num_free_blocks == 1
+    assert sch.num_preemptions == 1
+    out = sch.schedule()  # nothing to grow: c (6 tokens, 2 blocks) waits for blocks
+    assert out.preempted == [] and out.admitted == []
+    sch.finish(a, SeqStatus.FINISHED_LENGTH)
+    assert sch.schedule().admitted == [c] and len(bm.block_table("c")) == 2

@@ -13,10 +13,11 @@ def engine(qwen3_path):
     return LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=16))
 
 
-def test_budget_for_n_sequences_admits_at_most_n(qwen3_path):
+def test_reserved_budget_for_n_sequences_admits_at_most_n(qwen3_path):
     n, block, max_tokens = 4, 8, 20
     # every request below needs ceil((prompt<=28 + 20) / 8) <= 6 blocks; budget: n of them
-    eng = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=32, kv_block_size=block, num_kv_blocks=6 * n))
+    eng = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=32, kv_block_size=block, num_kv_blocks=6 * n,
+                                 kv_allocation="reserve"))
     prompts = [eng.tokenize(p)[:28] for p in PROMPTS[: n + 5]]
     assert all(eng.blocks.blocks_for(len(p) + max_tokens) == 6 for p in prompts if len(p) > 20)
     prompts = [p for p in prompts if len(p) > 20] or prompts
@@ -171,3 +172,25 @@ def test_cpu_kv_buffer_fits_the_available_memory(qwen3_path, monkeypatch):
     monkeypatch.setattr(psutil, "virtual_memory", lambda: mem(per_slot // 2))
     with pytest.raises(ModelLoadError, match="no room for even one sequence"):
         LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=8, max_model_len=128))
+
+
+def test_lazy_kv_runs_more_at_once_and_preempts_without_changing_tokens(qwen3_path):
+    """Lazy KV blocks (the default): sequences take blocks as they grow, so a budget that holds
+    4 whole requests runs more of them at once; when blocks run out the newest is preempted and
+    later prefills prompt + output again. Every request still gets generate()'s tokens."""
+    n, block, max_tokens = 4, 8, 20
+    eng = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=32, kv_block_size=block, num_kv_blocks=6 * n))
+    prompts = [p for p in (eng.tokenize(x)[:28] for x in PROMPTS) if len(p) > 20][:3] * 3
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, params)
+    outs, peak = {}, 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        peak = max(peak, eng.scheduler.num_running)
+        assert eng.blocks.num_free_blocks >= 0
+    assert peak > n and eng.scheduler.num_preemptions > 0
+    assert eng.blocks.num_free_blocks == 6 * n
+    for i, p in enumerate(prompts):
+        assert outs[f"r{i}"] == hf_greedy(qwen3_path, p, max_tokens), i
