@@ -45,6 +45,7 @@ class EngineStats:
     max_num_seqs: int
     tokens_generated: int
     device: str
+    num_preemptions: int = 0  # lazy KV: sequences that gave up their blocks (recomputed later)
 
 
 def prefill_groups(lengths: list[int], max_padding: float = 0.25) -> list[list[int]]:
@@ -286,7 +287,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting,
                            self.blocks.num_free_blocks, self.blocks.num_blocks, self.blocks.block_size,
-                           self.runner.num_slots, self.tokens_generated, self.runner.device_label())
+                           self.runner.num_slots, self.tokens_generated, self.runner.device_label(),
+                           self.scheduler.num_preemptions)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],
                  timeout_s: float = 600.0) -> list[list[int]]:

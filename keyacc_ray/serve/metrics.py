@@ -34,6 +34,8 @@ def render(snap_info: dict, ingress_counts: dict) -> str:
         for field, name in REPLICA_GAUGES.items():
             emit(name, "gauge", labels, r[field], f"per replica: {field}")
         emit("keyacc_tokens_generated_total", "counter", labels, r["tokens_generated"])
+        emit("keyacc_preemptions_total", "counter", labels, r.get("num_preemptions", 0),
+             "per replica: sequences that gave up their KV blocks (lazy KV) and are recomputed")
     gpu = snap.get("gpu") or {}
     emit("keyacc_gpu_available", "gauge", {}, 1 if gpu.get("available") else 0, "1 if pynvml sees a GPU")
     for g in gpu.get("gpus", []):

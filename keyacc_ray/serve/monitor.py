@@ -35,6 +35,7 @@ class ReplicaReport:
     emulated: bool  # a "GPU" replica running on CPU cores with an emulated KV budget
     device: str
     time_s: float = 0.0
+    num_preemptions: int = 0  # lazy KV: sequences preempted (recomputed later), since start
 
     def content(self) -> tuple:
         """Everything but the arrival time: equal content means nothing to tell anyone."""

@@ -248,7 +248,8 @@ class EnginePool:
         s = self.engine.stats()
         return ReplicaReport(self.deployment, self.pool, self.role, self.replica, s.num_waiting, s.num_running,
                              s.num_free_blocks, s.num_total_blocks, s.block_size, s.max_num_seqs,
-                             self.loop.tokens_per_s(), s.tokens_generated, self.emulated, s.device)
+                             self.loop.tokens_per_s(), s.tokens_generated, self.emulated, s.device,
+                             num_preemptions=s.num_preemptions)
 
     def _report_loop(self) -> None:
         """A report every REPORT_EVERY_S while the load changes; an idle replica sends the same

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import time
 
 import httpx
-import torch
 import openai
 import pytest
+import torch
 
 from tests.conftest import tiny_model
 from tests.helpers import PROMPTS, hf_greedy, hf_model
@@ -211,7 +212,13 @@ def test_sixteen_concurrent_requests(client):
         assert got == ref_ids(prompt, n)
 
 
-def test_gpu_pool_runs_more_than_its_budget_reserves(client):
+def preemptions(app_url: str) -> float:
+    text = httpx.get(f"{app_url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("keyacc_preemptions_total") and 'deployment="GpuDecode"' in line)
+
+
+def test_gpu_pool_runs_more_than_its_budget_reserves(app_url, client):
     """Lazy KV blocks: four requests of 310 tokens each on the GPU pool, whose 48-block budget
     reserves room for two whole ones, all decode at once (each streams tokens before any of
     them ends); when blocks run out the newest is preempted and recomputed, and every request
@@ -243,6 +250,10 @@ def test_gpu_pool_runs_more_than_its_budget_reserves(client):
     assert len(before_any_end) == 4 and min(before_any_end.values()) >= 5, before_any_end
     for p, got in zip(prompts, outs):
         assert got == ref_ids(p, n)
+    deadline = time.monotonic() + 10  # the pools report to the monitor within a second or so
+    while preemptions(app_url) == 0 and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert preemptions(app_url) > 0  # 4 x 310 tokens in a 768-token budget: some were recomputed
 
 
 def test_stop_strings_and_seed(client):
