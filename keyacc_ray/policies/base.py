@@ -4,6 +4,7 @@ in-flight counts) and one request, and says where it runs: `route()` for the fir
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 ROUTES = ("gpu", "cpu", "stage")
@@ -16,6 +17,7 @@ class RequestView:
     num_prompt_tokens: int
     num_output_tokens: int  # generated so far
     max_tokens: int
+    expected_output: int | None = None  # what requests here really generate (OutputLengths), if known
 
     @property
     def remaining_tokens(self) -> int:
@@ -23,8 +25,34 @@ class RequestView:
 
     @property
     def total_tokens(self) -> int:
-        """What a replica reserves to take this request: prompt + every token it may generate."""
-        return self.num_prompt_tokens + self.max_tokens
+        """The KV this request is expected to take: prompt + every token it may generate, or, once
+        the router knows what requests really generate, no more than that (a client that leaves
+        max_tokens out asks for the whole context and, typically, uses a fraction of it; engines
+        with lazy KV blocks only take what a sequence holds)."""
+        out = self.max_tokens
+        if self.expected_output is not None:
+            out = max(self.num_output_tokens, min(self.max_tokens, self.expected_output))
+        return self.num_prompt_tokens + out
+
+
+class OutputLengths:
+    """Output lengths of recently finished requests; `expected()` is a high quantile of them,
+    None until enough have finished. Plain Python; the router feeds it."""
+
+    def __init__(self, window: int = 256, quantile: float = 0.9, min_samples: int = 16):
+        self._seen: deque[int] = deque(maxlen=window)
+        self.quantile = quantile
+        self.min_samples = min_samples
+
+    def observe(self, num_output_tokens: int) -> None:
+        if num_output_tokens > 0:
+            self._seen.append(num_output_tokens)
+
+    def expected(self) -> int | None:
+        if len(self._seen) < self.min_samples:
+            return None
+        s = sorted(self._seen)
+        return s[min(len(s) - 1, int(self.quantile * len(s)))]
 
 
 @dataclass

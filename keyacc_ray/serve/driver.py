@@ -120,6 +120,7 @@ class RequestDriver:
         handoff: Handoff | None = None
         generated: list[int] = []  # every token streamed to the client so far
         emitted_chars = 0
+        finish_reason = None
         while t.error is None and t.hop is not None:
             started = time.monotonic()
             next_handoff = None
@@ -155,6 +156,7 @@ class RequestDriver:
                                 trace.add_tokens(len(it.token_ids))
                                 generated.extend(it.token_ids)
                                 emitted_chars += len(it.text)
+                                finish_reason = it.finish_reason or finish_reason
                             out.append(it)
                     if out:
                         yield out
@@ -175,7 +177,8 @@ class RequestDriver:
                                 len(generated))
                     if segment_started:
                         trace.segments[-1]["failed"] = True
-            end = HopEnd(outcome, time.monotonic() - started, len(generated), handoff is not None, err_name)
+            end = HopEnd(outcome, time.monotonic() - started, len(generated), handoff is not None, err_name,
+                         finished=finish_reason in ("stop", "length"))
             if outcome == "done":
                 self._finish(t, end)
                 break

@@ -158,3 +158,4 @@ class HopEnd:
     num_output_tokens: int  # generated so far, over every hop
     has_handoff: bool = False  # the hop was entered with (or, failed, left) a sequence to continue
     error: str = ""  # the exception's class name, when failed
+    finished: bool = False  # the request ended by itself (stop or length), not by error or cancel

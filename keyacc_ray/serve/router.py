@@ -18,6 +18,7 @@ import time
 import ray
 
 from keyacc_ray.policies import LoadView, PoolLoad, RequestView, make_policy
+from keyacc_ray.policies.base import OutputLengths
 from keyacc_ray.serve.driver import FAILOVER, MAX_RECOVERIES, error_item as _err
 from keyacc_ray.serve.messages import HopEnd, Ticket
 from keyacc_ray.serve.monitor import LoadMonitor
@@ -50,6 +51,7 @@ class Router:
         self.inflight_tokens = {h: 0 for h in self.deployment_of}  # KV each hop's requests reserve (tokens)
         self._pending_blocks = {h: 0 for h in self.deployment_of}  # blocks sent there since the last snapshot
         self._policy_counted: dict[str, int] = {}
+        self.output_lengths = OutputLengths()  # what requests really generate: their KV estimate
         self._cpu_loads: list[PoolLoad] = [PoolLoad() for _ in self.cpu_keys]
         self.snapshot = None
         self.snapshot_age_s = float("inf")
@@ -183,7 +185,7 @@ class Router:
         if hop == "cpu_decode":
             hop = t.last_cpu = self._pick_cpu(prefer=t.last_cpu)
         t.hop, t.export_after, t.error = hop, export_after, None
-        tokens = t.num_prompt_tokens + t.max_tokens
+        tokens = self._view(t, 0).total_tokens
         self._active[t.request_id] = (hop, time.monotonic(), tokens)
         self.inflight[hop] += 1
         self.inflight_tokens[hop] += tokens
@@ -221,7 +223,7 @@ class Router:
                 return self._stop(t, _err(403, "route pinning is turned off on this server", "permission_error"))
             t.route, why = t.pinned_route, "pinned"
         else:
-            t.route, why = self.policy.route(RequestView(t.num_prompt_tokens, 0, t.max_tokens), self.load_view()), "policy"
+            t.route, why = self.policy.route(self._view(t, 0), self.load_view()), "policy"
         self._count(f"requests_started_total|route={t.route},reason={why}")
         if t.route == "cpu":
             return self._enter(t, "cpu_decode", self._cpu_period(t))
@@ -253,7 +255,7 @@ class Router:
             t.last_cpu = None
             return self._enter(t, nxt, self._cpu_period(t) if nxt == "cpu_decode" else None)
         # a hand-off: the policy says where the sequence goes on
-        view = RequestView(t.num_prompt_tokens, end.num_output_tokens, t.max_tokens)
+        view = self._view(t, end.num_output_tokens)
         nxt, export_after = self._next_hop(t, kind, view)
         if nxt == "gpu_decode":
             self._pending_blocks[nxt] += self.load_view().gpu_decode.blocks_for(view.total_tokens)
@@ -266,6 +268,11 @@ class Router:
     async def finish(self, t: Ticket, end: HopEnd) -> None:
         """The request is done (finished, failed with an error, or its client went away)."""
         self._leave(t, end)
+        if end.finished:
+            self.output_lengths.observe(end.num_output_tokens)
+
+    def _view(self, t: Ticket, num_output_tokens: int) -> RequestView:
+        return RequestView(t.num_prompt_tokens, num_output_tokens, t.max_tokens, self.output_lengths.expected())
 
     def _cpu_period(self, t: Ticket) -> int | None:
         if t.migrate_back_after is not None:

@@ -409,3 +409,33 @@ def test_cpu_periods_that_stay_cost_no_hand_off():
     assert [(s["pool"], s["tokens"], s["periods"]) for s in trace["segments"]] == [("cpu", n, -(-n // period))]
     assert cpu.calls == [(None, period)]  # one stream for every period: no hand-off, no new call
     assert asks == [] and settled(router)
+
+
+def test_router_estimates_kv_from_what_requests_really_generate():
+    """A request's KV estimate is prompt + max_tokens until the router has seen requests finish;
+    then prompt + at most a high quantile of their output lengths (a client without max_tokens
+    asks for the whole context). Requests cut short (errors, cancelled) are not counted."""
+    from keyacc_ray.serve.messages import HopEnd, Ticket
+    from keyacc_ray.serve.monitor import Snapshot
+
+    r = Router(["CpuDecode"], "full_offload", {"trigger_window_s": 30.0}, monitor=_Unreachable())
+    r.snapshot = Snapshot(0.0, {"GpuPrefill": _view("GpuPrefill", "gpu", 8, 40),
+                                "GpuDecode": _view("GpuDecode", "gpu", 8, 40),
+                                "CpuDecode": _view("CpuDecode", "cpu", 32, 4000)})
+
+    async def run():
+        a = await r.begin(Ticket("a", 64, 500))  # 564 tokens: 36 of the 40 blocks
+        assert r.load_view().gpu_prefill.slots == 1
+        for i in range(20):  # cut short: says nothing about output lengths
+            await r.finish(Ticket(f"x{i}", 64, 500), HopEnd("done", 0.1, 2))
+        assert r.output_lengths.expected() is None
+        for i in range(16):
+            await r.finish(Ticket(f"f{i}", 64, 500), HopEnd("done", 0.1, 20 + i, finished=True))
+        assert r.output_lengths.expected() == 34  # the 90th percentile of 20..35
+        await r.finish(a, HopEnd("done", 0.1, 30, finished=True))
+        await r.begin(Ticket("b", 64, 500))  # 64 + 34 tokens: 7 blocks
+        assert r.load_view().gpu_prefill.slots == 40 // 7
+        small = await r.begin(Ticket("c", 64, 10))  # max_tokens below the quantile: its own figure
+        assert r._view(small, 0).total_tokens == 74 and r._view(small, 0).expected_output == 34
+        assert r._view(Ticket("d", 64, 500), 50).total_tokens == 64 + 50  # past the estimate: what it has
+    asyncio.run(run())
