@@ -159,7 +159,7 @@ class LLMEngine:
         for s in sched.preempted:  # its KV is gone: readmitted, it prefills prompt + output again
             self.runner.free_slot(s.request_id)
             s.num_cached = 0
-        new_tokens: list[tuple[Sequence, int]] = []
+        new_tokens: list[tuple[Sequence, tuple]] = []  # (sequence, (token, logprobs or None))
         if sched.decode:
             rows = sorted(sched.decode, key=lambda s: self.runner.slot_of(s.request_id))
             logits = self.runner.decode([s.token_ids[-1] for s in rows], [s.num_cached for s in rows])

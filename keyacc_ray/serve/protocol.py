@@ -12,9 +12,10 @@ from keyacc_ray.errors import InvalidRequest, ModelNotFound
 from keyacc_ray.serve.messages import GenerateRequest
 
 # Accepted only at their neutral values; anything else is refused rather than silently ignored.
-NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-           "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-           "suffix": (None, ""), "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,)}
+NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "presence_penalty": (None, 0, 0.0),
+           "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []),
+           "tool_choice": (None, "none"), "functions": (None, []), "suffix": (None, ""),
+           "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,)}
 
 
 @dataclass
