@@ -102,6 +102,10 @@ class LLMEngine:
         self.eos_ids = {e for x in (eos, gen_eos, self.tokenizer.eos_token_id) if x is not None
                         for e in (x if isinstance(x, (list, tuple)) else [x])}
         self.tokens_generated = 0
+        # Lazy KV: sequences that leave (exported, KV and all) when preempted instead of being
+        # recomputed here; their packages wait in preempt_exports for the driver of the engine.
+        self.move_on_preempt: set[str] = set()
+        self.preempt_exports: list[KVPackage] = []
 
     # ---- requests ----------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -156,8 +160,11 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        for s in sched.preempted:  # its KV is gone: readmitted, it prefills prompt + output again
-            self.runner.free_slot(s.request_id)
+        for s in sched.preempted:
+            if s.request_id in self.move_on_preempt:  # leaves with its KV (still in its slot)
+                self.preempt_exports.append(self.export_request(s.request_id))
+                continue
+            self.runner.free_slot(s.request_id)  # its KV is gone: readmitted, it prefills again
             s.num_cached = 0
         new_tokens: list[tuple[Sequence, tuple]] = []  # (sequence, (token, logprobs or None))
         if sched.decode:
@@ -222,8 +229,9 @@ class LLMEngine:
         return out
 
     def _finish(self, seq: Sequence, status: SeqStatus) -> None:
-        if seq.status == SeqStatus.RUNNING:
+        if self.runner.has_slot(seq.request_id):
             self.runner.free_slot(seq.request_id)
+        self.move_on_preempt.discard(seq.request_id)
         self.scheduler.finish(seq, status)
         self.seqs.pop(seq.request_id, None)
         self.sampler.remove(seq.request_id)
@@ -234,9 +242,9 @@ class LLMEngine:
         """Remove a sequence from this engine and return its full state as a KVPackage."""
         seq = self.seqs[request_id]
         layout = layout or self.config.kv_export_layout
-        if seq.status == SeqStatus.RUNNING or seq.imported is None:
+        if self.runner.has_slot(request_id) or seq.imported is None:
             s = self.runner.kv_shape
-            n = seq.num_cached if seq.status == SeqStatus.RUNNING else 0
+            n = seq.num_cached if self.runner.has_slot(request_id) else 0
             k, v = self.runner.read_kv(request_id, n)
             meta = KVMeta(self.config.model, s.num_layers, s.num_kv_heads, s.head_dim, dtype_name(s.dtype),
                           layout, n, self.config.kv_block_size, source or str(self.runner.device), s.v_head_dim)

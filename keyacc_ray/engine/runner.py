@@ -317,6 +317,9 @@ class ModelRunner:
     def slot_of(self, request_id: str) -> int:
         return self._slot_of[request_id]
 
+    def has_slot(self, request_id: str) -> bool:
+        return request_id in self._slot_of
+
     def alloc_slot(self, request_id: str) -> int:
         slot = len(self._slot_of)
         assert slot < self.num_slots, "no free KV slot: the scheduler admitted too many"

@@ -128,3 +128,8 @@ class Policy:
     def after_period(self, req: RequestView, load: LoadView) -> str:
         """After a CPU decode period: "gpu" to move the decode back, "cpu" to go on."""
         return "cpu"
+
+    def offload_on_preemption(self) -> bool:
+        """A decode the GPU pool preempts (out of KV blocks) moves to the CPU pool with its KV
+        instead of waiting there to be recomputed."""
+        return True

@@ -9,3 +9,6 @@ class GpuOnly(Policy):
 
     def route(self, req: RequestView, snapshot) -> str:
         return "gpu"
+
+    def offload_on_preemption(self) -> bool:
+        return False

@@ -134,6 +134,8 @@ class RequestDriver:
             in_periods = ({"ticket": t} if t.hop.startswith("cpu_decode") and t.export_after
                           and t.pinned_route is None else {})
             try:
+                if t.move_on_preempt:
+                    in_periods["movable"] = True
                 stream = self.hops[t.hop].options(**POOL_CALL).generate.remote(req, handoff, t.export_after,
                                                                                **in_periods)
                 async for items in stream:

@@ -44,6 +44,7 @@ class _Stream:
     export_after: int | None
     check_every: int | None = None
     produced: int = 0
+    movable: bool = False  # preempted (lazy KV), the sequence leaves with its KV instead of waiting here
 
 
 def _internal_error(message: str) -> ErrorItem:
@@ -78,9 +79,11 @@ class AsyncEngine:
     # ---- caller side (event loop) ------------------------------------------------------
     async def generate(self, request_id: str, *, prompt_ids: list[int] | None = None,
                        params: SamplingParams, package: KVPackage | None = None,
-                       export_after: int | None = None, check_every: int | None = None) -> AsyncIterator[list]:
-        """Yields lists of TokenChunk / ErrorItem / Checkpoint / hand-off objects until the sequence ends."""
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), export_after, check_every)
+                       export_after: int | None = None, check_every: int | None = None,
+                       movable: bool = False) -> AsyncIterator[list]:
+        """Yields lists of TokenChunk / ErrorItem / Checkpoint / hand-off objects until the sequence
+        ends. `movable`: if the engine preempts it, it is handed off (KV and all) instead."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), export_after, check_every, movable=movable)
         self._inbox.put(("add", request_id, prompt_ids, params, package, stream))
         self._wake.set()
         done = False
@@ -157,6 +160,7 @@ class AsyncEngine:
                     self._export(o.request_id, s)
                 elif s.check_every and s.produced % s.check_every == 0:
                     self._push(s, Checkpoint(s.produced, o.num_output_tokens))
+            self._hand_off_preempted()
             self._deliver()
 
     def _push(self, stream: _Stream, item) -> None:
@@ -208,6 +212,23 @@ class AsyncEngine:
                 self._push(stream, _END)
                 continue
             self._streams[rid] = stream
+            if stream.movable:
+                self.engine.move_on_preempt.add(rid)
+
+    def _hand_off_preempted(self) -> None:
+        """Sequences the engine preempted and exported (movable ones): their streams end with the
+        hand-off, and the driver asks the router where they go on."""
+        pkgs, self.engine.preempt_exports = self.engine.preempt_exports, []
+        for pkg in pkgs:
+            s = self._streams.get(pkg.request_id)
+            if s is None:
+                continue
+            try:
+                self._push(s, self.on_export(pkg))
+            except Exception as e:  # noqa: BLE001
+                log.exception("hand-off of preempted %s failed", pkg.request_id)
+                self._push(s, _internal_error(f"KV export failed: {e}"))
+            self._close(pkg.request_id)
 
     def _export(self, rid: str, s: _Stream) -> None:
         try:

@@ -130,6 +130,7 @@ class Ticket:
     route: str = ""  # the first route taken: "gpu", "cpu" or "stage"
     hop: str | None = None  # where to go now: "gpu_prefill", "gpu_decode", "cpu_decode/<i>"; None: stop
     export_after: int | None = None  # hand the sequence off after this many tokens there
+    move_on_preempt: bool = False  # preempted there (lazy KV), hand it off rather than recompute it
     last_cpu: str | None = None  # the CPU deployment of the last CPU period (stay there if possible)
     recoveries: int = 0
     backpressured: bool = False

@@ -105,7 +105,9 @@ class EnginePool:
 
     # ---- requests ----------------------------------------------------------------------
     async def generate(self, req: GenerateRequest, handoff: Handoff | None = None,
-                       export_after: int | None = None, ticket: Ticket | None = None):
+                       export_after: int | None = None, ticket: Ticket | None = None, movable: bool = False):
+        """One hop of a request. `movable`: preempted here (lazy KV), the sequence ends this hop
+        with a hand-off (KV and all) instead of waiting to be recomputed."""
         if handoff is not None:
             phase = "decode"
         else:
@@ -126,7 +128,7 @@ class EnginePool:
         rid = f"{req.request_id}/{self._calls}"
         if ticket is None or not export_after:
             async for items in self.loop.generate(rid, prompt_ids=req.prompt_token_ids, params=params,
-                                                  package=package, export_after=export_after):
+                                                  package=package, export_after=export_after, movable=movable):
                 yield items
             return
         async for items in self._periods(rid, req, params, package, export_after, ticket):

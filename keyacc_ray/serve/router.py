@@ -185,6 +185,7 @@ class Router:
         if hop == "cpu_decode":
             hop = t.last_cpu = self._pick_cpu(prefer=t.last_cpu)
         t.hop, t.export_after, t.error = hop, export_after, None
+        t.move_on_preempt = hop == "gpu_decode" and t.pinned_route is None and self.policy.offload_on_preemption()
         tokens = self._view(t, 0).total_tokens
         self._active[t.request_id] = (hop, time.monotonic(), tokens)
         self.inflight[hop] += 1
@@ -285,6 +286,9 @@ class Router:
                                       self.policy.after_prefill(view, self.load_view()) == "cpu"):
                 return "cpu_decode", self._cpu_period(t)
             return "gpu_decode", None
+        if prev == "gpu_decode":  # preempted there (out of KV blocks): decode on the CPU pool
+            self._count("gpu_preemptions_moved_total")
+            return "cpu_decode", self._cpu_period(t)
         if prev == "cpu_decode":  # end of a CPU period
             if t.pinned_route is not None:  # pinned: migrate_back_after moves it back once
                 return "gpu_decode", None

@@ -134,3 +134,21 @@ def router_inflight_settles(timeout_s: float = 10.0) -> bool:
 def test_gpu_only_keeps_everything_on_gpu(app_url):
     traces = check(burst(app_url, 12, 60), 60)
     assert all(s["pool"] == "gpu" for t in traces for s in t["segments"])
+
+
+def test_gpu_decode_preempted_for_kv_moves_to_the_cpu_pool(app_url, policy):
+    """Lazy KV on the GPU decode pool (48 blocks): long requests the router let in by its
+    estimate outgrow the budget; the engine preempts the newest, and under an offload policy
+    the preempted decode moves to the CPU pool with its KV instead of being recomputed. Every
+    output still equals generate(). (The estimate is taught first: short requests finish, so the
+    router expects short outputs and lets several long ones onto the GPU.)"""
+    policy("full_offload", {**FAST, "decode_period_tokens": None})
+    check(burst(app_url, 4, 6, rounds=5), 6)  # 20 short requests teach the output-length estimate
+    results = burst(app_url, 6, 200, rounds=1)
+    traces = check(results, 200)
+    moved = [t for t in traces if [s["deployment"] for s in t["segments"]][:3] == ["GpuPrefill", "GpuDecode",
+                                                                                    "CpuDecode"]]
+    assert moved, [[s["deployment"] for s in t["segments"]] for t in traces]
+    assert all(t["segments"][2].get("kv") == "received" for t in moved)  # with its KV, not recomputed
+    text = httpx.get(f"{app_url}/metrics", timeout=10).text
+    assert "keyacc_gpu_preemptions_moved_total" in text

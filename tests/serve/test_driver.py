@@ -49,15 +49,21 @@ class FakePool:
         self.calls: list[tuple] = []  # (handoff token count or None, export_after)
         self.fail_after: int | None = None  # raise after this many tokens (once)
         self.backpressure = False  # raise BackPressureError (once)
+        self.preempt_after: int | None = None  # a movable sequence is preempted and handed off (once)
+        self.movable: list[bool] = []  # what each call was told
         self.streams: list[FakeStream] = []
         self.generate = self
 
     def options(self, stream: bool, **kw):
         return self
 
-    def remote(self, req: GenerateRequest, handoff: Handoff | None, export_after: int | None, ticket=None):
+    def remote(self, req: GenerateRequest, handoff: Handoff | None, export_after: int | None, ticket=None,
+               movable=False):
         # a pool that does not check periods itself: it hands off after each one (the driver asks)
         self.calls.append((None if handoff is None else len(handoff.token_ids), export_after))
+        self.movable.append(movable)
+        if movable and self.preempt_after is not None:
+            export_after, self.preempt_after = self.preempt_after, None
         s = FakeStream(self._run(req, handoff, export_after))
         self.streams.append(s)
         return s
@@ -439,3 +445,22 @@ def test_router_estimates_kv_from_what_requests_really_generate():
         assert r._view(small, 0).total_tokens == 74 and r._view(small, 0).expected_output == 34
         assert r._view(Ticket("d", 64, 500), 50).total_tokens == 64 + 50  # past the estimate: what it has
     asyncio.run(run())
+
+
+def test_a_decode_preempted_on_the_gpu_moves_to_the_cpu_pool_unless_gpu_only_or_pinned():
+    """Lazy KV: a GPU decode the engine preempts is handed off with its KV (the pool was told it
+    may be, `movable`) and the router sends it on to the CPU pool, where it continues. Under
+    gpu_only, or with a pinned route, it is not movable: the engine recomputes it in place."""
+    driver, r, pools = make("full_offload", {"trigger_window_s": 30.0})
+    pools["gpu_decode"].preempt_after = 3
+    tokens, errors, trace = asyncio.run(collect(driver, request(max_tokens=10)))
+    assert tokens == list(range(100, 110)) and not errors
+    assert [s["deployment"] for s in trace["segments"]] == ["GpuPrefill", "GpuDecode", "CpuDecode"]
+    assert pools["gpu_decode"].movable == [True] and pools["gpu_prefill"].movable == [False]
+    assert r._counters["gpu_preemptions_moved_total"] == 1
+    for policy, route in (("gpu_only", None), ("full_offload", "gpu")):
+        driver, r, pools = make(policy)
+        pools["gpu_decode"].preempt_after = 3
+        tokens, errors, trace = asyncio.run(collect(driver, request(max_tokens=10, route=route)))
+        assert tokens == list(range(100, 110)) and pools["gpu_decode"].movable == [False], policy
+        assert [s["deployment"] for s in trace["segments"]] == ["GpuPrefill", "GpuDecode"]

@@ -35,6 +35,8 @@ class FakeEngine:
         self.lock = threading.Lock()
         self.idle_checks = 0
         self.aborted: list[str] = []
+        self.move_on_preempt: set[str] = set()  # LLMEngine's lazy-KV hand-off interface (unused here)
+        self.preempt_exports: list = []
 
     def add_request(self, rid, prompt_ids, params):
         self.reqs[rid] = [len(prompt_ids), params.max_tokens, 0]
