@@ -67,7 +67,7 @@ class RemoteRouter:
 
 def fallback(t: Ticket, end: HopEnd | None) -> Ticket:
     """The driver's own decision when the router does not answer: no policy, no moves by load."""
-    t = dataclasses.replace(t, error=None)
+    t = dataclasses.replace(t, error=None, move_on_preempt=False)  # no router to send a preempted decode on
     if end is None:  # start: a pinned CPU request on the CPU pool, everything else on the GPU pools
         t.route = t.pinned_route or "gpu"
         t.hop, t.export_after = ("cpu_decode/0", None) if t.route == "cpu" else ("gpu_prefill", 1)

@@ -464,3 +464,14 @@ def test_a_decode_preempted_on_the_gpu_moves_to_the_cpu_pool_unless_gpu_only_or_
         tokens, errors, trace = asyncio.run(collect(driver, request(max_tokens=10, route=route)))
         assert tokens == list(range(100, 110)) and pools["gpu_decode"].movable == [False], policy
         assert [s["deployment"] for s in trace["segments"]] == ["GpuPrefill", "GpuDecode"]
+
+
+def test_without_a_router_a_preempted_gpu_decode_is_recomputed_in_place():
+    """The driver's own fallback has no policy to send a preempted decode on: it clears the flag,
+    so the GPU pool recomputes it instead of handing it off again and again."""
+    from keyacc_ray.serve.driver import fallback
+    from keyacc_ray.serve.messages import HopEnd, Ticket
+
+    t = Ticket("r", 4, 10, hop="gpu_decode", move_on_preempt=True)
+    nt = fallback(t, HopEnd("handoff", 0.1, 3, True))
+    assert nt.hop == "gpu_decode" and not nt.move_on_preempt
