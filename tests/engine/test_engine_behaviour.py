@@ -13,6 +13,19 @@ def engine(qwen3_path):
     return LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=16))
 
 
+def _run_all(eng, prompts, params) -> tuple[dict, int]:
+    """Every prompt as request r<i> to the end: outputs by request, and the most running at once."""
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, params)
+    outs, peak = {}, 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        peak = max(peak, eng.scheduler.num_running)
+        assert eng.blocks.num_free_blocks >= 0
+    return outs, peak
+
+
 def test_reserved_budget_for_n_sequences_admits_at_most_n(qwen3_path):
     n, block, max_tokens = 4, 8, 20
     # every request below needs ceil((prompt<=28 + 20) / 8) <= 6 blocks; budget: n of them
@@ -22,15 +35,7 @@ def test_reserved_budget_for_n_sequences_admits_at_most_n(qwen3_path):
     assert all(eng.blocks.blocks_for(len(p) + max_tokens) == 6 for p in prompts if len(p) > 20)
     prompts = [p for p in prompts if len(p) > 20] or prompts
     prompts = (prompts * (n + 5))[: n + 5]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, params)
-    outs, peak = {}, 0
-    while eng.has_unfinished():
-        for o in eng.step():
-            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
-        peak = max(peak, eng.scheduler.num_running)
-        assert eng.blocks.num_free_blocks >= 0
+    outs, peak = _run_all(eng, prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     assert peak == n
     for i, p in enumerate(prompts):
         assert outs[f"r{i}"] == hf_greedy(qwen3_path, p, max_tokens)
@@ -181,15 +186,7 @@ def test_lazy_kv_runs_more_at_once_and_preempts_without_changing_tokens(qwen3_pa
     n, block, max_tokens = 4, 8, 20
     eng = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=32, kv_block_size=block, num_kv_blocks=6 * n))
     prompts = [p for p in (eng.tokenize(x)[:28] for x in PROMPTS) if len(p) > 20][:3] * 3
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, params)
-    outs, peak = {}, 0
-    while eng.has_unfinished():
-        for o in eng.step():
-            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
-        peak = max(peak, eng.scheduler.num_running)
-        assert eng.blocks.num_free_blocks >= 0
+    outs, peak = _run_all(eng, prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     assert peak > n and eng.scheduler.num_preemptions > 0
     assert eng.blocks.num_free_blocks == 6 * n
     for i, p in enumerate(prompts):
