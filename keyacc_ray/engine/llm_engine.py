@@ -242,12 +242,11 @@ class LLMEngine:
         """Remove a sequence from this engine and return its full state as a KVPackage."""
         seq = self.seqs[request_id]
         layout = layout or self.config.kv_export_layout
-        if self.runner.has_slot(request_id) or seq.imported is None:
-            s = self.runner.kv_shape
-            n = seq.num_cached if self.runner.has_slot(request_id) else 0
+        in_slot = self.runner.has_slot(request_id)  # running, or preempted with its KV still there
+        if in_slot or seq.imported is None:
+            n = seq.num_cached if in_slot else 0
             k, v = self.runner.read_kv(request_id, n)
-            meta = KVMeta(self.config.model, s.num_layers, s.num_kv_heads, s.head_dim, dtype_name(s.dtype),
-                          layout, n, self.config.kv_block_size, source or str(self.runner.device), s.v_head_dim)
+            meta = self.kv_meta(layout, n, source or str(self.runner.device))
             keys, values = to_wire(k, layout), to_wire(v, layout)
         else:  # still waiting with an imported package: pass its arrays on untouched
             meta, keys, values = seq.imported.meta, seq.imported.keys, seq.imported.values
@@ -255,6 +254,12 @@ class LLMEngine:
                         seq.params.to_dict(), self.sampler.state(request_id), self.detok[request_id].emitted)
         self._finish(seq, SeqStatus.FINISHED_EXPORTED)
         return pkg
+
+    def kv_meta(self, layout: str, num_kv_tokens: int, source: str) -> KVMeta:
+        """What a package of this engine's KV says about itself."""
+        s = self.runner.kv_shape
+        return KVMeta(self.config.model, s.num_layers, s.num_kv_heads, s.head_dim, dtype_name(s.dtype), layout,
+                      num_kv_tokens, self.config.kv_block_size, source, s.v_head_dim)
 
     def _kv_dims(self) -> tuple[int, int, int, int]:
         s = self.runner.kv_shape

@@ -45,8 +45,7 @@ class Sampler:
         most likely tokens]), under the model's own distribution (log-softmax of the raw logits)."""
         lp = torch.log_softmax(logits.float(), dim=-1)
         chosen = lp.gather(1, torch.tensor(token_ids, device=lp.device)[:, None])[:, 0].tolist()
-        k = max(num_top)
-        top_v, top_i = (lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long()))
+        top_v, top_i = lp.topk(max(num_top), dim=-1)
         top_v, top_i = top_v.tolist(), top_i.tolist()
         return [(chosen[r], list(zip(top_i[r][:n], top_v[r][:n]))) for r, n in enumerate(num_top)]
 

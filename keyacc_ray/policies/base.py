@@ -43,16 +43,18 @@ class OutputLengths:
         self._seen: deque[int] = deque(maxlen=window)
         self.quantile = quantile
         self.min_samples = min_samples
+        self._expected: int | None = None  # kept per finished request: read on every routing decision
 
     def observe(self, num_output_tokens: int) -> None:
-        if num_output_tokens > 0:
-            self._seen.append(num_output_tokens)
+        if num_output_tokens <= 0:
+            return
+        self._seen.append(num_output_tokens)
+        if len(self._seen) >= self.min_samples:
+            s = sorted(self._seen)
+            self._expected = s[min(len(s) - 1, int(self.quantile * len(s)))]
 
     def expected(self) -> int | None:
-        if len(self._seen) < self.min_samples:
-            return None
-        s = sorted(self._seen)
-        return s[min(len(s) - 1, int(self.quantile * len(s)))]
+        return self._expected
 
 
 @dataclass

@@ -204,8 +204,8 @@ def _max_model_len(cfg: AppConfig) -> int:
         raise ConfigError(f"cannot load model {cfg.model!r}: {e}") from e
     limit = getattr(hf, "max_position_embeddings", None) or 2048
     served = min(cfg.max_model_len or limit, limit)
-    # Every pool must be able to take a request of the served length (engines reserve prompt +
-    # max_tokens): a pool's configured KV budget caps the context (LLMEngine does the same).
+    # Every pool must be able to hold a request of the served length: a pool's configured KV
+    # budget caps the context (LLMEngine caps its own the same way).
     budgets = [p.num_kv_blocks * p.kv_block_size for p in (cfg.gpu, cfg.cpu) if p.num_kv_blocks]
     if budgets and min(budgets) < served:
         log.warning("keyacc: serving a context of %d tokens, what the smallest pool KV budget holds "

@@ -223,16 +223,12 @@ class AsyncEngine:
             s = self._streams.get(pkg.request_id)
             if s is None:
                 continue
-            try:
-                self._push(s, self.on_export(pkg))
-            except Exception as e:  # noqa: BLE001
-                log.exception("hand-off of preempted %s failed", pkg.request_id)
-                self._push(s, _internal_error(f"KV export failed: {e}"))
-            self._close(pkg.request_id)
+            self._export(pkg.request_id, s, pkg)
 
-    def _export(self, rid: str, s: _Stream) -> None:
+    def _export(self, rid: str, s: _Stream, pkg: KVPackage | None = None) -> None:
+        """End the stream with the sequence's hand-off (exported now unless `pkg` already is)."""
         try:
-            self._push(s, self.on_export(self.engine.export_request(rid)))
+            self._push(s, self.on_export(pkg if pkg is not None else self.engine.export_request(rid)))
         except Exception as e:  # noqa: BLE001
             log.exception("export of %s failed", rid)
             self._push(s, _internal_error(f"KV export failed: {e}"))

@@ -26,7 +26,7 @@ from ray import serve
 from keyacc_ray.config import EngineConfig
 import numpy as np
 
-from keyacc_ray.engine.kv_package import KVMeta, KVPackage, dtype_name
+from keyacc_ray.engine.kv_package import KVPackage
 from keyacc_ray.engine.llm_engine import LLMEngine
 from keyacc_ray.engine.request import SamplingParams
 from keyacc_ray.errors import KeyaccError
@@ -207,10 +207,7 @@ class EnginePool:
                 log.warning("KV of %s lost (%s); prefilling %d tokens again", h.request_id,
                             e.__class__.__name__, len(h.token_ids) - 1)
         if keys is None:  # no KV (lost, or a recovery hand-off): prefill prompt + tokens so far
-            shape = self.engine.runner.kv_shape
-            meta = KVMeta(self.engine.config.model, shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                          dtype_name(shape.dtype), "LHTD", 0, self.engine.config.kv_block_size, "none",
-                          shape.v_head_dim)
+            meta = self.engine.kv_meta("LHTD", 0, "none")
             keys = values = np.zeros((0,), dtype=np.float32)
         return KVPackage(meta, keys, values, h.request_id, list(h.token_ids), h.num_prompt_tokens, dict(h.params),
                          h.rng_state, h.emitted_text_chars)
