@@ -94,14 +94,23 @@ def test_cpu_node_removed_while_requests_run_on_it(cluster_app):
     def one(i):
         prompt = PROMPTS[i % len(PROMPTS)]
         r = httpx.post(f"{url}/v1/completions", timeout=180, json={
-            "model": "tiny-qwen3", "prompt": prompt, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+            "model": "tiny-qwen3", "prompt": prompt, "max_tokens": 450, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True, "keyacc": {"route": "stage"}})
         results[i] = (prompt, r)
+
+    def cpu_decoding() -> float:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("keyacc_running_sequences") and 'deployment="CpuDecode' in line)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    time.sleep(0.3)  # the decodes are running on the CPU node
+    # the decodes are running on the CPU node (as its pools report them: not a fixed sleep, which
+    # on a fast run could miss every decode)
+    deadline = time.monotonic() + 30
+    while cpu_decoding() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
     node = next(n for n in CLUSTER[0].worker_nodes if n.node_id == cpu_node_id)
     CLUSTER[0].remove_node(node)
     for t in threads:
@@ -109,7 +118,7 @@ def test_cpu_node_removed_while_requests_run_on_it(cluster_app):
     for prompt, r in results.values():
         assert r.status_code == 200, r.text
         body = r.json()
-        assert body["choices"][0]["token_ids"] == hf_greedy(tiny_model("qwen3"), tok(prompt)["input_ids"], 300)
+        assert body["choices"][0]["token_ids"] == hf_greedy(tiny_model("qwen3"), tok(prompt)["input_ids"], 450)
     assert len(results) == 4
     moved = [r.json()["keyacc"]["segments"] for _, r in results.values()]
     assert any(any(s.get("failed") for s in segs) for segs in moved)  # at least one was cut and went on
