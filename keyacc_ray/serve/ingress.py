@@ -4,6 +4,7 @@ server-sent events, formats errors in OpenAI's shape, and serves /v1/models, /he
 pools' token streams come straight here). KV never passes through here: hand-offs carry only a
 reference to it, from one pool to the next."""
 
+import asyncio
 import hmac
 import json
 import logging
@@ -39,6 +40,61 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
 
 def _retry_after(status: int) -> dict | None:
     return {"Retry-After": "1"} if status in (429, 503) else None
+
+
+async def _first(it) -> list:
+    try:
+        return await it.__anext__()
+    except StopAsyncIteration:
+        return []
+
+
+async def _close(its) -> None:
+    """Stop every choice's driver (its pool aborts the sequence)."""
+    for it in its:
+        await it.aclose()
+
+
+async def _merged(firsts: list[list], its: list):
+    """(choice index, item) of every choice's stream as they come, each choice's in order.
+    Closing this closes every stream still going (their pools abort the sequences)."""
+    if len(its) == 1:  # the common case: no task, no queue
+        try:
+            for i in firsts[0]:
+                yield 0, i
+            async for batch in its[0]:
+                for i in batch:
+                    yield 0, i
+        finally:
+            await its[0].aclose()
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, it) -> None:
+        try:
+            async for batch in it:
+                q.put_nowait((k, batch))
+            q.put_nowait((k, None))
+        except Exception as e:  # noqa: BLE001 - raised where the response is made
+            q.put_nowait((k, e))
+
+    for k, first in enumerate(firsts):
+        q.put_nowait((k, first))
+    tasks = [asyncio.get_running_loop().create_task(pump(k, it)) for k, it in enumerate(its)]
+    try:
+        live = len(its)
+        while live:
+            k, batch = await q.get()
+            if batch is None:
+                live -= 1
+            elif isinstance(batch, Exception):
+                raise batch
+            else:
+                for i in batch:
+                    yield k, i
+    finally:  # cancelled, each stream's driver stops its hop (the generators are busy in the tasks)
+        for t in tasks:
+            t.cancel()
 
 
 def _sse(obj) -> str:
@@ -156,92 +212,96 @@ class Ingress:
         except (TypeError, ValueError, OverflowError) as e:
             err = InvalidRequest(f"invalid request: {e}")
             return error_response(400, err.to_dict())
-        it = self.driver.run(p.request).__aiter__()
-        # Wait for the first tokens before answering, so an error found downstream still gets
-        # a proper status code instead of a 200 stream.
+        its = [self.driver.run(r).__aiter__() for r in p.requests]
+        # Wait for every choice's first tokens before answering, so an error found downstream
+        # still gets a proper status code instead of a 200 stream.
         try:
-            first = await it.__anext__()
-        except StopAsyncIteration:
-            first = []
+            firsts = [await _first(its[0])] if len(its) == 1 else await asyncio.gather(*map(_first, its))
         except Exception as e:  # noqa: BLE001 - a bug in the request path: this request only
-            log.exception("request %s failed", p.request.request_id)
+            log.exception("request %s failed", p.response_id)
+            await _close(its)
             return error_response(503, {"error": {"message": f"service unavailable: {e.__class__.__name__}",
                                                   "type": "unavailable", "param": None, "code": None}},
                                   {"Retry-After": "1"})
-        errs = [i for i in first if isinstance(i, ErrorItem)]
-        if errs and not any(isinstance(i, TokenChunk) for i in first):
-            self._count(f"errors_{errs[0].status_code}")
-            return error_response(errs[0].status_code, errs[0].body, _retry_after(errs[0].status_code))
+        for first in firsts:
+            errs = [i for i in first if isinstance(i, ErrorItem)]
+            if errs and not any(isinstance(i, TokenChunk) for i in first):
+                await _close(its)
+                self._count(f"errors_{errs[0].status_code}")
+                return error_response(errs[0].status_code, errs[0].body, _retry_after(errs[0].status_code))
+        items = _merged(firsts, its)
         if p.stream:
-            return StreamingResponse(self._sse_stream(p, first, it), media_type="text/event-stream",
+            return StreamingResponse(self._sse_stream(p, items), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._collect(p, first, it)
+        return await self._collect(p, items)
 
-    async def _items(self, first, it):
-        for i in first:
-            yield i
-        async for batch in it:
-            for i in batch:
-                yield i
-
-    async def _collect(self, p, first, it):
-        text, reason, n_prompt, n_out, trace = [], None, len(p.request.prompt_token_ids), 0, {}
-        ids: list[int] = []
-        lps: list | None = [] if p.request.params.get("logprobs") is not None else None
-        async for i in self._items(first, it):
+    async def _collect(self, p, items):
+        n = len(p.requests)
+        text, ids = [[] for _ in range(n)], [[] for _ in range(n)]
+        reason, n_out, traces = [None] * n, [0] * n, [{} for _ in range(n)]
+        lps = [[] for _ in range(n)] if p.request.params.get("logprobs") is not None else None
+        async for k, i in items:
             if isinstance(i, TokenChunk):
-                text.append(i.text)
-                ids.extend(i.token_ids)
+                text[k].append(i.text)
+                ids[k].extend(i.token_ids)
                 if lps is not None:
-                    lps.extend(i.logprobs or [])
-                n_out = i.num_output_tokens or n_out
-                reason = i.finish_reason or reason
+                    lps[k].extend(i.logprobs or [])
+                n_out[k] = i.num_output_tokens or n_out[k]
+                reason[k] = i.finish_reason or reason[k]
             elif isinstance(i, ErrorItem):
+                await items.aclose()
                 return error_response(i.status_code, i.body, _retry_after(i.status_code))
             elif isinstance(i, Trace):
-                trace = i.to_dict()
-        return protocol.full_body(p, "".join(text), reason, n_prompt, n_out, trace, ids,
-                                  protocol.logprobs_body(p.kind, ids, lps, self._token_text))
+                traces[k] = i.to_dict()
+        choices = [protocol.choice_body(p, k, "".join(text[k]), reason[k], ids[k],
+                                        protocol.logprobs_body(p.kind, ids[k], lps[k] if lps else None,
+                                                               self._token_text), delta=False)
+                   for k in range(n)]
+        return protocol.full_body(p, choices, sum(n_out), traces)
 
-    async def _sse_stream(self, p, first, it):
+    async def _sse_stream(self, p, items):
         created = int(time.time())
-        n_prompt, n_out, reason = len(p.request.prompt_token_ids), 0, None
+        n = len(p.requests)
+        n_out, reason = [0] * n, [None] * n
         if p.kind == "chat":
-            head = protocol.chunk_body(p, created, "", None)
-            head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-            yield _sse(head)
-        pending = None  # only the finishing chunk waits, so the trace can ride on it
-        want_lps, offset = p.request.params.get("logprobs") is not None, 0
-        async for i in self._items(first, it):
+            for k in range(n):
+                head = protocol.chunk_body(p, created, "", None, index=k)
+                head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                yield _sse(head)
+        pending = [None] * n  # only a choice's finishing chunk waits, so its trace can ride on it
+        want_lps, offset = p.request.params.get("logprobs") is not None, [0] * n
+        async for k, i in items:
             if isinstance(i, TokenChunk):
-                n_out = i.num_output_tokens or n_out
-                reason = i.finish_reason or reason
+                n_out[k] = i.num_output_tokens or n_out[k]
+                reason[k] = i.finish_reason or reason[k]
                 lps = protocol.logprobs_body(p.kind, i.token_ids, (i.logprobs or []) if want_lps else None,
-                                             self._token_text, offset)
+                                             self._token_text, offset[k])
                 if lps is not None and p.kind != "chat" and lps["tokens"]:
-                    offset = lps["text_offset"][-1] + len(lps["tokens"][-1])
-                body = protocol.chunk_body(p, created, i.text, i.finish_reason, i.token_ids, lps)
+                    offset[k] = lps["text_offset"][-1] + len(lps["tokens"][-1])
+                body = protocol.chunk_body(p, created, i.text, i.finish_reason, i.token_ids, lps, k)
                 if i.finish_reason is None:
                     yield _sse(body)
                 else:
-                    pending = body
+                    pending[k] = body
             elif isinstance(i, ErrorItem):
-                if pending is not None:
-                    yield _sse(pending)
+                for body in filter(None, pending):
+                    yield _sse(body)
                 yield _sse(i.body)
                 yield "data: [DONE]\n\n"
+                await items.aclose()
                 return
-            elif isinstance(i, Trace):
-                if pending is None:
-                    pending = protocol.chunk_body(p, created, "", reason, [])
-                pending["keyacc"] = i.to_dict()
-        if pending is not None:
-            if p.include_usage:
-                pending["usage"] = None
-            yield _sse(pending)
+            elif isinstance(i, Trace):  # a choice's last item
+                body = pending[k] or protocol.chunk_body(p, created, "", reason[k], [], index=k)
+                pending[k] = None
+                body["keyacc"] = i.to_dict()
+                if p.include_usage:
+                    body["usage"] = None
+                yield _sse(body)
+        for body in filter(None, pending):
+            yield _sse(body)
         if p.include_usage:
             body = protocol.chunk_body(p, created, "", None)
             body["choices"] = []
-            body["usage"] = protocol.usage(n_prompt, n_out)
+            body["usage"] = protocol.usage(p.num_prompt_tokens, sum(n_out))
             yield _sse(body)
         yield "data: [DONE]\n\n"

@@ -7,25 +7,35 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from keyacc_ray.engine.request import MAX_LOGPROBS, SamplingParams
+from keyacc_ray.engine.request import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from keyacc_ray.errors import InvalidRequest, ModelNotFound
 from keyacc_ray.serve.messages import GenerateRequest
 
 # Accepted only at their neutral values; anything else is refused rather than silently ignored.
-NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "presence_penalty": (None, 0, 0.0),
+NEUTRAL = {"echo": (None, False), "presence_penalty": (None, 0, 0.0),
            "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []),
            "tool_choice": (None, "none"), "functions": (None, []), "suffix": (None, ""),
            "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,)}
 
 
+MAX_CHOICES = 64  # choices per HTTP request: prompts (a completions batch) x n
+
+
 @dataclass
 class ParsedRequest:
     kind: str  # "completion" or "chat"
-    request: GenerateRequest
+    requests: list[GenerateRequest]  # one per choice, in choice order (prompt-major, then n)
     stream: bool
     include_usage: bool
     model: str
     return_token_ids: bool = False
+    response_id: str = ""
+    num_prompt_tokens: int = 0  # usage: every prompt once, whatever n is
+
+    @property
+    def request(self) -> GenerateRequest:
+        """The first choice's request (the only one, unless the client asked for several)."""
+        return self.requests[0]
 
 
 def _type(v, types, name, what):
@@ -62,27 +72,31 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
             raise InvalidRequest(f"'{k}'={data[k]!r} is not supported by this server", param=k,
                                  code="unsupported_parameter")
 
-    if kind == "chat":
-        prompt_ids = _chat_prompt(data, tokenizer)
-    else:
-        prompt_ids = _completion_prompt(data, tokenizer)
-    if not prompt_ids:
-        raise InvalidRequest("the prompt is empty", param="messages" if kind == "chat" else "prompt")
-    if len(prompt_ids) >= max_model_len:
-        raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; this model's context is {max_model_len}",
-                             param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
+    n = _num_choices(data)
+    prompts = [_chat_prompt(data, tokenizer)] if kind == "chat" else _completion_prompts(data, tokenizer)
+    if len(prompts) * n > MAX_CHOICES:
+        raise InvalidRequest(f"{len(prompts)} prompt(s) x n={n} is over {MAX_CHOICES} choices per request",
+                             param="n", code="too_many_choices")
+    where = "messages" if kind == "chat" else "prompt"
     vocab = len(tokenizer)
-    if any(t < 0 or t >= vocab for t in prompt_ids):
-        raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+    for prompt_ids in prompts:
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", param=where)
+        if len(prompt_ids) >= max_model_len:
+            raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; this model's context is {max_model_len}",
+                                 param=where, code="context_length_exceeded")
+        if any(t < 0 or t >= vocab for t in prompt_ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+    longest = max(len(ids) for ids in prompts)
 
     max_tokens = data.get("max_completion_tokens", data.get("max_tokens")) if kind == "chat" else data.get("max_tokens")
     if max_tokens is None:
-        max_tokens = 16 if kind == "completion" else max_model_len - len(prompt_ids)
+        max_tokens = 16 if kind == "completion" else max_model_len - longest
     _type(max_tokens, (int,), "max_tokens", "an integer")
     if max_tokens < 1:
         raise InvalidRequest(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
-    if len(prompt_ids) + max_tokens > max_model_len:
-        raise InvalidRequest(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
+    if longest + max_tokens > max_model_len:
+        raise InvalidRequest(f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the context "
                              f"of {max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
 
     temperature = data.get("temperature", 1.0)
@@ -116,9 +130,37 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
     return_ids = data.get("return_token_ids", False)
     _type(return_ids, (bool,), "return_token_ids", "a boolean")
     route, back = _keyacc_ext(data.get("keyacc"), allow_pinning)
-    prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    req = GenerateRequest(f"{prefix}-{uuid.uuid4().hex}", list(prompt_ids), params.to_dict(), route, back)
-    return ParsedRequest(kind, req, stream, include_usage, model, return_ids)
+    rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    base = params.to_dict()
+    reqs = []
+    for ids in prompts:
+        for j in range(n):
+            choice_params = base if j == 0 else {**base, "seed": _child_seed(params.seed, j)}
+            # each choice is a request of its own through the graph: its id must be unique
+            reqs.append(GenerateRequest(rid if n * len(prompts) == 1 else f"{rid}-{len(reqs)}", list(ids),
+                                        choice_params, route, back))
+    return ParsedRequest(kind, reqs, stream, include_usage, model, return_ids, rid, sum(len(ids) for ids in prompts))
+
+
+def _num_choices(data: dict) -> int:
+    """`n` completions per prompt (`best_of` only where it equals n: nothing to pick from)."""
+    n = data.get("n")
+    n = 1 if n is None else _type(n, (int,), "n", "an integer")
+    if n < 1:
+        raise InvalidRequest(f"'n' must be at least 1, got {n}", param="n")
+    best_of = data.get("best_of")
+    if best_of is not None and best_of != n:
+        raise InvalidRequest(f"'best_of'={best_of!r} is not supported by this server (only best_of = n)",
+                             param="best_of", code="unsupported_parameter")
+    return n
+
+
+def _child_seed(seed: int | None, j: int) -> int | None:
+    """The seed of a prompt's j-th choice (vLLM's: seed + j), so that n seeded samples differ
+    from each other and each is reproducible."""
+    if seed is None:
+        return None
+    return seed + j if seed + j <= MAX_SEED else seed - j
 
 
 def _logprobs(data: dict, kind: str) -> int | None:
@@ -164,19 +206,26 @@ def logprobs_body(kind: str, token_ids: list[int], lps: list | None, token_text,
     return {"tokens": tokens, "token_logprobs": [lp for lp, _ in lps], "top_logprobs": tops, "text_offset": offsets}
 
 
-def _completion_prompt(data: dict, tokenizer) -> list[int]:
+def _completion_prompts(data: dict, tokenizer) -> list[list[int]]:
+    """The prompt, or a batch of them (OpenAI: a string, a list of token ids, or a list of
+    either), as token ids."""
     if "prompt" not in data:
         raise InvalidRequest("'prompt' is required", param="prompt")
     p = data["prompt"]
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # a batch of one
-    if isinstance(p, str):
-        return tokenizer(p, add_special_tokens=True)["input_ids"]
-    if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        return list(p)
-    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
-        raise InvalidRequest("batched prompts are not supported: send one prompt per request", param="prompt")
-    raise InvalidRequest("'prompt' must be a string or a list of token ids", param="prompt")
+    if isinstance(p, str) or _token_ids(p):
+        return [_one_prompt(p, tokenizer)]
+    if isinstance(p, list) and p and all(isinstance(x, str) or (x and _token_ids(x)) for x in p):
+        return [_one_prompt(x, tokenizer) for x in p]
+    raise InvalidRequest("'prompt' must be a string, a list of token ids, or a non-empty list of either",
+                         param="prompt")
+
+
+def _token_ids(p) -> bool:
+    return isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+
+def _one_prompt(p, tokenizer) -> list[int]:
+    return tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str) else list(p)
 
 
 def _chat_prompt(data: dict, tokenizer) -> list[int]:
@@ -238,34 +287,38 @@ def usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def chunk_body(p: ParsedRequest, created: int, text: str, finish_reason, token_ids: list[int] | None = None,
-               logprobs: dict | None = None) -> dict:
-    rid = p.request.request_id
+def choice_body(p: ParsedRequest, index: int, text: str, finish_reason, token_ids: list[int] | None = None,
+                logprobs: dict | None = None, *, delta: bool) -> dict:
+    """One choice: of a streamed chunk (`delta`) or of a whole response."""
     if p.kind == "chat":
-        choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+        msg = ({"content": text} if text else {}) if delta else {"role": "assistant", "content": text}
+        choice = {"index": index, "delta" if delta else "message": msg, "logprobs": logprobs,
                   "finish_reason": finish_reason}
-        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": p.model,
-                "choices": [choice]}
     else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        body = {"id": rid, "object": "text_completion", "created": created, "model": p.model, "choices": [choice]}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if p.return_token_ids and token_ids is not None:
         choice["token_ids"] = token_ids
-    return body
+    return choice
 
 
-def full_body(p: ParsedRequest, text: str, finish_reason, n_prompt: int, n_out: int, trace: dict,
-              token_ids: list[int], logprobs: dict | None = None) -> dict:
-    created = int(time.time())
-    rid = p.request.request_id
-    if p.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": finish_reason}
-        obj = "chat.completion"
+def chunk_body(p: ParsedRequest, created: int, text: str, finish_reason, token_ids: list[int] | None = None,
+               logprobs: dict | None = None, index: int = 0) -> dict:
+    obj = "chat.completion.chunk" if p.kind == "chat" else "text_completion"
+    return {"id": p.response_id, "object": obj, "created": created, "model": p.model,
+            "choices": [choice_body(p, index, text, finish_reason, token_ids, logprobs, delta=True)]}
+
+
+def full_body(p: ParsedRequest, choices: list[dict], n_out: int, traces: list[dict]) -> dict:
+    """The whole response: `choices` from choice_body, in order, and each choice's trace. One
+    choice: `keyacc` is its trace; several: every segment is marked with its choice, and each
+    choice carries its own trace too."""
+    if len(traces) == 1:
+        trace = traces[0]
     else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        obj = "text_completion"
-    if p.return_token_ids:
-        choice["token_ids"] = token_ids
-    return {"id": rid, "object": obj, "created": created, "model": p.model, "choices": [choice],
-            "usage": usage(n_prompt, n_out), "keyacc": trace}
+        for c, t in zip(choices, traces):
+            c["keyacc"] = t
+        trace = {"segments": [{**s, "choice": i} for i, t in enumerate(traces) for s in t.get("segments", [])],
+                 "moves": sum(t.get("moves", 0) for t in traces)}
+    return {"id": p.response_id, "object": "chat.completion" if p.kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": p.model, "choices": choices,
+            "usage": usage(p.num_prompt_tokens, n_out), "keyacc": trace}

@@ -44,7 +44,7 @@ HOSTILE = [
     (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3.5}).encode(), "max_tokens"),
     (json.dumps({"model": MODEL, "prompt": [1, 2, 10**12]}).encode(), "prompt"),
     (json.dumps({"model": MODEL, "prompt": [-1]}).encode(), "prompt"),
-    (json.dumps({"model": MODEL, "prompt": ["a", "b"]}).encode(), "prompt"),
+    (json.dumps({"model": MODEL, "prompt": ["a", ["b"]]}).encode(), "prompt"),
     (json.dumps({"model": MODEL, "prompt": "hi", "tools": [{"type": "function"}]}).encode(), "tools"),
     (json.dumps({"model": MODEL, "prompt": "hi", "logprobs": 21}).encode(), "logprobs"),
     (json.dumps({"model": MODEL, "prompt": "hi", "logprobs": "5"}).encode(), "logprobs"),

@@ -100,6 +100,53 @@ def test_chat_streaming_and_not(client):
     assert text == r.choices[0].message.content
 
 
+def test_batched_prompts_and_n(client):
+    """A completions batch with n: one choice per prompt x n (prompt-major), each equal to
+    generate(); streamed, the choices' chunks interleave and each choice's tokens come in order."""
+    _, tok = hf_model(tiny_model("qwen3"))
+    prompts = [PROMPTS[1], PROMPTS[4]]
+    kw = dict(model=MODEL, prompt=prompts, n=2, max_tokens=8, temperature=0,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = client.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for c, prompt in zip(r.choices, [prompts[0]] * 2 + [prompts[1]] * 2):
+        assert c.token_ids == ref_ids(prompt, 8) and c.finish_reason == "length"
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+    assert r.usage.completion_tokens == 32
+    assert r.usage.prompt_tokens == sum(len(tok(p)["input_ids"]) for p in prompts)
+    segs = r.model_extra["keyacc"]["segments"]
+    assert sorted({s["choice"] for s in segs}) == [0, 1, 2, 3] and sum(s["tokens"] for s in segs) == 32
+    ids, reasons, usage = {}, {}, None
+    for ch in client.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        usage = ch.usage or usage
+        for c in ch.choices:
+            ids.setdefault(c.index, []).extend(c.model_extra.get("token_ids", []))
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+    assert ids == {c.index: c.token_ids for c in r.choices}
+    assert reasons == {i: "length" for i in range(4)} and usage.completion_tokens == 32
+
+
+def test_n_seeded_samples_differ_and_each_reproduces(client):
+    """n sampled choices with a seed: choice j is the single request with seed + j (vLLM's rule)."""
+    kw = dict(model=MODEL, max_tokens=12, temperature=1.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = client.completions.create(prompt=PROMPTS[0], n=3, seed=5, **kw)
+    got = [c.token_ids for c in r.choices]
+    assert len({tuple(g) for g in got}) == 3
+    for j in range(3):
+        assert client.completions.create(prompt=PROMPTS[0], seed=5 + j, **kw).choices[0].token_ids == got[j]
+    msgs = [{"role": "user", "content": "Hello, world!"}]
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, n=2, max_tokens=10, temperature=0)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: the same twice
+    text, roles = {0: "", 1: ""}, []
+    for ch in client.chat.completions.create(model=MODEL, messages=msgs, n=2, max_tokens=10, temperature=0,
+                                             stream=True):
+        for c in ch.choices:
+            text[c.index] += c.delta.content or ""
+            roles += [c.index] if c.delta.role else []
+    assert sorted(roles) == [0, 1] and text == {0: chat.choices[0].message.content, 1: chat.choices[1].message.content}
+
+
 def test_chat_without_max_tokens_gets_the_rest_of_the_served_context(app_url, client):
     """Most OpenAI clients send no max_tokens: the request gets the rest of the context the app
     serves, which every pool's KV budget holds (a budget smaller than the model's context caps
@@ -285,7 +332,10 @@ BAD = [
     (json.dumps({"model": MODEL, "prompt": "word " * 2000}).encode(), 400, "prompt"),
     (json.dumps({"model": MODEL, "prompt": "hi", "temperature": -1}).encode(), 400, "temperature"),
     (json.dumps({"model": MODEL, "prompt": "hi", "top_p": 7}).encode(), 400, "top_p"),
-    (json.dumps({"model": MODEL, "prompt": "hi", "n": 3}).encode(), 400, "n"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "n": 0}).encode(), 400, "n"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "n": 500}).encode(), 400, "n"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "best_of": 2}).encode(), 400, "best_of"),
+    (json.dumps({"model": MODEL, "prompt": ["hi", ""]}).encode(), 400, "prompt"),
     (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "prompt"),
     (json.dumps({"model": MODEL, "prompt": 5}).encode(), 400, "prompt"),
     (json.dumps({"model": MODEL, "prompt": "hi", "keyacc": {"route": "moon"}}).encode(), 400, "keyacc.route"),

@@ -99,9 +99,12 @@ def _gpu_decode_busy(app_url) -> tuple[float, float, float]:
     return vals["keyacc_running_sequences"], vals["keyacc_free_kv_blocks"], vals["keyacc_total_kv_blocks"]
 
 
-def test_client_disconnect_frees_sequence_and_blocks(app_url):
-    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 480, "temperature": 0, "stream": True,
-            "ignore_eos": True, "keyacc": {"route": "gpu"}}
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_disconnect_frees_sequence_and_blocks(app_url, n):
+    """Every choice's sequence (n of them) is aborted and its blocks freed when the client hangs up
+    (left alone, they would run for far longer than the deadline below)."""
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 480, "temperature": 0,
+            "stream": True, "ignore_eos": True, "keyacc": {"route": "gpu"}, "n": n}
     with httpx.stream("POST", f"{app_url}/v1/completions", json=body, timeout=60) as r:
         seen = 0
         for line in r.iter_lines():

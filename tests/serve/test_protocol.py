@@ -57,3 +57,37 @@ def test_logprobs_bodies():
     assert cmpl == {"tokens": ["a", "bc"], "token_logprobs": [-0.5, -2.0],
                     "top_logprobs": [{"a": -0.5, "é": -1.5}, {"a": -0.1, "bc": -2.0}], "text_offset": [3, 4]}
     assert logprobs_body("chat", [5], None, text) is None
+
+
+def _choices(tok, kind="completion", **body):
+    body = {"model": "m", **body}
+    return parse(body, kind, tokenizer=tok, served_names={"m"}, max_model_len=256)
+
+
+def test_batched_prompts_and_n_make_one_request_per_choice(qwen3_path):
+    tok = AutoTokenizer.from_pretrained(qwen3_path)
+    p = _choices(tok, prompt=["hello there", [5, 6, 7]], n=2, seed=11, max_tokens=4)
+    first = tok("hello there")["input_ids"]
+    # prompt-major, then n (vLLM's order); ids unique (each is a request of its own in the graph)
+    assert [r.prompt_token_ids for r in p.requests] == [first, first, [5, 6, 7], [5, 6, 7]]
+    assert len({r.request_id for r in p.requests}) == 4
+    assert all(r.request_id.startswith(p.response_id + "-") for r in p.requests)
+    # the n samples of one prompt differ (seed + j), each prompt's first keeps the client's seed
+    assert [r.params["seed"] for r in p.requests] == [11, 12, 11, 12]
+    assert p.num_prompt_tokens == len(first) + 3  # usage counts each prompt once, whatever n is
+    one = _choices(tok, prompt=["just one"])  # a batch of one is a plain request
+    assert len(one.requests) == 1 and one.request.request_id == one.response_id
+    assert _choices(tok, prompt="x", n=3, best_of=3).request.params["seed"] is None
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "n": 0}, "n"), ({"prompt": "x", "n": "2"}, "n"), ({"prompt": "x", "n": 65}, "n"),
+    ({"prompt": ["x"] * 33, "n": 2}, "n"), ({"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+    ({"prompt": ["x", ""]}, "prompt"), ({"prompt": ["x", 5]}, "prompt"), ({"prompt": [[1, 2], []]}, "prompt"),
+    ({"prompt": ["x", "word " * 300]}, "prompt"), ({"prompt": [[1, 2], [10 ** 9]]}, "prompt"),
+])
+def test_bad_choices_are_refused(qwen3_path, body, param):
+    tok = AutoTokenizer.from_pretrained(qwen3_path)
+    with pytest.raises(InvalidRequest) as e:
+        _choices(tok, **body)
+    assert e.value.param == param
