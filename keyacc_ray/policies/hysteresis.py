@@ -104,16 +104,38 @@ def flooded(policy: Policy, req: RequestView, load: LoadView) -> bool:
     return waiting > limit
 
 
+def gpu_has_room(policy: Policy, req: RequestView, load: LoadView) -> bool:
+    """Sent to the GPU now, the request would start at once: nothing waits there, one decode
+    batch has a place for it (this router's requests in prefill and decode counted) and the
+    memory check passes."""
+    batch = gpu_batch(req, load)
+    if batch is None or load.gpu_queue > 0:
+        return False
+    if load.gpu_prefill.inflight + load.gpu_decode.inflight >= batch:
+        return False
+    return fits(req, load.gpu_decode, load, policy.options["min_gpu_free_bytes"])
+
+
+def cpu_full(load: LoadView) -> bool:
+    """Sent to the CPU pool now, the request would wait for a slot."""
+    return load.cpu.queue > 0 or 0 < load.cpu.slots <= load.cpu.inflight
+
+
 def whole_request_route(policy: Policy, gpu_overloaded: bool, cpu_gate: PoolGate, load: LoadView,
                         req: RequestView) -> str:
     """Where a new request runs, whole-request offload style. The GPU while it accepts; the CPU
     pool while the GPU is overloaded (its gate) or flooded right now (its queue, the router's
     in-flight count included, see `flooded`: a burst of 40 requests arrives within
-    milliseconds, and waiting out the trigger window would queue them all on the GPU).
-    When the CPU pool is overloaded too, the request queues where the queue drains sooner at
-    the pool's recent rate (queue / tokens per second), and on the GPU while a rate is unknown."""
+    milliseconds, and waiting out the trigger window would queue them all on the GPU) - except
+    that a request never queues on the CPU pool while the GPU has room for it right now (the
+    gate keeps the GPU from being flooded, not from being used). When the CPU pool is
+    overloaded too, the request queues where the queue drains sooner at the pool's recent rate
+    (queue / tokens per second), and on the GPU while a rate is unknown."""
     flood = flooded(policy, req, load)
     if not gpu_overloaded and not flood:
+        return "gpu"
+    if cpu_full(load) and gpu_has_room(policy, req, load):
+        policy.count("gpu_room_over_cpu_queue")
         return "gpu"
     if not cpu_gate.overloaded:
         if not gpu_overloaded:

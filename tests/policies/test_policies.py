@@ -194,3 +194,25 @@ def test_flood_limit_is_one_gpu_batch_when_that_is_less_than_the_option(name):
     assert p.route(REQ, small_gpu(3, slots=2)) == "cpu"  # two sequence slots bind before the KV does
     assert p.route(RequestView(20, 0, 120), small_gpu(2)) == "cpu"  # KV for one request this size
     assert p.counters["overflow_to_cpu"] == 3
+
+
+@pytest.mark.parametrize("name", ["full_offload", "auto"])
+def test_no_request_queues_on_the_cpu_while_the_gpu_has_room(name):
+    """The GPU gate is on (sustained overload), but right now nothing waits on the GPU and a
+    decode batch has a free place, while the CPU pool's slots are all taken: the GPU, at once."""
+    clock = Clock()
+    p = make_policy(name, {"trigger_window_s": 0.2, "return_window_s": 5.0}, clock=clock)
+    drive(p, clock, lambda t: view(gpu_queue=10, prefill_queue=10), 0.5)  # the gate flips on
+
+    def now(gpu_inflight, cpu_inflight, cpu_queue=0):
+        v = view(gpu_queue=0, free_blocks=16)
+        v.gpu_decode.total_blocks, v.gpu_decode.slots, v.gpu_decode.inflight = 16, 8, gpu_inflight  # batch: 4
+        v.cpu.slots, v.cpu.inflight, v.cpu.queue = 32, cpu_inflight, cpu_queue
+        return v
+    assert p.route(REQ, now(gpu_inflight=2, cpu_inflight=10)) == "cpu"  # the CPU has room: the gate decides
+    assert p.route(REQ, now(gpu_inflight=2, cpu_inflight=32)) == "gpu"  # CPU slots full, GPU room: no wait
+    assert p.route(REQ, now(gpu_inflight=2, cpu_inflight=20, cpu_queue=3)) == "gpu"
+    assert p.route(REQ, now(gpu_inflight=4, cpu_inflight=32)) == "cpu"  # the GPU batch is full too
+    big = RequestView(20, 0, 400)  # its KV does not fit the GPU now
+    assert p.route(big, now(gpu_inflight=0, cpu_inflight=32)) == "cpu"
+    assert p.counters["gpu_room_over_cpu_queue"] == 2
