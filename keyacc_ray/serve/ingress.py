@@ -216,7 +216,12 @@ class Ingress:
         # Wait for every choice's first tokens before answering, so an error found downstream
         # still gets a proper status code instead of a 200 stream.
         try:
-            firsts = [await _first(its[0])] if len(its) == 1 else await asyncio.gather(*map(_first, its))
+            if len(its) == 1:
+                firsts = [await _first(its[0])]
+            else:  # every choice's first batch; all of them settled before any is closed
+                firsts = await asyncio.gather(*map(_first, its), return_exceptions=True)
+                if bad := next((f for f in firsts if isinstance(f, BaseException)), None):
+                    raise bad
         except Exception as e:  # noqa: BLE001 - a bug in the request path: this request only
             log.exception("request %s failed", p.response_id)
             await _close(its)
