@@ -29,6 +29,12 @@ class SamplingParams:
     # Log-probabilities of each generated token (under the model's distribution, before
     # temperature / top-k / top-p) and of this many most likely alternatives; None: none.
     logprobs: int | None = None
+    # OpenAI's penalties over the tokens generated so far: logit -= frequency * count + presence
+    # * (count > 0); and transformers' / vLLM's repetition penalty over prompt and output
+    # (a positive logit divided by it, a negative one multiplied). Neutral: 0, 0, 1.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def validate(self) -> "SamplingParams":
         def bad(msg: str, param: str) -> InvalidRequest:
@@ -42,6 +48,14 @@ class SamplingParams:
                 raise bad(f"{name} must be a number, got {v!r}", name)
         if not 0.0 <= self.temperature <= 2.0:
             raise bad(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
+        for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                             ("repetition_penalty", 0.0, 2.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(f"{name} must be a number, got {v!r}", name)
+            if not lo <= v <= hi or (name == "repetition_penalty" and v == 0):
+                raise bad(f"{name} must be in {'(' if name == 'repetition_penalty' else '['}{lo:g}, {hi:g}], got {v}",
+                          name)
         if not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
@@ -66,6 +80,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

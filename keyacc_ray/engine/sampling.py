@@ -30,13 +30,19 @@ class Sampler:
     def state(self, request_id: str) -> np.ndarray:
         return self._gens[request_id].get_state().numpy().copy()
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str],
-               params: list[SamplingParams]) -> list[int]:
-        """logits: [B, vocab] on any device; returns one token id per row."""
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+               history=None) -> list[int]:
+        """logits: [B, vocab] on any device; returns one token id per row. `history(row)` gives a
+        row's (token ids so far, number of prompt tokens), read only for rows with penalties."""
         out = logits.argmax(dim=-1).tolist()
         for i, p in enumerate(params):
+            row = logits[i]
+            if p.penalized:
+                row = penalize(row.float(), *history(i), p)
+                if p.greedy:
+                    out[i] = int(row.argmax())
             if not p.greedy:
-                out[i] = self._sample_row(logits[i].float().cpu(), p, self._gens[request_ids[i]])
+                out[i] = self._sample_row(row.float().cpu(), p, self._gens[request_ids[i]])
         return out
 
     @staticmethod
@@ -62,3 +68,19 @@ class Sampler:
             keep[0] = True
             probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
         return int(torch.multinomial(probs, 1, generator=g).item())
+
+
+def penalize(row: torch.Tensor, token_ids: list[int], num_prompt: int, p: SamplingParams) -> torch.Tensor:
+    """One row of float logits with the request's penalties applied (a new tensor): repetition
+    over prompt and output (transformers' RepetitionPenaltyLogitsProcessor), then presence and
+    frequency over the output (OpenAI's formula, as vLLM applies it)."""
+    row = row.clone()
+    if p.repetition_penalty != 1.0 and token_ids:
+        seen = torch.tensor(sorted(set(token_ids)), device=row.device)
+        score = row[seen]
+        row[seen] = torch.where(score < 0, score * p.repetition_penalty, score / p.repetition_penalty)
+    out = token_ids[num_prompt:]
+    if (p.presence_penalty or p.frequency_penalty) and out:
+        ids, counts = torch.tensor(out, device=row.device).unique(return_counts=True)
+        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+    return row

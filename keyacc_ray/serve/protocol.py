@@ -12,12 +12,12 @@ from keyacc_ray.errors import InvalidRequest, ModelNotFound
 from keyacc_ray.serve.messages import GenerateRequest
 
 # Accepted only at their neutral values; anything else is refused rather than silently ignored.
-NEUTRAL = {"echo": (None, False), "presence_penalty": (None, 0, 0.0),
-           "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []),
+NEUTRAL = {"echo": (None, False), "logit_bias": (None, {}), "tools": (None, []),
            "tool_choice": (None, "none"), "functions": (None, []), "suffix": (None, ""),
            "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,)}
 
 
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # the last: vLLM's extension
 MAX_CHOICES = 64  # choices per HTTP request: prompts (a completions batch) x n
 
 
@@ -116,9 +116,11 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
     _type(stop_token_ids, (list,), "stop_token_ids", "a list of integers")
     ignore_eos = data.get("ignore_eos", False)
     _type(ignore_eos, (bool,), "ignore_eos", "a boolean")
+    penalties = {k: _type(data[k], (int, float), k, "a number") for k in PENALTIES if data.get(k) is not None}
     params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                             top_k=top_k, seed=seed, stop=list(stop), stop_token_ids=list(stop_token_ids),
-                            ignore_eos=ignore_eos, logprobs=_logprobs(data, kind)).validate()
+                            ignore_eos=ignore_eos, logprobs=_logprobs(data, kind),
+                            **{k: float(v) for k, v in penalties.items()}).validate()
 
     stream = data.get("stream", False)
     _type(stream, (bool,), "stream", "a boolean")

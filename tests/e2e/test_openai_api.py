@@ -147,6 +147,23 @@ def test_n_seeded_samples_differ_and_each_reproduces(client):
     assert sorted(roles) == [0, 1] and text == {0: chat.choices[0].message.content, 1: chat.choices[1].message.content}
 
 
+@pytest.mark.parametrize("route", ["gpu", "stage", "cpu"])
+def test_penalties_match_generate_on_every_route(client, route):
+    """OpenAI's presence / frequency penalties and vLLM's repetition_penalty: the tokens of
+    transformers' generate() with the same processing, wherever the request ran (stage: the
+    decode continues on the CPU pool with the prompt and output counted as before the move)."""
+    from tests.engine.test_penalties import hf_penalized
+
+    _, tok = hf_model(tiny_model("qwen3"))
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[8], max_tokens=16, temperature=0,
+                                  presence_penalty=0.4, frequency_penalty=0.8,
+                                  extra_body={"repetition_penalty": 1.3, "ignore_eos": True, "return_token_ids": True,
+                                              "keyacc": {"route": route}})
+    ids = tok(PROMPTS[8])["input_ids"]
+    assert r.choices[0].token_ids == hf_penalized(tiny_model("qwen3"), ids, 16, presence=0.4, frequency=0.8,
+                                                  repetition=1.3)
+
+
 def test_chat_without_max_tokens_gets_the_rest_of_the_served_context(app_url, client):
     """Most OpenAI clients send no max_tokens: the request gets the rest of the context the app
     serves, which every pool's KV budget holds (a budget smaller than the model's context caps
@@ -336,6 +353,9 @@ BAD = [
     (json.dumps({"model": MODEL, "prompt": "hi", "n": 500}).encode(), 400, "n"),
     (json.dumps({"model": MODEL, "prompt": "hi", "best_of": 2}).encode(), 400, "best_of"),
     (json.dumps({"model": MODEL, "prompt": ["hi", ""]}).encode(), 400, "prompt"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "presence_penalty": 3}).encode(), 400, "presence_penalty"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "frequency_penalty": "1"}).encode(), 400, "frequency_penalty"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "repetition_penalty": 0}).encode(), 400, "repetition_penalty"),
     (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "prompt"),
     (json.dumps({"model": MODEL, "prompt": 5}).encode(), 400, "prompt"),
     (json.dumps({"model": MODEL, "prompt": "hi", "keyacc": {"route": "moon"}}).encode(), 400, "keyacc.route"),
