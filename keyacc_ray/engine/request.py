@@ -12,6 +12,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass
@@ -35,6 +36,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before sampling
+    logit_bias: dict[int, float] | None = None
 
     def validate(self) -> "SamplingParams":
         def bad(msg: str, param: str) -> InvalidRequest:
@@ -56,6 +59,14 @@ class SamplingParams:
             if not lo <= v <= hi or (name == "repetition_penalty" and v == 0):
                 raise bad(f"{name} must be in {'(' if name == 'repetition_penalty' else '['}{lo:g}, {hi:g}], got {v}",
                           name)
+        if self.logit_bias is not None:
+            lb = self.logit_bias
+            if (not isinstance(lb, dict) or len(lb) > MAX_LOGIT_BIAS
+                    or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in lb)
+                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                               and -100 <= v <= 100 for v in lb.values())):
+                raise bad(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases in [-100, 100]",
+                          "logit_bias")
         if not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
@@ -82,8 +93,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
-    def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+    def processes_logits(self) -> bool:
+        """Penalties or a logit bias: the row's logits change before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

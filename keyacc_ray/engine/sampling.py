@@ -33,12 +33,13 @@ class Sampler:
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
                history=None) -> list[int]:
         """logits: [B, vocab] on any device; returns one token id per row. `history(row)` gives a
-        row's (token ids so far, number of prompt tokens), read only for rows with penalties."""
+        row's (token ids so far, number of prompt tokens), read only for rows with penalties or a
+        logit bias."""
         out = logits.argmax(dim=-1).tolist()
         for i, p in enumerate(params):
             row = logits[i]
-            if p.penalized:
-                row = penalize(row.float(), *history(i), p)
+            if p.processes_logits:
+                row = process_logits(row.float(), *history(i), p)
                 if p.greedy:
                     out[i] = int(row.argmax())
             if not p.greedy:
@@ -70,10 +71,11 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=g).item())
 
 
-def penalize(row: torch.Tensor, token_ids: list[int], num_prompt: int, p: SamplingParams) -> torch.Tensor:
-    """One row of float logits with the request's penalties applied (a new tensor): repetition
-    over prompt and output (transformers' RepetitionPenaltyLogitsProcessor), then presence and
-    frequency over the output (OpenAI's formula, as vLLM applies it)."""
+def process_logits(row: torch.Tensor, token_ids: list[int], num_prompt: int, p: SamplingParams) -> torch.Tensor:
+    """One row of float logits with the request's processing applied (a new tensor): repetition
+    penalty over prompt and output (transformers' RepetitionPenaltyLogitsProcessor), presence and
+    frequency penalties over the output (OpenAI's formula, as vLLM applies them), then the logit
+    bias."""
     row = row.clone()
     if p.repetition_penalty != 1.0 and token_ids:
         seen = torch.tensor(sorted(set(token_ids)), device=row.device)
@@ -83,4 +85,7 @@ def penalize(row: torch.Tensor, token_ids: list[int], num_prompt: int, p: Sampli
     if (p.presence_penalty or p.frequency_penalty) and out:
         ids, counts = torch.tensor(out, device=row.device).unique(return_counts=True)
         row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=row.device)
+        row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
     return row

@@ -12,7 +12,7 @@ from keyacc_ray.errors import InvalidRequest, ModelNotFound
 from keyacc_ray.serve.messages import GenerateRequest
 
 # Accepted only at their neutral values; anything else is refused rather than silently ignored.
-NEUTRAL = {"echo": (None, False), "logit_bias": (None, {}), "tools": (None, []),
+NEUTRAL = {"echo": (None, False), "tools": (None, []),
            "tool_choice": (None, "none"), "functions": (None, []), "suffix": (None, ""),
            "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,)}
 
@@ -119,7 +119,7 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
     penalties = {k: _type(data[k], (int, float), k, "a number") for k in PENALTIES if data.get(k) is not None}
     params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                             top_k=top_k, seed=seed, stop=list(stop), stop_token_ids=list(stop_token_ids),
-                            ignore_eos=ignore_eos, logprobs=_logprobs(data, kind),
+                            ignore_eos=ignore_eos, logprobs=_logprobs(data, kind), logit_bias=_logit_bias(data, vocab),
                             **{k: float(v) for k, v in penalties.items()}).validate()
 
     stream = data.get("stream", False)
@@ -142,6 +142,24 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
             reqs.append(GenerateRequest(rid if n * len(prompts) == 1 else f"{rid}-{len(reqs)}", list(ids),
                                         choice_params, route, back))
     return ParsedRequest(kind, reqs, stream, include_usage, model, return_ids, rid, sum(len(ids) for ids in prompts))
+
+
+def _logit_bias(data: dict, vocab: int) -> dict[int, float] | None:
+    """OpenAI's `logit_bias`: token ids (JSON object keys, so strings) -> biases."""
+    lb = data.get("logit_bias")
+    if not lb:
+        return None
+    _type(lb, (dict,), "logit_bias", "an object mapping token ids to biases")
+    out = {}
+    for k, v in lb.items():
+        try:
+            t = int(k)
+        except ValueError:
+            raise InvalidRequest(f"logit_bias key {k!r} is not a token id", param="logit_bias") from None
+        if not 0 <= t < vocab:
+            raise InvalidRequest(f"logit_bias token id {t} is not in [0, {vocab})", param="logit_bias")
+        out[t] = float(_type(v, (int, float), "logit_bias", "an object mapping token ids to numbers"))
+    return out
 
 
 def _num_choices(data: dict) -> int:

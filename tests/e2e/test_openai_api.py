@@ -164,6 +164,18 @@ def test_penalties_match_generate_on_every_route(client, route):
                                                   repetition=1.3)
 
 
+def test_logit_bias_forces_a_token_wherever_the_request_runs(client):
+    for route in ("gpu", "stage", "cpu"):
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=6, temperature=0.7, seed=1,
+                                      logit_bias={"77": 100},
+                                      extra_body={"ignore_eos": True, "return_token_ids": True, "keyacc": {"route": route}})
+        assert r.choices[0].token_ids == [77] * 6, route
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logit_bias={"91": 100}, extra_body={"ignore_eos": True,
+                                                                                             "return_token_ids": True})
+    assert chat.choices[0].model_extra["token_ids"] == [91] * 4
+
+
 def test_chat_without_max_tokens_gets_the_rest_of_the_served_context(app_url, client):
     """Most OpenAI clients send no max_tokens: the request gets the rest of the context the app
     serves, which every pool's KV budget holds (a budget smaller than the model's context caps
@@ -356,6 +368,9 @@ BAD = [
     (json.dumps({"model": MODEL, "prompt": "hi", "presence_penalty": 3}).encode(), 400, "presence_penalty"),
     (json.dumps({"model": MODEL, "prompt": "hi", "frequency_penalty": "1"}).encode(), 400, "frequency_penalty"),
     (json.dumps({"model": MODEL, "prompt": "hi", "repetition_penalty": 0}).encode(), 400, "repetition_penalty"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "logit_bias": {"abc": 1}}).encode(), 400, "logit_bias"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 500}}).encode(), 400, "logit_bias"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}).encode(), 400, "logit_bias"),
     (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "prompt"),
     (json.dumps({"model": MODEL, "prompt": 5}).encode(), 400, "prompt"),
     (json.dumps({"model": MODEL, "prompt": "hi", "keyacc": {"route": "moon"}}).encode(), 400, "keyacc.route"),

@@ -1,5 +1,6 @@
-"""Presence / frequency (OpenAI) and repetition (transformers, vLLM) penalties: the same tokens as
-transformers' generate() with the same logits processing, also across a KV hand-off."""
+"""Presence / frequency (OpenAI) and repetition (transformers, vLLM) penalties and OpenAI's
+logit_bias: the same tokens as transformers' generate() with the same logits processing, also
+across a KV hand-off."""
 import pickle
 
 import pytest
@@ -9,7 +10,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenalty
 from keyacc_ray.config import EngineConfig
 from keyacc_ray.engine.llm_engine import LLMEngine
 from keyacc_ray.engine.request import SamplingParams
-from keyacc_ray.engine.sampling import penalize
+from keyacc_ray.engine.sampling import process_logits
 from keyacc_ray.errors import InvalidRequest
 from tests.engine.test_kv_handoff import drain, run_until
 from tests.helpers import PROMPTS, hf_greedy, hf_model
@@ -31,14 +32,15 @@ class OpenAIPenalties(LogitsProcessor):
         return scores
 
 
-def hf_penalized(path, prompt_ids, n, presence=0.0, frequency=0.0, repetition=1.0):
+def hf_penalized(path, prompt_ids, n, presence=0.0, frequency=0.0, repetition=1.0, bias=None):
     model, tok = hf_model(path)
     ids = torch.tensor([prompt_ids])
     procs = LogitsProcessorList([OpenAIPenalties(len(prompt_ids), presence, frequency)])
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                              do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id,
-                             repetition_penalty=repetition, logits_processor=procs)
+                             repetition_penalty=repetition, logits_processor=procs,
+                             sequence_bias={(t,): float(b) for t, b in bias.items()} if bias else None)
     return out[0, ids.shape[1]:].tolist()
 
 
@@ -46,20 +48,23 @@ def test_penalize_matches_transformers_and_openai_formula():
     g = torch.Generator().manual_seed(0)
     row = torch.randn(50, generator=g) * 3
     history, n_prompt = [3, 7, 7, 9, 1, 7, 3, 40], 4  # output: 1, 7, 3, 40
-    rep = penalize(row, history, n_prompt, SamplingParams(repetition_penalty=1.7))
+    rep = process_logits(row, history, n_prompt, SamplingParams(repetition_penalty=1.7))
     want = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([history]), row[None].clone())[0]
     assert torch.equal(rep, want)
-    pf = penalize(row, history, n_prompt, SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25))
+    pf = process_logits(row, history, n_prompt, SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25))
     want = row.clone()
     for t, c in {1: 1, 7: 1, 3: 1, 40: 1}.items():
         want[t] -= -0.25 * c + 0.5
     assert torch.allclose(pf, want) and pf[9] == row[9]  # 9 only in the prompt: no presence penalty
-    assert torch.equal(penalize(row, history, n_prompt, SamplingParams()), row)
+    assert torch.equal(process_logits(row, history, n_prompt, SamplingParams()), row)
+    biased = process_logits(row, history, n_prompt, SamplingParams(logit_bias={4: 100.0, 9: -2.5}))
+    assert biased[4] == row[4] + 100 and biased[9] == row[9] - 2.5 and torch.equal(biased[10:], row[10:])
 
 
 @pytest.mark.parametrize("kw", [{"repetition_penalty": 0}, {"repetition_penalty": 2.5}, {"presence_penalty": 3},
                                 {"frequency_penalty": -2.1}, {"frequency_penalty": float("nan")},
-                                {"presence_penalty": True}])
+                                {"presence_penalty": True}, {"logit_bias": {5: 101}}, {"logit_bias": {-1: 1}},
+                                {"logit_bias": {i: 1 for i in range(2000)}}])
 def test_penalty_ranges(kw):
     with pytest.raises(InvalidRequest) as e:
         SamplingParams(**kw).validate()
@@ -67,11 +72,11 @@ def test_penalty_ranges(kw):
 
 
 @pytest.mark.parametrize("pen", [dict(repetition=1.5), dict(presence=1.0, frequency=0.5),
-                                 dict(presence=0.3, frequency=1.2, repetition=1.3)])
+                                 dict(presence=0.3, frequency=1.2, repetition=1.3), dict(bias={40: 8.0, 41: -100})])
 def test_greedy_with_penalties_equals_generate_across_a_handoff(qwen3_path, pen):
     params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True,
                             presence_penalty=pen.get("presence", 0.0), frequency_penalty=pen.get("frequency", 0.0),
-                            repetition_penalty=pen.get("repetition", 1.0))
+                            repetition_penalty=pen.get("repetition", 1.0), logit_bias=pen.get("bias"))
     src = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=4))
     dst = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=4, kv_block_size=4))
     prompts = {f"p{i}": src.tokenize(PROMPTS[i]) for i in (1, 6, 8)}
