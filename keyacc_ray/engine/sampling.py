@@ -72,11 +72,14 @@ class Sampler:
 
 
 def process_logits(row: torch.Tensor, token_ids: list[int], num_prompt: int, p: SamplingParams) -> torch.Tensor:
-    """One row of float logits with the request's processing applied (a new tensor): repetition
-    penalty over prompt and output (transformers' RepetitionPenaltyLogitsProcessor), presence and
-    frequency penalties over the output (OpenAI's formula, as vLLM applies them), then the logit
-    bias."""
+    """One row of float logits with the request's processing applied (a new tensor), in vLLM's and
+    transformers' order: the logit bias, the repetition penalty over prompt and output
+    (transformers' RepetitionPenaltyLogitsProcessor), then presence and frequency penalties over
+    the output (OpenAI's formula, as vLLM applies them)."""
     row = row.clone()
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=row.device)
+        row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
     if p.repetition_penalty != 1.0 and token_ids:
         seen = torch.tensor(sorted(set(token_ids)), device=row.device)
         score = row[seen]
@@ -85,7 +88,4 @@ def process_logits(row: torch.Tensor, token_ids: list[int], num_prompt: int, p: 
     if (p.presence_penalty or p.frequency_penalty) and out:
         ids, counts = torch.tensor(out, device=row.device).unique(return_counts=True)
         row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
-    if p.logit_bias:
-        ids = torch.tensor(list(p.logit_bias), device=row.device)
-        row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
     return row

@@ -59,6 +59,13 @@ def test_penalize_matches_transformers_and_openai_formula():
     assert torch.equal(process_logits(row, history, n_prompt, SamplingParams()), row)
     biased = process_logits(row, history, n_prompt, SamplingParams(logit_bias={4: 100.0, 9: -2.5}))
     assert biased[4] == row[4] + 100 and biased[9] == row[9] - 2.5 and torch.equal(biased[10:], row[10:])
+    # the bias first, then the penalties (vLLM's and transformers' order): a biased token that is
+    # in the history has its biased logit penalized
+    both = process_logits(row, history, n_prompt, SamplingParams(logit_bias={7: 2.0, 40: -3.0}, repetition_penalty=1.7,
+                                                                 frequency_penalty=0.5))
+    for t, b, count in ((7, 2.0, 1), (40, -3.0, 1)):
+        x = row[t] + b
+        assert torch.isclose(both[t], (x / 1.7 if x > 0 else x * 1.7) - 0.5 * count)
 
 
 @pytest.mark.parametrize("kw", [{"repetition_penalty": 0}, {"repetition_penalty": 2.5}, {"presence_penalty": 3},
@@ -72,7 +79,8 @@ def test_penalty_ranges(kw):
 
 
 @pytest.mark.parametrize("pen", [dict(repetition=1.5), dict(presence=1.0, frequency=0.5),
-                                 dict(presence=0.3, frequency=1.2, repetition=1.3), dict(bias={40: 8.0, 41: -100})])
+                                 dict(presence=0.3, frequency=1.2, repetition=1.3), dict(bias={40: 8.0, 41: -100}),
+                                 dict(presence=0.5, frequency=0.7, repetition=1.2, bias={40: 3.0})])
 def test_greedy_with_penalties_equals_generate_across_a_handoff(qwen3_path, pen):
     params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True,
                             presence_penalty=pen.get("presence", 0.0), frequency_penalty=pen.get("frequency", 0.0),
