@@ -38,6 +38,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before sampling
     logit_bias: dict[int, float] | None = None
+    # vLLM's min_tokens: no end-of-sequence or stop token id before this many tokens
+    min_tokens: int = 0
 
     def validate(self) -> "SamplingParams":
         def bad(msg: str, param: str) -> InvalidRequest:
@@ -59,6 +61,9 @@ class SamplingParams:
             if not lo <= v <= hi or (name == "repetition_penalty" and v == 0):
                 raise bad(f"{name} must be in {'(' if name == 'repetition_penalty' else '['}{lo:g}, {hi:g}], got {v}",
                           name)
+        if (isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int)
+                or not 0 <= self.min_tokens <= self.max_tokens):
+            raise bad(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}", "min_tokens")
         if self.logit_bias is not None:
             lb = self.logit_bias
             if (not isinstance(lb, dict) or len(lb) > MAX_LOGIT_BIAS
@@ -94,9 +99,9 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Penalties or a logit bias: the row's logits change before sampling."""
+        """Penalties, a logit bias or min_tokens: the row's logits change before sampling."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+                    or self.logit_bias or self.min_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

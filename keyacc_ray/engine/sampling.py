@@ -33,13 +33,14 @@ class Sampler:
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
                history=None) -> list[int]:
         """logits: [B, vocab] on any device; returns one token id per row. `history(row)` gives a
-        row's (token ids so far, number of prompt tokens), read only for rows with penalties or a
-        logit bias."""
+        row's (token ids so far, number of prompt tokens, end-of-sequence ids), read only for rows
+        whose logits are processed (penalties, logit bias, min_tokens)."""
         out = logits.argmax(dim=-1).tolist()
         for i, p in enumerate(params):
             row = logits[i]
             if p.processes_logits:
-                row = process_logits(row.float(), *history(i), p)
+                tokens, num_prompt, eos_ids = history(i)
+                row = process_logits(row.float(), tokens, num_prompt, p, eos_ids)
                 if p.greedy:
                     out[i] = int(row.argmax())
             if not p.greedy:
@@ -71,11 +72,13 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=g).item())
 
 
-def process_logits(row: torch.Tensor, token_ids: list[int], num_prompt: int, p: SamplingParams) -> torch.Tensor:
+def process_logits(row: torch.Tensor, token_ids: list[int], num_prompt: int, p: SamplingParams,
+                   eos_ids=()) -> torch.Tensor:
     """One row of float logits with the request's processing applied (a new tensor), in vLLM's and
     transformers' order: the logit bias, the repetition penalty over prompt and output
     (transformers' RepetitionPenaltyLogitsProcessor), then presence and frequency penalties over
-    the output (OpenAI's formula, as vLLM applies them)."""
+    the output (OpenAI's formula, as vLLM applies them); before `min_tokens` outputs, the tokens
+    that would end the sequence (`eos_ids` unless ignore_eos, stop token ids) are ruled out."""
     row = row.clone()
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), device=row.device)
@@ -88,4 +91,8 @@ def process_logits(row: torch.Tensor, token_ids: list[int], num_prompt: int, p: 
     if (p.presence_penalty or p.frequency_penalty) and out:
         ids, counts = torch.tensor(out, device=row.device).unique(return_counts=True)
         row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+    if len(out) < p.min_tokens:
+        enders = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+        if enders:
+            row[torch.tensor(sorted(enders), device=row.device)] = float("-inf")
     return row

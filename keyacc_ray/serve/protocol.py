@@ -116,10 +116,13 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
     _type(stop_token_ids, (list,), "stop_token_ids", "a list of integers")
     ignore_eos = data.get("ignore_eos", False)
     _type(ignore_eos, (bool,), "ignore_eos", "a boolean")
+    min_tokens = data.get("min_tokens")
+    min_tokens = 0 if min_tokens is None else _type(min_tokens, (int,), "min_tokens", "an integer")
     penalties = {k: _type(data[k], (int, float), k, "a number") for k in PENALTIES if data.get(k) is not None}
     params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                             top_k=top_k, seed=seed, stop=list(stop), stop_token_ids=list(stop_token_ids),
                             ignore_eos=ignore_eos, logprobs=_logprobs(data, kind), logit_bias=_logit_bias(data, vocab),
+                            min_tokens=min_tokens,
                             **{k: float(v) for k, v in penalties.items()}).validate()
 
     stream = data.get("stream", False)

@@ -176,6 +176,17 @@ def test_logit_bias_forces_a_token_wherever_the_request_runs(client):
     assert chat.choices[0].model_extra["token_ids"] == [91] * 4
 
 
+@pytest.mark.parametrize("route", ["gpu", "stage", "cpu"])
+def test_min_tokens_holds_off_the_end_on_every_route(client, route):
+    _, tok = hf_model(tiny_model("qwen3"))
+    eos = str(tok.eos_token_id)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=12, temperature=0, logit_bias={eos: 30},
+                                  extra_body={"min_tokens": 4, "return_token_ids": True, "keyacc": {"route": route}})
+    ids = r.choices[0].token_ids
+    assert len(ids) == 5 and ids[-1] == tok.eos_token_id and tok.eos_token_id not in ids[:4]
+    assert r.choices[0].finish_reason == "stop"
+
+
 def test_chat_without_max_tokens_gets_the_rest_of_the_served_context(app_url, client):
     """Most OpenAI clients send no max_tokens: the request gets the rest of the context the app
     serves, which every pool's KV budget holds (a budget smaller than the model's context caps
@@ -369,6 +380,7 @@ BAD = [
     (json.dumps({"model": MODEL, "prompt": "hi", "frequency_penalty": "1"}).encode(), 400, "frequency_penalty"),
     (json.dumps({"model": MODEL, "prompt": "hi", "repetition_penalty": 0}).encode(), 400, "repetition_penalty"),
     (json.dumps({"model": MODEL, "prompt": "hi", "logit_bias": {"abc": 1}}).encode(), 400, "logit_bias"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3, "min_tokens": 4}).encode(), 400, "min_tokens"),
     (json.dumps({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 500}}).encode(), 400, "logit_bias"),
     (json.dumps({"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}).encode(), 400, "logit_bias"),
     (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "prompt"),

@@ -102,3 +102,32 @@ def test_greedy_with_penalties_equals_generate_across_a_handoff(qwen3_path, pen)
     # the penalties changed something: the test would catch them being ignored
     assert any(hf_penalized(qwen3_path, ids, N_NEW, **pen) != hf_greedy(qwen3_path, ids, N_NEW)
                for ids in prompts.values())
+
+
+def test_min_tokens_rules_out_the_end_until_reached():
+    row = torch.zeros(20)
+    p = SamplingParams(max_tokens=10, min_tokens=3, stop_token_ids=[5])
+    early = process_logits(row, [1, 2, 9], 2, p, eos_ids={7})  # one output token so far
+    assert early[5] == early[7] == float("-inf") and early[9] == 0
+    assert torch.equal(process_logits(row, [1, 2, 9, 9, 9], 2, p, eos_ids={7}), row)  # three: free again
+    no_eos = process_logits(row, [1, 2], 2, SamplingParams(max_tokens=10, min_tokens=3, ignore_eos=True), eos_ids={7})
+    assert no_eos[7] == 0  # eos does not end this request: nothing to rule out
+    with pytest.raises(InvalidRequest):
+        SamplingParams(max_tokens=4, min_tokens=5).validate()
+
+
+def test_min_tokens_equals_generate_min_new_tokens(qwen3_path):
+    """With the end-of-sequence token made likely (a bias), the output runs min_tokens long and then
+    ends, exactly as generate(min_new_tokens=...) with the same bias."""
+    eng = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=2))
+    model, tok = hf_model(qwen3_path)
+    eos = tok.eos_token_id
+    ids = eng.tokenize(PROMPTS[4])
+    eng.add_request("r", ids, SamplingParams(max_tokens=12, temperature=0, min_tokens=5, logit_bias={eos: 30.0}))
+    got = drain(eng)["r"]
+    t = torch.tensor([ids])
+    with torch.inference_mode():
+        out = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=12, min_new_tokens=5, do_sample=False,
+                             eos_token_id=eos, pad_token_id=tok.pad_token_id, sequence_bias={(eos,): 30.0})
+    want = out[0, len(ids):].tolist()
+    assert got == want and len(got) == 6 and got[-1] == eos
