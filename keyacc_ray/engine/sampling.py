@@ -87,11 +87,10 @@ def process_logits(row: torch.Tensor, token_ids: list[int], num_prompt: int, p: 
         seen = torch.tensor(sorted(set(token_ids)), device=row.device)
         score = row[seen]
         row[seen] = torch.where(score < 0, score * p.repetition_penalty, score / p.repetition_penalty)
-    out = token_ids[num_prompt:]
-    if (p.presence_penalty or p.frequency_penalty) and out:
-        ids, counts = torch.tensor(out, device=row.device).unique(return_counts=True)
+    if (p.presence_penalty or p.frequency_penalty) and len(token_ids) > num_prompt:
+        ids, counts = torch.tensor(token_ids[num_prompt:], device=row.device).unique(return_counts=True)
         row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
-    if len(out) < p.min_tokens:
+    if len(token_ids) - num_prompt < p.min_tokens:
         enders = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
         if enders:
             row[torch.tensor(sorted(enders), device=row.device)] = float("-inf")
