@@ -116,6 +116,7 @@ class Ingress:
         self.router = router
         self.driver = RequestDriver(RemoteRouter(router), pools)
         self.tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
+        self.vocab_size = len(self.tokenizer)  # once: transformers rebuilds the vocabulary to count it
         self.model_name = served_model_name
         self.max_model_len = max_model_len
         self.allow_pinning = allow_route_pinning
@@ -205,7 +206,8 @@ class Ingress:
             body = await request.body()
             data = protocol.load_json(body, self.max_body_bytes)
             p = protocol.parse(data, kind, tokenizer=self.tokenizer, served_names={self.model_name},
-                               max_model_len=self.max_model_len, allow_pinning=self._may_pin(request))
+                               max_model_len=self.max_model_len, allow_pinning=self._may_pin(request),
+                               vocab_size=self.vocab_size)
         except KeyaccError as e:
             self._count(f"errors_{e.status_code}")
             return error_response(e.status_code, e.to_dict())

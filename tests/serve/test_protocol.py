@@ -91,3 +91,20 @@ def test_bad_choices_are_refused(qwen3_path, body, param):
     with pytest.raises(InvalidRequest) as e:
         _choices(tok, **body)
     assert e.value.param == param
+
+
+def test_null_fields_as_clients_send_them(qwen3_path):
+    """Clients that serialise every field send unset ones as null: a null max_completion_tokens
+    must not hide max_tokens, and an assistant turn may carry no content (OpenAI's rule)."""
+    tok = AutoTokenizer.from_pretrained(qwen3_path)
+    msgs = [{"role": "user", "content": "hi"}]
+    p = _choices(tok, "chat", messages=msgs, max_tokens=5, max_completion_tokens=None)
+    assert p.request.params["max_tokens"] == 5
+    assert _choices(tok, "chat", messages=msgs, max_tokens=5, max_completion_tokens=7).request.params["max_tokens"] == 7
+    turns = msgs + [{"role": "assistant", "content": None}, {"role": "user", "content": "again"}]
+    empty = msgs + [{"role": "assistant", "content": ""}, {"role": "user", "content": "again"}]
+    assert (_choices(tok, "chat", messages=turns).request.prompt_token_ids
+            == _choices(tok, "chat", messages=empty).request.prompt_token_ids)
+    with pytest.raises(InvalidRequest) as e:
+        _choices(tok, "chat", messages=[{"role": "user", "content": None}])
+    assert e.value.param == "messages[0].content"
