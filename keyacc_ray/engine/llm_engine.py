@@ -17,6 +17,10 @@ from keyacc_ray.engine.sampling import Sampler
 from keyacc_ray.engine.scheduler import Scheduler
 from keyacc_ray.errors import InvalidRequest, ModelLoadError, Overloaded
 
+# Scoring a prompt (prompt logprobs) takes every position's logits: prefilled in chunks whose
+# float32 logits stay under this (about 440 positions of a 151k vocabulary).
+PROMPT_LOGITS_BYTES = 256 << 20
+
 log = logging.getLogger(__name__)
 
 
@@ -33,6 +37,9 @@ class RequestOutput:
     num_output_tokens: int = 0
     # per new token, where the request asked for them: (logprob, [(id, logprob) alternatives])
     logprobs: list[tuple] | None = None
+    # with the first token, where the request asked for them: per prompt token, (logprob,
+    # alternatives) given the tokens before it; None for the first (nothing comes before it)
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -106,6 +113,7 @@ class LLMEngine:
         # recomputed here; their packages wait in preempt_exports for the driver of the engine.
         self.move_on_preempt: set[str] = set()
         self.preempt_exports: list[KVPackage] = []
+        self._prompt_scores: dict[str, list] = {}  # prompt logprobs waiting for the first token's output
 
     # ---- requests ----------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -178,10 +186,13 @@ class LLMEngine:
             self.runner.alloc_slot(s.request_id)
             if s.imported is not None:
                 self._write_imported(s)
-            if s.num_cached == 0 and self.config.batched_prefill:
+            if s.num_cached == 0 and self.config.batched_prefill and s.params.prompt_logprobs is None:
                 fresh.append(s)
                 continue
-            logits = self.runner.extend(s.request_id, s.token_ids[s.num_cached:], s.num_cached)
+            if s.params.prompt_logprobs is not None and s.num_cached == 0 and s.num_output_tokens == 0:
+                logits = self._prefill_scoring_prompt(s)
+            else:
+                logits = self.runner.extend(s.request_id, s.token_ids[s.num_cached:], s.num_cached)
             s.num_cached = s.num_tokens
             new_tokens.append((s, self._sample(logits[None], [s])[0]))
         # Fresh prompts in few forwards instead of one each: a wave of arrivals stalls the
@@ -196,6 +207,21 @@ class LLMEngine:
                 s.num_cached = s.num_tokens
                 new_tokens.append((s, t))
         return [self._postprocess(s, t) for s, t in new_tokens]
+
+    def _prefill_scoring_prompt(self, s: Sequence) -> torch.Tensor:
+        """A fresh prompt's prefill that also scores it (prompt logprobs): in chunks of positions
+        whose logits fit PROMPT_LOGITS_BYTES, each chunk extending the cache. Returns the last
+        position's logits (the first output token's); the scores wait for that token's output."""
+        ids, k = s.token_ids, s.params.prompt_logprobs
+        rows = max(1, PROMPT_LOGITS_BYTES // (4 * self.runner.vocab_size))
+        scores: list = [None]
+        for start in range(0, len(ids), rows):
+            logits = self.runner.extend(s.request_id, ids[start:start + rows], start, all_logits=True)
+            targets = ids[start + 1:start + 1 + rows]  # the token each position predicts
+            if targets:
+                scores += self.sampler.logprobs(logits[:len(targets)], targets, [k] * len(targets))
+        self._prompt_scores[s.request_id] = scores
+        return logits[-1]
 
     def _sample(self, logits, seqs: list[Sequence]) -> list[tuple[int, tuple | None]]:
         """One token per row, with its logprobs where the request asked for them."""
@@ -224,7 +250,8 @@ class LLMEngine:
         text = self.detok[seq.request_id].take(final=status is not None)
         out = RequestOutput(seq.request_id, [token], text, status is not None,
                             status.finish_reason if status else None,
-                            seq.num_prompt_tokens, seq.num_output_tokens, None if lp is None else [lp])
+                            seq.num_prompt_tokens, seq.num_output_tokens, None if lp is None else [lp],
+                            self._prompt_scores.pop(seq.request_id, None))
         if status is not None:
             self._finish(seq, status)
         return out
@@ -237,6 +264,7 @@ class LLMEngine:
         self.seqs.pop(seq.request_id, None)
         self.sampler.remove(seq.request_id)
         self.detok.pop(seq.request_id, None)
+        self._prompt_scores.pop(seq.request_id, None)
 
     # ---- hand-off ----------------------------------------------------------------------
     def export_request(self, request_id: str, layout: str | None = None, source: str = "") -> KVPackage:

@@ -30,6 +30,9 @@ class SamplingParams:
     # Log-probabilities of each generated token (under the model's distribution, before
     # temperature / top-k / top-p) and of this many most likely alternatives; None: none.
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: each prompt token's log-probability given the tokens before it (and
+    # this many alternatives), computed at the first prefill; what `echo` with logprobs returns.
+    prompt_logprobs: int | None = None
     # OpenAI's penalties over the tokens generated so far: logit -= frequency * count + presence
     # * (count > 0); and transformers' / vLLM's repetition penalty over prompt and output
     # (a positive logit divided by it, a negative one multiplied). Neutral: 0, 0, 1.
@@ -88,9 +91,10 @@ class SamplingParams:
                       "characters each", "stop")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative integers", "stop_token_ids")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}", "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
+                raise bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}", name)
         return self
 
     @property

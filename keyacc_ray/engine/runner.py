@@ -401,16 +401,17 @@ class ModelRunner:
         return out.logits[:, -1]
 
     @torch.inference_mode()
-    def extend(self, request_id: str, token_ids: list[int], start: int) -> torch.Tensor:
-        """Feed `token_ids` at positions start.. into the sequence's slot; logits of the last."""
+    def extend(self, request_id: str, token_ids: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
+        """Feed `token_ids` at positions start.. into the sequence's slot; logits of the last
+        [vocab], or of every position [len(token_ids), vocab] (`all_logits`: scoring a prompt)."""
         slot = self._slot_of[request_id]
         t = len(token_ids)
         pos = torch.arange(start, start + t, device=self.device)[None]
         self.cache.bind_extend(slot, start, start + t)
         out = self.model(input_ids=torch.tensor([token_ids], device=self.device), position_ids=pos,
                          attention_mask=self._masks(pos, start + t), use_cache=True,
-                         logits_to_keep=1, **{self._cache_kw: self.cache})
-        return out.logits[0, -1]
+                         logits_to_keep=0 if all_logits else 1, **{self._cache_kw: self.cache})
+        return out.logits[0] if all_logits else out.logits[0, -1]
 
     @torch.inference_mode()
     def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:

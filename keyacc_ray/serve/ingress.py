@@ -244,16 +244,20 @@ class Ingress:
 
     async def _collect(self, p, items):
         n = len(p.requests)
-        text, ids = [[] for _ in range(n)], [[] for _ in range(n)]
+        text, ids, lp_ids = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
         reason, n_out, traces = [None] * n, [0] * n, [{} for _ in range(n)]
         lps = [[] for _ in range(n)] if p.request.params.get("logprobs") is not None else None
+        seen = [False] * n
         async for k, i in items:
             if isinstance(i, TokenChunk):
-                text[k].append(i.text)
-                ids[k].extend(i.token_ids)
+                t, covered, entries, generated = protocol.as_sent(p, k, i, not seen[k])
+                seen[k] = True
+                text[k].append(t)
+                ids[k].extend(generated)
+                lp_ids[k].extend(covered)
                 if lps is not None:
-                    lps[k].extend(i.logprobs or [])
-                n_out[k] = i.num_output_tokens or n_out[k]
+                    lps[k].extend(entries)
+                n_out[k] = 0 if p.echo_only else i.num_output_tokens or n_out[k]
                 reason[k] = i.finish_reason or reason[k]
             elif isinstance(i, ErrorItem):
                 await items.aclose()
@@ -261,7 +265,7 @@ class Ingress:
             elif isinstance(i, Trace):
                 traces[k] = i.to_dict()
         choices = [protocol.choice_body(p, k, "".join(text[k]), reason[k], ids[k],
-                                        protocol.logprobs_body(p.kind, ids[k], lps[k] if lps else None,
+                                        protocol.logprobs_body(p.kind, lp_ids[k], lps[k] if lps else None,
                                                                self._token_text), delta=False)
                    for k in range(n)]
         return protocol.full_body(p, choices, sum(n_out), traces)
@@ -276,16 +280,17 @@ class Ingress:
                 head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                 yield _sse(head)
         pending = [None] * n  # only a choice's finishing chunk waits, so its trace can ride on it
-        want_lps, offset = p.request.params.get("logprobs") is not None, [0] * n
+        offset, seen = [0] * n, [False] * n
         async for k, i in items:
             if isinstance(i, TokenChunk):
-                n_out[k] = i.num_output_tokens or n_out[k]
+                n_out[k] = 0 if p.echo_only else i.num_output_tokens or n_out[k]
                 reason[k] = i.finish_reason or reason[k]
-                lps = protocol.logprobs_body(p.kind, i.token_ids, (i.logprobs or []) if want_lps else None,
-                                             self._token_text, offset[k])
+                text, covered, entries, generated = protocol.as_sent(p, k, i, not seen[k])
+                seen[k] = True
+                lps = protocol.logprobs_body(p.kind, covered, entries, self._token_text, offset[k])
                 if lps is not None and p.kind != "chat" and lps["tokens"]:
                     offset[k] = lps["text_offset"][-1] + len(lps["tokens"][-1])
-                body = protocol.chunk_body(p, created, i.text, i.finish_reason, i.token_ids, lps, k)
+                body = protocol.chunk_body(p, created, text, i.finish_reason, generated, lps, k)
                 if i.finish_reason is None:
                     yield _sse(body)
                 else:

@@ -41,6 +41,7 @@ class TokenChunk:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     logprobs: list | None = None  # per token: (logprob, [(id, logprob) alternatives]), where asked for
+    prompt_logprobs: list | None = None  # with a request's first token, where asked for (LLMEngine's RequestOutput)
 
 
 def merge_chunks(items: list) -> list:
@@ -54,7 +55,8 @@ def merge_chunks(items: list) -> list:
             lps = None if prev.logprobs is None and item.logprobs is None else \
                 (prev.logprobs or []) + (item.logprobs or [])
             out[-1] = TokenChunk(prev.token_ids + item.token_ids, prev.text + item.text, item.finish_reason,
-                                 item.num_prompt_tokens, item.num_output_tokens, lps)
+                                 item.num_prompt_tokens, item.num_output_tokens, lps,
+                                 prev.prompt_logprobs or item.prompt_logprobs)
         else:
             out.append(item)
     return out

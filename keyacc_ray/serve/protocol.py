@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 from keyacc_ray.engine.request import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from keyacc_ray.errors import InvalidRequest, ModelNotFound
-from keyacc_ray.serve.messages import GenerateRequest
+from keyacc_ray.serve.messages import GenerateRequest, TokenChunk
 
 # Accepted only at their neutral values; anything else is refused rather than silently ignored.
-NEUTRAL = {"echo": (None, False), "tools": (None, []),
+NEUTRAL = {"tools": (None, []),
            "tool_choice": (None, "none"), "functions": (None, []), "suffix": (None, ""),
            "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,)}
 
@@ -31,6 +31,10 @@ class ParsedRequest:
     return_token_ids: bool = False
     response_id: str = ""
     num_prompt_tokens: int = 0  # usage: every prompt once, whatever n is
+    # completions `echo`: per choice, its prompt's text, which the choice's text starts with (and,
+    # with logprobs, its tokens' scores); `echo_only`: max_tokens 0, the prompt and nothing else
+    echo: list[str] | None = None
+    echo_only: bool = False
 
     @property
     def request(self) -> GenerateRequest:
@@ -91,18 +95,28 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
     longest = max(len(ids) for ids in prompts)
 
+    echo = data.get("echo")
+    if echo is not None and echo is not False and kind == "chat":
+        raise InvalidRequest(f"'echo'={echo!r} is not supported by this server", param="echo",
+                             code="unsupported_parameter")
+    echo = bool(echo is not None and _type(echo, (bool,), "echo", "a boolean"))
     max_tokens = data.get("max_tokens")
     if kind == "chat" and data.get("max_completion_tokens") is not None:  # a null one does not hide max_tokens
         max_tokens = data["max_completion_tokens"]
     if max_tokens is None:
         max_tokens = 16 if kind == "completion" else max_model_len - longest
     _type(max_tokens, (int,), "max_tokens", "an integer")
+    echo_only = echo and max_tokens == 0  # as vLLM: one token is made and dropped
+    if echo_only:
+        max_tokens = 1
     if max_tokens < 1:
-        raise InvalidRequest(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
+        raise InvalidRequest(f"'max_tokens' must be at least 1 (0 only with echo), got {max_tokens}",
+                             param="max_tokens")
     if longest + max_tokens > max_model_len:
         raise InvalidRequest(f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the context "
                              f"of {max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
 
+    logprobs = _logprobs(data, kind)
     temperature = data.get("temperature", 1.0)
     top_p = data.get("top_p", 1.0)
     temperature = 1.0 if temperature is None else _type(temperature, (int, float), "temperature", "a number")
@@ -125,8 +139,8 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
     penalties = {k: _type(data[k], (int, float), k, "a number") for k in PENALTIES if data.get(k) is not None}
     params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                             top_k=top_k, seed=seed, stop=list(stop), stop_token_ids=list(stop_token_ids),
-                            ignore_eos=ignore_eos, logprobs=_logprobs(data, kind), logit_bias=_logit_bias(data, vocab),
-                            min_tokens=min_tokens,
+                            ignore_eos=ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(data, vocab),
+                            min_tokens=min_tokens, prompt_logprobs=logprobs if echo else None,
                             **{k: float(v) for k, v in penalties.items()}).validate()
 
     stream = data.get("stream", False)
@@ -148,7 +162,9 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
             # each choice is a request of its own through the graph: its id must be unique
             reqs.append(GenerateRequest(rid if n * len(prompts) == 1 else f"{rid}-{len(reqs)}", list(ids),
                                         choice_params, route, back))
-    return ParsedRequest(kind, reqs, stream, include_usage, model, return_ids, rid, sum(len(ids) for ids in prompts))
+    texts = [x if isinstance(x, str) else tokenizer.decode(x) for x in _prompt_items(data)] if echo else None
+    return ParsedRequest(kind, reqs, stream, include_usage, model, return_ids, rid, sum(len(ids) for ids in prompts),
+                         [t for t in texts for _ in range(n)] if echo else None, echo_only)
 
 
 def _logit_bias(data: dict, vocab: int) -> dict[int, float] | None:
@@ -224,13 +240,31 @@ def logprobs_body(kind: str, token_ids: list[int], lps: list | None, token_text,
         tokens.append(token_text(i))
         offsets.append(off)
         off += len(tokens[-1])
-    tops = []
-    for _, top in lps:  # keyed by text: of two ids with one text, the likelier one (top is sorted)
-        d: dict = {}
-        for j, ljp in top:
+    tops: list = []
+    for e in lps:  # keyed by text: of two ids with one text, the likelier one (top is sorted)
+        d: dict | None = None if e is None else {}  # None: a prompt's first token (nothing before it)
+        for j, ljp in e[1] if e else ():
             d.setdefault(token_text(j), ljp)
         tops.append(d)
-    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in lps], "top_logprobs": tops, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [e and e[0] for e in lps], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def as_sent(p: ParsedRequest, k: int, c: TokenChunk, first: bool) -> tuple[str, list[int], list | None, list[int]]:
+    """Choice k's chunk `c` as the client gets it: (text, the tokens its logprobs cover, their
+    entries or None where none were asked for, the generated token ids). With `echo` the
+    choice's first chunk starts with its prompt (the prompt's tokens scored, where logprobs were
+    asked for: the first one None, nothing comes before it); `echo_only` drops what was generated."""
+    want = p.requests[k].params.get("logprobs") is not None
+    text, ids, lps = c.text, list(c.token_ids), (c.logprobs or []) if want else None
+    if p.echo_only:
+        text, ids, lps = "", [], [] if want else None
+    if not (p.echo and first):
+        return text, ids, lps, ids
+    prompt = p.requests[k].prompt_token_ids
+    if lps is not None:
+        lps = (c.prompt_logprobs or [None] * len(prompt)) + lps
+    return p.echo[k] + text, list(prompt) + ids, lps, ids
 
 
 def _completion_prompts(data: dict, tokenizer) -> list[list[int]]:
@@ -238,11 +272,16 @@ def _completion_prompts(data: dict, tokenizer) -> list[list[int]]:
     either), as token ids."""
     if "prompt" not in data:
         raise InvalidRequest("'prompt' is required", param="prompt")
+    return [_one_prompt(x, tokenizer) for x in _prompt_items(data)]
+
+
+def _prompt_items(data: dict) -> list:
+    """The completions prompt as a batch: strings and token-id lists."""
     p = data["prompt"]
     if isinstance(p, str) or _token_ids(p):
-        return [_one_prompt(p, tokenizer)]
+        return [p]
     if isinstance(p, list) and p and all(isinstance(x, str) or (x and _token_ids(x)) for x in p):
-        return [_one_prompt(x, tokenizer) for x in p]
+        return p
     raise InvalidRequest("'prompt' must be a string, a list of token ids, or a non-empty list of either",
                          param="prompt")
 

@@ -247,6 +247,57 @@ def test_logprobs_match_transformers_on_every_route(client, route):
     assert plain.choices[0].logprobs is None
 
 
+def hf_prompt_scores(path: str, ids: list[int]) -> torch.Tensor:
+    model, _ = hf_model(path)
+    with torch.inference_mode():
+        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+@pytest.mark.parametrize("route", ["gpu", "stage", "cpu"])
+def test_echo_scores_the_prompt_as_lm_eval_asks(client, route):
+    """lm-evaluation-harness's loglikelihood request (`local-completions`): a batch of token-id
+    prompts, echo, logprobs 1, max_tokens 1, temperature 0. Each choice's text starts with its
+    prompt; its logprobs cover prompt + generated token, the prompt's first entry null and every
+    other one transformers' score of that token given the ones before it, whichever pool prefilled."""
+    path = tiny_model("qwen3")
+    _, tok = hf_model(path)
+    prompts = [tok(PROMPTS[0])["input_ids"], tok(PROMPTS[3])["input_ids"]]
+    extra = {"return_token_ids": True, "keyacc": {"route": route}}
+    r = client.completions.create(model=MODEL, prompt=prompts, echo=True, logprobs=1, max_tokens=1,
+                                  temperature=0, seed=1234, extra_body=extra)
+    assert r.usage.prompt_tokens == sum(map(len, prompts)) and r.usage.completion_tokens == 2
+    plain = client.completions.create(model=MODEL, prompt=prompts, max_tokens=1, temperature=0, extra_body=extra)
+    for c, ids, p in zip(sorted(r.choices, key=lambda c: c.index), prompts, plain.choices):
+        lp = c.logprobs
+        assert c.text == tok.decode(ids) + p.text and c.token_ids == p.token_ids
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        ref = hf_prompt_scores(path, ids + c.token_ids)
+        for t in range(1, len(ids) + 1):
+            assert lp.token_logprobs[t] == pytest.approx(float(ref[t - 1, (ids + c.token_ids)[t]]), abs=1e-4)
+            assert max(lp.top_logprobs[t].values()) == pytest.approx(float(ref[t - 1].max()), abs=1e-4)
+        assert c.token_ids == hf_greedy(path, ids, 1, stop_at_eos=False)
+        # streamed: the same text and scores, the prompt's in the first chunk
+        chunks = [ch.choices[0] for ch in client.completions.create(
+            model=MODEL, prompt=ids, echo=True, logprobs=1, max_tokens=1, temperature=0, stream=True,
+            extra_body=extra) if ch.choices]
+        assert "".join(ch.text for ch in chunks) == c.text
+        assert chunks[0].text.startswith(tok.decode(ids))
+        streamed = [x for ch in chunks if ch.logprobs for x in ch.logprobs.token_logprobs]
+        assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+        assert [x for ch in chunks if ch.logprobs for x in ch.logprobs.text_offset] == lp.text_offset
+    # max_tokens 0 with echo: the prompt, scored, and nothing generated (as vLLM)
+    only = client.completions.create(model=MODEL, prompt=prompts[1], echo=True, logprobs=0, max_tokens=0,
+                                     temperature=0, extra_body=extra).choices[0]
+    assert only.text == tok.decode(prompts[1]) and only.finish_reason == "length"
+    assert len(only.logprobs.token_logprobs) == len(prompts[1]) and only.model_extra["token_ids"] == []
+    # a string prompt comes back as sent, followed by the same text a plain request gets
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=6, temperature=0, extra_body=extra)
+    echoed = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=6, temperature=0, echo=True,
+                                       extra_body=extra)
+    assert echoed.choices[0].text == PROMPTS[2] + plain.choices[0].text and echoed.choices[0].logprobs is None
+
+
 @pytest.mark.parametrize("route, expect", [
     ("gpu", [("gpu", "prefill"), ("gpu", "decode")]),
     ("cpu", [("cpu", "whole")]),
@@ -386,6 +437,8 @@ BAD = [
     (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "prompt"),
     (json.dumps({"model": MODEL, "prompt": 5}).encode(), 400, "prompt"),
     (json.dumps({"model": MODEL, "prompt": "hi", "keyacc": {"route": "moon"}}).encode(), 400, "keyacc.route"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens"),  # 0: echo only
+    (json.dumps({"model": MODEL, "prompt": "hi", "echo": "yes"}).encode(), 400, "echo"),
 ]
 
 

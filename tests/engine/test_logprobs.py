@@ -80,3 +80,68 @@ def test_logprobs_across_a_hand_off(qwen3_path):
             out += o.new_token_ids
             lps += o.logprobs
     check(qwen3_path, prompt, out, lps, 2)
+
+
+def first_outputs(eng, prompts, params, rids):
+    """Each request's first output (the one that carries its prompt's scores), run to the end."""
+    firsts = {}
+    for r, p in zip(rids, prompts):
+        eng.add_request(r, p, params)
+    while any(r in eng.seqs for r in rids):
+        for o in eng.step():
+            firsts.setdefault(o.request_id, o)
+            assert o is firsts[o.request_id] or o.prompt_logprobs is None  # sent once
+    return [firsts[r] for r in rids]
+
+
+def check_prompt(path, prompt, scores, k):
+    """scores[t]: prompt[t] given prompt[:t], as transformers scores the whole prompt at once."""
+    model, _ = hf_model(path)
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert len(scores) == len(prompt) and scores[0] is None
+    for t in range(1, len(prompt)):
+        lp, top = scores[t]
+        assert abs(lp - float(ref[t - 1, prompt[t]])) < 1e-4, t
+        want = torch.topk(ref[t - 1], k)
+        assert [j for j, _ in top] == want.indices.tolist()
+        assert all(abs(a - b) < 1e-4 for (_, a), b in zip(top, want.values.tolist()))
+
+
+def test_prompt_logprobs_match_transformers(qwen3_path, monkeypatch):
+    """What `echo` with logprobs returns (lm-evaluation-harness's loglikelihood): each prompt
+    token's score, with prompts of several lengths prefilled together with plain ones, and in
+    chunks of positions when the logits would not fit in one (here 3 positions a chunk)."""
+    import keyacc_ray.engine.llm_engine as le
+
+    eng = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=8, dtype="float32"))
+    prompts = [eng.tokenize(p) for p in PROMPTS[:3]] + [[7], [11, 12]]
+    scored = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=2, logprobs=1)
+    plain = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    rids = [f"s{i}" for i in range(len(prompts))]
+    for chunk_rows in (None, 3):
+        if chunk_rows:
+            monkeypatch.setattr(le, "PROMPT_LOGITS_BYTES", 4 * eng.runner.vocab_size * chunk_rows)
+        eng.add_request("plain", prompts[0], plain)  # batched with the scored ones: gets no scores
+        outs = first_outputs(eng, prompts, scored, rids)
+        for p, o in zip(prompts, outs):
+            check_prompt(qwen3_path, p, o.prompt_logprobs, 2)
+        while eng.has_unfinished():
+            assert all(o.prompt_logprobs is None for o in eng.step())
+    # the continuation is unchanged by scoring: same tokens as a plain request
+    a, b = run(eng, [prompts[1]], plain, ["x"])[0], run(eng, [prompts[1]], scored, ["y"])[0]
+    assert a[0] == b[0]
+
+
+def test_prompt_logprobs_are_not_sent_again_after_a_hand_off(qwen3_path):
+    a = _engine(qwen3_path)
+    b = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=8, dtype="float32"))
+    prompt = a.tokenize(PROMPTS[2])
+    a.add_request("h2", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=0))
+    outs = []
+    while len(outs) < 2:
+        outs += a.step()
+    check_prompt(qwen3_path, prompt, outs[0].prompt_logprobs, 0)
+    b.import_request(a.export_request("h2"))
+    while b.has_unfinished():
+        assert all(o.prompt_logprobs is None for o in b.step())

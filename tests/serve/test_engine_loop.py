@@ -21,6 +21,7 @@ class Out:
     num_prompt_tokens: int
     num_output_tokens: int
     logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -139,6 +140,8 @@ def test_merge_chunks_keeps_other_items_in_place():
     assert merge_chunks([a, b, cp, c]) == [TokenChunk([1, 2], "ab", None, 3, 2), cp, c]
     assert merge_chunks([a, c, b]) == [TokenChunk([1, 3], "ac", "stop", 3, 3), b]  # nothing joins a finished one
     assert merge_chunks([]) == []
+    scored = TokenChunk([1], "a", None, 3, 1, prompt_logprobs=[None, (-1.0, []), (-2.0, [])])
+    assert merge_chunks([scored, b])[0].prompt_logprobs == scored.prompt_logprobs  # the first token's, kept
 
 
 def test_idle_thread_waits_for_a_command_instead_of_polling():

@@ -108,3 +108,33 @@ def test_null_fields_as_clients_send_them(qwen3_path):
     with pytest.raises(InvalidRequest) as e:
         _choices(tok, "chat", messages=[{"role": "user", "content": None}])
     assert e.value.param == "messages[0].content"
+
+
+def test_echo_parsing_and_what_each_choice_sends(qwen3_path):
+    from keyacc_ray.serve.messages import TokenChunk
+    from keyacc_ray.serve.protocol import as_sent
+
+    tok = AutoTokenizer.from_pretrained(qwen3_path)
+    p = _choices(tok, prompt=["hello there", [5, 6, 7]], echo=True, logprobs=2, n=2)
+    assert p.echo == ["hello there", "hello there", tok.decode([5, 6, 7]), tok.decode([5, 6, 7])]
+    assert all(r.params["prompt_logprobs"] == 2 for r in p.requests) and not p.echo_only
+    scores = [None, (-1.0, [(9, -0.5)]), (-2.0, [(4, -0.1)])]
+    first = TokenChunk([8], "x", None, 3, 1, [(-0.3, [(8, -0.3)])], scores)
+    text, covered, entries, generated = as_sent(p, 2, first, True)
+    assert (text, covered, generated) == (tok.decode([5, 6, 7]) + "x", [5, 6, 7, 8], [8])
+    assert entries == scores + [(-0.3, [(8, -0.3)])]
+    later = TokenChunk([9], "y", "length", 3, 2, [(-0.2, [])])
+    assert as_sent(p, 2, later, False) == ("y", [9], [(-0.2, [])], [9])
+    # max_tokens 0: only with echo; the engine makes one token, which is dropped
+    only = _choices(tok, prompt=[5, 6, 7], echo=True, max_tokens=0)
+    assert only.echo_only and only.request.params["max_tokens"] == 1
+    assert only.request.params["prompt_logprobs"] is None
+    assert as_sent(only, 0, first, True) == (tok.decode([5, 6, 7]), [5, 6, 7], None, [])
+    for body, param in (({"prompt": "hi", "max_tokens": 0}, "max_tokens"), ({"prompt": "hi", "echo": 1}, "echo")):
+        with pytest.raises(InvalidRequest) as e:
+            _choices(tok, **body)
+        assert e.value.param == param
+    with pytest.raises(InvalidRequest) as e:
+        _choices(tok, "chat", messages=[{"role": "user", "content": "hi"}], echo=True)
+    assert e.value.param == "echo"
+    assert _choices(tok, prompt="hi", echo=False).echo is None
