@@ -194,6 +194,32 @@ class Ingress:
     async def chat(self, request: Request):
         return await self._handle(request, "chat")
 
+    # vLLM's tokenizer endpoints: tokenize as this server does, without the model's files
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request):
+        return await self._tokenizer_call(request, lambda d: protocol.tokenize(
+            d, tokenizer=self.tokenizer, served_names={self.model_name}, max_model_len=self.max_model_len))
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request):
+        return await self._tokenizer_call(request, lambda d: protocol.detokenize(
+            d, tokenizer=self.tokenizer, served_names={self.model_name}, vocab_size=self.vocab_size))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(self, request: Request):
+        if (err := self._auth_error(request)) is not None:
+            return err
+        return protocol.tokenizer_info(self.tokenizer)
+
+    async def _tokenizer_call(self, request: Request, call):
+        if (err := self._auth_error(request)) is not None:
+            return err
+        try:
+            return call(protocol.load_json(await request.body(), self.max_body_bytes))
+        except KeyaccError as e:
+            self._count(f"errors_{e.status_code}")
+            return error_response(e.status_code, e.to_dict())
+
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 

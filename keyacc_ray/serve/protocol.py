@@ -390,3 +390,48 @@ def full_body(p: ParsedRequest, choices: list[dict], n_out: int, traces: list[di
     return {"id": p.response_id, "object": "chat.completion" if p.kind == "chat" else "text_completion",
             "created": int(time.time()), "model": p.model, "choices": choices,
             "usage": usage(p.num_prompt_tokens, n_out), "keyacc": trace}
+
+
+# ---- vLLM's tokenizer endpoints (/tokenize, /detokenize, /tokenizer_info) ---------------------
+def _check_model(data: dict, served_names: set[str]) -> None:
+    """The model is optional here; named, it must be this server's."""
+    model = data.get("model")
+    if model is not None and model not in served_names:
+        raise ModelNotFound(f"the model '{model}' does not exist; this server serves {sorted(served_names)}",
+                            param="model", code="model_not_found")
+
+
+def tokenize(data: dict, *, tokenizer, served_names: set[str], max_model_len: int) -> dict:
+    """`prompt` (a string; `add_special_tokens`, default true) or chat `messages` (the chat
+    template with the generation prompt, as a chat request is tokenized) -> token ids."""
+    _check_model(data, served_names)
+    if "messages" in data:
+        ids = _chat_prompt(data, tokenizer)
+    else:
+        prompt = data.get("prompt")
+        _type(prompt, (str,), "prompt", "a string")
+        special = data.get("add_special_tokens", True)
+        _type(special, (bool,), "add_special_tokens", "a boolean")
+        ids = tokenizer(prompt, add_special_tokens=special)["input_ids"]
+    out = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": None}
+    if data.get("return_token_strs"):
+        out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+    return out
+
+
+def detokenize(data: dict, *, tokenizer, served_names: set[str], vocab_size: int) -> dict:
+    _check_model(data, served_names)
+    ids = data.get("tokens")
+    if not _token_ids(ids) or any(t < 0 or t >= vocab_size for t in ids):
+        raise InvalidRequest(f"'tokens' must be a list of token ids in [0, {vocab_size})", param="tokens")
+    return {"prompt": tokenizer.decode(ids)}
+
+
+def tokenizer_info(tokenizer) -> dict:
+    """What a remote client needs to tokenize as this server does (lm-evaluation-harness's
+    remote tokenizer reads eos_token and the chat template)."""
+    info = {"tokenizer_class": type(tokenizer).__name__, "vocab_size": len(tokenizer),
+            "chat_template": getattr(tokenizer, "chat_template", None)}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        info[name] = getattr(tokenizer, name, None)
+    return info

@@ -298,6 +298,20 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(client, route):
     assert echoed.choices[0].text == PROMPTS[2] + plain.choices[0].text and echoed.choices[0].logprobs is None
 
 
+def test_tokenizer_endpoints_as_vllm_serves_them(app_url):
+    """/tokenize, /detokenize and /tokenizer_info (what lm-evaluation-harness's remote tokenizer
+    looks for): the served tokenizer's own ids, a round trip, and OpenAI-shaped errors."""
+    _, tok = hf_model(tiny_model("qwen3"))
+    r = httpx.post(f"{app_url}/tokenize", json={"prompt": PROMPTS[1], "add_special_tokens": False}, timeout=30)
+    assert r.status_code == 200 and r.json()["tokens"] == tok(PROMPTS[1], add_special_tokens=False)["input_ids"]
+    back = httpx.post(f"{app_url}/detokenize", json={"model": MODEL, "tokens": r.json()["tokens"]}, timeout=30)
+    assert back.json() == {"prompt": PROMPTS[1]}
+    info = httpx.get(f"{app_url}/tokenizer_info", timeout=30).json()
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+    bad = httpx.post(f"{app_url}/detokenize", json={"tokens": [10**9]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
 @pytest.mark.parametrize("route, expect", [
     ("gpu", [("gpu", "prefill"), ("gpu", "decode")]),
     ("cpu", [("cpu", "whole")]),

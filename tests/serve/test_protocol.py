@@ -138,3 +138,26 @@ def test_echo_parsing_and_what_each_choice_sends(qwen3_path):
         _choices(tok, "chat", messages=[{"role": "user", "content": "hi"}], echo=True)
     assert e.value.param == "echo"
     assert _choices(tok, prompt="hi", echo=False).echo is None
+
+
+def test_tokenizer_endpoints(qwen3_path):
+    from keyacc_ray.errors import KeyaccError
+    from keyacc_ray.serve.protocol import detokenize, tokenize, tokenizer_info
+
+    tok = AutoTokenizer.from_pretrained(qwen3_path)
+    kw = {"tokenizer": tok, "served_names": {"m"}}
+    out = tokenize({"prompt": "hello there", "add_special_tokens": False}, max_model_len=256, **kw)
+    assert out["tokens"] == tok("hello there", add_special_tokens=False)["input_ids"]
+    assert out["count"] == len(out["tokens"]) and out["max_model_len"] == 256
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = tokenize({"model": "m", "messages": msgs}, max_model_len=256, **kw)
+    assert chat["tokens"] == _choices(tok, "chat", messages=msgs).request.prompt_token_ids
+    assert detokenize({"tokens": out["tokens"]}, vocab_size=len(tok), **kw) == {"prompt": "hello there"}
+    info = tokenizer_info(tok)
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+    for call, body, param in ((tokenize, {"prompt": 5}, "prompt"), (tokenize, {"prompt": "x", "model": "z"}, "model"),
+                              (detokenize, {"tokens": [1, -2]}, "tokens"), (detokenize, {"tokens": "ab"}, "tokens"),
+                              (detokenize, {"tokens": [len(tok)]}, "tokens")):
+        with pytest.raises(KeyaccError) as e:  # a 400, or a 404 for another model
+            call(body, **kw, **({"max_model_len": 256} if call is tokenize else {"vocab_size": len(tok)}))
+        assert e.value.param == param
