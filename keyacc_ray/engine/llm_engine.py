@@ -162,6 +162,16 @@ class LLMEngine:
         if seq is not None:
             self._finish(seq, SeqStatus.FINISHED_ABORTED)
 
+    def withdraw(self, request_id: str) -> bool:
+        """A sequence still waiting for its first step here (never run: nothing generated, no KV
+        brought) leaves, to start over elsewhere; False (and nothing happens) once it has run."""
+        seq = self.seqs.get(request_id)
+        if (seq is None or seq.status != SeqStatus.WAITING or seq.num_output_tokens or seq.num_cached
+                or seq.imported is not None):
+            return False
+        self._finish(seq, SeqStatus.FINISHED_ABORTED)
+        return True
+
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
 

@@ -6,7 +6,7 @@ whole requests go to the CPU (full offload's rule, `whole_request_route`). CPU d
 periods and move back after the memory check, as in both modes."""
 from keyacc_ray.policies import register
 from keyacc_ray.policies.base import LoadView, Policy, RequestView
-from keyacc_ray.policies.hysteresis import gate, return_decision, whole_request_route
+from keyacc_ray.policies.hysteresis import gate, recall_waiting, return_decision, whole_request_route
 from keyacc_ray.policies.stage_offload import decode_placement
 
 DEFAULTS = {
@@ -45,3 +45,7 @@ class Auto(Policy):
 
     def after_period(self, req: RequestView, load: LoadView) -> str:
         return return_decision(self, self.gpu, req, load)
+
+    def recall(self, waiting: list[RequestView], load: LoadView) -> int:
+        self.observe(load)
+        return recall_waiting(self, waiting, load)

@@ -16,7 +16,7 @@ keeps running on the CPU.
 """
 from keyacc_ray.policies import register
 from keyacc_ray.policies.base import LoadView, Policy, RequestView
-from keyacc_ray.policies.hysteresis import gate, return_decision, whole_request_route
+from keyacc_ray.policies.hysteresis import gate, recall_waiting, return_decision, whole_request_route
 
 DEFAULTS = {
     "gpu_queue_high": 2, "gpu_queue_safe": 1, "gpu_queue_overflow": 24, "cpu_queue_high": 4, "cpu_queue_safe": 1,
@@ -47,3 +47,7 @@ class FullOffload(Policy):
 
     def after_period(self, req: RequestView, load: LoadView) -> str:
         return return_decision(self, self.gpu, req, load)
+
+    def recall(self, waiting: list[RequestView], load: LoadView) -> int:
+        self.observe(load)
+        return recall_waiting(self, waiting, load)

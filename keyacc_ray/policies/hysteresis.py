@@ -104,16 +104,33 @@ def flooded(policy: Policy, req: RequestView, load: LoadView) -> bool:
     return waiting > limit
 
 
-def gpu_has_room(policy: Policy, req: RequestView, load: LoadView) -> bool:
-    """Sent to the GPU now, the request would start at once: nothing waits there, one decode
-    batch has a place for it (this router's requests in prefill and decode counted) and the
-    memory check passes."""
+def gpu_places(policy: Policy, req: RequestView, load: LoadView) -> int:
+    """How many requests like this one would start on the GPU at once if sent now: none while
+    anything waits there or the memory check fails, else the places left in one decode batch
+    (this router's requests in prefill and decode counted)."""
     batch = gpu_batch(req, load)
     if batch is None or load.gpu_queue > 0:
-        return False
-    if load.gpu_prefill.inflight + load.gpu_decode.inflight >= batch:
-        return False
-    return fits(req, load.gpu_decode, load, policy.options["min_gpu_free_bytes"])
+        return 0
+    places = batch - load.gpu_prefill.inflight - load.gpu_decode.inflight
+    if places <= 0 or not fits(req, load.gpu_decode, load, policy.options["min_gpu_free_bytes"]):
+        return 0
+    return places
+
+
+def gpu_has_room(policy: Policy, req: RequestView, load: LoadView) -> bool:
+    """Sent to the GPU now, the request would start at once (see `gpu_places`)."""
+    return gpu_places(policy, req, load) > 0
+
+
+def recall_waiting(policy: Policy, waiting: list[RequestView], load: LoadView) -> int:
+    """Requests waiting for a CPU slot start over on the GPU where it has places for them now
+    (the GPU freed up before the CPU pool did): as many as it has places, oldest first."""
+    if not waiting:
+        return 0
+    n = min(len(waiting), gpu_places(policy, waiting[0], load))
+    for _ in range(n):
+        policy.count("recalled_from_cpu_queue")
+    return n
 
 
 def cpu_full(load: LoadView) -> bool:

@@ -22,7 +22,7 @@ import logging
 import time
 
 from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopEnd, SegmentStart, Ticket,
-                                       TicketUpdate, TokenChunk, Trace)
+                                       TicketUpdate, TokenChunk, Trace, Withdrawn)
 
 log = logging.getLogger("ray.serve")
 ROUTER_TIMEOUT_S = 10.0
@@ -76,6 +76,8 @@ def fallback(t: Ticket, end: HopEnd | None) -> Ticket:
     if end.outcome == "handoff":  # finish where the request is
         t.hop = t.hop if kind == "cpu_decode" else "gpu_decode"
         t.export_after = None
+    elif end.outcome == "withdrawn":  # recalled unstarted: start over on the GPU pools
+        t.hop, t.export_after = "gpu_prefill", 1
     elif end.outcome == "failed" and t.recoveries < MAX_RECOVERIES:
         t.recoveries += 1
         t.hop = "cpu_decode/0" if FAILOVER[kind] == "cpu_decode" else FAILOVER[kind]
@@ -153,6 +155,10 @@ class RequestDriver:
                             segment_started = True
                         elif isinstance(it, Handoff):
                             next_handoff = it
+                        elif isinstance(it, Withdrawn):  # recalled from the pool's queue, unstarted
+                            outcome = "withdrawn"
+                            if segment_started:
+                                trace.segments[-1]["withdrawn"] = True
                         else:
                             if isinstance(it, TokenChunk):
                                 trace.add_tokens(len(it.token_ids))

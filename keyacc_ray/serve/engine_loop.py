@@ -1,14 +1,16 @@
 """Drive an LLMEngine from a background thread and stream its outputs to asyncio callers.
 
-The thread owns the engine: it takes commands from an inbox between steps (add, import, abort),
-runs `engine.step()` while there is work (torch releases the GIL, so the replica's event loop
-stays responsive), and hands each step's outputs to the waiting streams. A caller reads a
-batch of everything produced since its last read, so a slow reader gets bigger chunks instead
-of one round trip per token. A sequence with `export_after=N` is exported right after its Nth
-token on this engine and its stream ends with the hand-off. A sequence with `check_every=N` keeps
-decoding and gets a `Checkpoint` in its stream after every N tokens here; `export(request_id)`
-then hands it off at the next step boundary (an elastic-pipeline period whose check says "stay"
-costs nothing). No Ray here: the pool injects `on_export` to place the package in the object store.
+The thread owns the engine: it takes commands from an inbox between steps (add, import, abort,
+export, withdraw), runs `engine.step()` while there is work (torch releases the GIL, so the
+replica's event loop stays responsive), and hands each step's outputs to the waiting streams. A
+caller reads a batch of everything produced since its last read, so a slow reader gets bigger
+chunks instead of one round trip per token. A sequence with `export_after=N` is exported right
+after its Nth token on this engine and its stream ends with the hand-off. A sequence with
+`check_every=N` keeps decoding and gets a `Checkpoint` in its stream after every N tokens here;
+`export(request_id)` then hands it off at the next step boundary (an elastic-pipeline period
+whose check says "stay" costs nothing). `withdraw(request_id)` takes a sequence still waiting to
+run out of the engine (its stream ends with `Withdrawn`). No Ray here: the pool injects
+`on_export` to place the package in the object store.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from keyacc_ray.engine.kv_package import KVPackage
 from keyacc_ray.engine.llm_engine import LLMEngine
 from keyacc_ray.engine.request import SamplingParams
 from keyacc_ray.errors import KeyaccError
-from keyacc_ray.serve.messages import ErrorItem, TokenChunk, merge_chunks
+from keyacc_ray.serve.messages import ErrorItem, TokenChunk, Withdrawn, merge_chunks
 from keyacc_ray.serve.step_profile import StepProfiler
 
 log = logging.getLogger(__name__)
@@ -115,6 +117,12 @@ class AsyncEngine:
         self._inbox.put(("export", request_id))
         self._wake.set()
 
+    def withdraw(self, request_id: str) -> None:
+        """If the sequence is still waiting, never run, it leaves and its stream ends with
+        `Withdrawn`; once it has run, nothing happens (its tokens keep coming)."""
+        self._inbox.put(("withdraw", request_id))
+        self._wake.set()
+
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop
 
@@ -190,6 +198,12 @@ class AsyncEngine:
             if cmd[0] == "abort":
                 self._streams.pop(cmd[1], None)
                 self.engine.abort(cmd[1])
+                continue
+            if cmd[0] == "withdraw":
+                s = self._streams.get(cmd[1])
+                if s is not None and self.engine.withdraw(cmd[1]):
+                    self._push(s, Withdrawn())
+                    self._close(cmd[1])
                 continue
             if cmd[0] == "export":
                 s = self._streams.get(cmd[1])

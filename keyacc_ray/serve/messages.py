@@ -63,6 +63,12 @@ def merge_chunks(items: list) -> list:
 
 
 @dataclass
+class Withdrawn:
+    """The last item of a hop's stream: the request left the pool's queue before it ever ran
+    there (recalled by the router to start over where a place is free now)."""
+
+
+@dataclass
 class ErrorItem:
     status_code: int
     body: dict  # {"error": {...}} in OpenAI's shape
@@ -156,7 +162,8 @@ class TicketUpdate:
 class HopEnd:
     """How a hop ended, as the ingress reports it to the router."""
 
-    outcome: str  # "handoff", "backpressure", "failed", or "done" (finished, errored or cancelled)
+    outcome: str  # "handoff", "backpressure", "failed", "withdrawn" (recalled unstarted), or "done" (finished,
+    # errored or cancelled)
     seconds: float
     num_output_tokens: int  # generated so far, over every hop
     has_handoff: bool = False  # the hop was entered with (or, failed, left) a sequence to continue

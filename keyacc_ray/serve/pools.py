@@ -47,6 +47,10 @@ MONITOR_NAMESPACE = "keyacc"
 ROUTER_NAME = "Router"  # the Router deployment's name in the app (app.py binds it; pools look it up)
 REPORT_EVERY_S = 0.2
 ROUTER_CHECK_TIMEOUT_S = 10.0
+# A request queued here (unstarted) for RECALL_AFTER_S is offered to the router, which may start it
+# over on the GPU if that has room by now; one call per replica every RECALL_EVERY_S while any waits.
+RECALL_AFTER_S = 0.5
+RECALL_EVERY_S = 0.5
 HEARTBEAT_S = 1.0
 
 
@@ -94,6 +98,8 @@ class EnginePool:
         self._held: collections.deque = collections.deque()
         self._kv_dir = None  # the KV directory actor's handle, made on first use
         self._router_handle = None  # the Router deployment's handle, for period checks, made on first use
+        self._unstarted: dict[str, tuple[Ticket, float]] = {}  # engine id -> (ticket, since): queued, no token yet
+        self._recaller: asyncio.Task | None = None
         self.loop = AsyncEngine(self.engine, on_export=self._to_handoff, stream_interval_s=stream_interval_ms / 1e3)
         label = ("EMULATED GPU: runs on CPU cores with an emulated KV budget of "
                  f"{self.engine.blocks.num_blocks} blocks x {self.engine.blocks.block_size} tokens"
@@ -141,9 +147,14 @@ class EnginePool:
         state = {"ticket": ticket, "started": time.monotonic(), "moving": False}
         updates: list[TicketUpdate] = []
         check: asyncio.Task | None = None
+        if package is None:  # a whole request: while it waits for a slot here, the GPU may free up first
+            self._unstarted[rid] = (ticket, time.monotonic())
+            if self._recaller is None or self._recaller.done():
+                self._recaller = asyncio.ensure_future(self._recall_loop())
         try:
             async for items in self.loop.generate(rid, prompt_ids=req.prompt_token_ids, params=params,
                                                   package=package, check_every=period):
+                self._unstarted.pop(rid, None)
                 out = []
                 for it in items:
                     if isinstance(it, Checkpoint):
@@ -158,8 +169,31 @@ class EnginePool:
             if updates:  # a check answered after the last tokens: the driver still wants the ticket
                 yield list(updates)
         finally:
+            self._unstarted.pop(rid, None)
             if check is not None and not check.done():
                 check.cancel()
+
+    async def _recall_loop(self) -> None:
+        """While requests wait here unstarted: every RECALL_EVERY_S, offer those waiting for
+        RECALL_AFTER_S to the router; the ones it recalls leave the engine's queue (if they still
+        have not started) and their drivers start them over where the router says."""
+        while self._unstarted:
+            await asyncio.sleep(RECALL_EVERY_S)
+            now = time.monotonic()
+            due = sorted((since, rid, t) for rid, (t, since) in self._unstarted.items()
+                         if now - since >= RECALL_AFTER_S)
+            if not due:
+                continue
+            try:
+                ids = set(await asyncio.wait_for(self._router().options(_by_reference=False).recall.remote(
+                    [t for _, _, t in due]), ROUTER_CHECK_TIMEOUT_S))
+            except Exception as e:  # noqa: BLE001 - router restarting or gone: they wait here
+                log.warning("recall check failed (%s)", e.__class__.__name__)
+                self._router_handle = None
+                continue
+            for _, rid, t in due:
+                if t.request_id in ids and self._unstarted.pop(rid, None) is not None:
+                    self.loop.withdraw(rid)
 
     async def _check(self, rid: str, cp: Checkpoint, state: dict, updates: list) -> None:
         t: Ticket = state["ticket"]

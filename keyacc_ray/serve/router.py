@@ -3,10 +3,12 @@
 It reads a cached monitor snapshot, refreshed by a background task (never a blocking call on
 the request path; if the monitor is gone it keeps its last snapshot), and asks the policy. The
 ingress's `RequestDriver` walks each request through its hops and calls the router at each
-turn: `begin` (the first hop), `advance` (after a hand-off, a full queue or a failure: GPU
-prefill -> GPU or CPU decode, CPU decode in periods after which the policy may move the decode
-back), `finish`. Tokens never pass through here: a few small calls per request, not per token.
-The router counts each request on its current hop (in flight) to correct the snapshot.
+turn: `begin` (the first hop), `advance` (after a hand-off, a full queue, a failure or a
+recall: GPU prefill -> GPU or CPU decode, CPU decode in periods after which the policy may move
+the decode back), `finish`; and a CPU pool asks `recall` which of its queued, unstarted requests
+should start over on the GPU now that it has room. Tokens never pass through here: a few small
+calls per request, not per token. The router counts each request on its current hop (in flight)
+to correct the snapshot.
 """
 from __future__ import annotations
 
@@ -255,6 +257,12 @@ class Router:
             self._count(f"recoveries_total|hop={kind}")
             t.last_cpu = None
             return self._enter(t, nxt, self._cpu_period(t) if nxt == "cpu_decode" else None)
+        if end.outcome == "withdrawn":  # recalled from a CPU queue before it ran: routed again, as new
+            t.route = self.policy.route(self._view(t, 0), self.load_view())
+            self._count(f"moves_total|from=cpu,to={'cpu' if t.route == 'cpu' else 'gpu'},reason=recall")
+            if t.route == "cpu":
+                return self._enter(t, "cpu_decode", self._cpu_period(t))
+            return self._enter(t, "gpu_prefill", 1)
         # a hand-off: the policy says where the sequence goes on
         view = self._view(t, end.num_output_tokens)
         nxt, export_after = self._next_hop(t, kind, view)
@@ -266,6 +274,14 @@ class Router:
             self._count(f"moves_total|from={src},to={dst},reason={reason}")
         return self._enter(t, nxt, export_after)
 
+    async def recall(self, waiting: list[Ticket]) -> list[str]:
+        """A CPU pool's requests that wait there, not started (oldest first): the ids of those
+        that should start over on the GPU, now that it has room (their streams end `Withdrawn`
+        and each driver comes back through `advance`, which routes it again)."""
+        await self._ready()
+        n = self.policy.recall([self._view(t, 0) for t in waiting], self.load_view())
+        return [t.request_id for t in waiting[:n]]
+
     async def finish(self, t: Ticket, end: HopEnd) -> None:
         """The request is done (finished, failed with an error, or its client went away)."""
         self._leave(t, end)
@@ -276,7 +292,9 @@ class Router:
         return RequestView(t.num_prompt_tokens, num_output_tokens, t.max_tokens, self.output_lengths.expected())
 
     def _cpu_period(self, t: Ticket) -> int | None:
-        if t.migrate_back_after is not None:
+        """Tokens before the next decision on the CPU pool. A pinned request has none unless the
+        client asked it to move back (`migrate_back_after`): it stays where it was pinned."""
+        if t.pinned_route is not None:
             return t.migrate_back_after
         return self.policy.decode_period_tokens()
 

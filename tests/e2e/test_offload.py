@@ -4,6 +4,7 @@ equals transformers' generate(), and nothing fails for lack of memory."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 
 import httpx
 import pytest
@@ -152,3 +153,55 @@ def test_gpu_decode_preempted_for_kv_moves_to_the_cpu_pool(app_url, policy):
     assert all(t["segments"][2].get("kv") == "received" for t in moved)  # with its KV, not recomputed
     text = httpx.get(f"{app_url}/metrics", timeout=10).text
     assert "keyacc_gpu_preemptions_moved_total" in text
+
+
+def test_requests_queued_on_the_cpu_pool_move_to_the_gpu_when_it_frees_up(app_url, policy):
+    """Long pinned requests hold every CPU slot and the GPU; requests sent now overflow to the CPU
+    pool (full_offload, flood limit 0) and queue there. Then the GPU frees up (its clients go
+    away) long before any CPU slot does: the router recalls the queued requests, they leave the
+    CPU queue unstarted and run on the GPU. Without the recall they would wait for the long CPU
+    requests to end."""
+    import threading
+
+    policy("full_offload", {**FAST, "trigger_window_s": 30.0, "gpu_queue_overflow": 0})
+    stop = threading.Event()
+    recalls = recall_moves(app_url)
+
+    def one(prompt, max_tokens, route=None):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, **({"keyacc": {"route": route}} if route else {})}
+        return prompt, httpx.post(f"{app_url}/v1/completions", timeout=180, json=body)
+
+    def held(prompt):  # a streamed GPU request whose client goes away when told
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+                "stream": True, "keyacc": {"route": "gpu"}}
+        with httpx.stream("POST", f"{app_url}/v1/completions", timeout=180, json=body) as r:
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return
+
+    with cf.ThreadPoolExecutor(32) as ex:
+        longs = [ex.submit(one, PROMPTS[i % len(PROMPTS)], 600, "cpu") for i in range(16)]
+        gpu = [ex.submit(held, PROMPTS[i % len(PROMPTS)]) for i in range(8)]
+        time.sleep(0.5)
+        shorts = [ex.submit(one, PROMPTS[i % len(PROMPTS)], 16) for i in range(6)]
+        time.sleep(0.5)
+        stop.set()
+        traces = check([f.result() for f in shorts], 16)
+        assert not any(f.done() for f in longs), "the long CPU requests ended first: the test proves nothing"
+        for f in gpu:
+            f.result()
+        check([f.result() for f in longs], 600)
+    queued = [t for t in traces if t["segments"][0]["pool"] == "cpu"]
+    assert len(queued) >= 3, [t["segments"] for t in traces]
+    for t in queued:  # left the CPU queue unstarted, ran on the GPU
+        assert t["segments"][0].get("withdrawn") and t["segments"][0]["tokens"] == 0
+        assert [s["pool"] for s in t["segments"][1:]] == ["gpu", "gpu"]
+    assert recall_moves(app_url) - recalls == len(queued)
+    assert router_inflight_settles()
+
+
+def recall_moves(app_url) -> float:
+    line = 'keyacc_moves_total{from="cpu",to="gpu",reason="recall"} '
+    text = httpx.get(f"{app_url}/metrics", timeout=10).text
+    return next((float(x[len(line):]) for x in text.splitlines() if x.startswith(line)), 0.0)

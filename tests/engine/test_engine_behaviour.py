@@ -219,3 +219,25 @@ def test_a_movable_sequence_leaves_with_its_kv_when_preempted(qwen3_path):
     assert a.blocks.num_free_blocks == 12 and a.runner.num_used_slots == 0
     for i, p in enumerate(prompts):
         assert outs[f"r{i}"] == hf_greedy(qwen3_path, p, max_tokens), i
+
+
+def test_withdraw_takes_only_a_sequence_that_never_ran(qwen3_path):
+    """A request queued behind a full engine can leave (to start over elsewhere) until it runs;
+    a running one, or one that came with its KV, cannot. The others' output is untouched."""
+    from keyacc_ray.engine.request import SeqStatus
+
+    eng = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=1, dtype="float32"))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    ids = eng.tokenize(PROMPTS[0])
+    for rid in ("a", "b", "c"):
+        eng.add_request(rid, ids, params)
+    eng.step()
+    assert eng.seqs["a"].status == SeqStatus.RUNNING and eng.seqs["b"].status == SeqStatus.WAITING
+    assert not eng.withdraw("a") and not eng.withdraw("nope")
+    assert eng.withdraw("b") and "b" not in eng.seqs
+    out: dict[str, list] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert set(out) == {"a", "c"} and out["c"] == hf_greedy(qwen3_path, ids, 4)
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks

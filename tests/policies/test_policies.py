@@ -216,3 +216,25 @@ def test_no_request_queues_on_the_cpu_while_the_gpu_has_room(name):
     big = RequestView(20, 0, 400)  # its KV does not fit the GPU now
     assert p.route(big, now(gpu_inflight=0, cpu_inflight=32)) == "cpu"
     assert p.counters["gpu_room_over_cpu_queue"] == 2
+
+
+@pytest.mark.parametrize("name, recalls", [("full_offload", True), ("auto", True), ("stage_offload", False),
+                                           ("gpu_only", False)])
+def test_recall_from_the_cpu_queue_up_to_the_gpu_places(name, recalls):
+    """Requests waiting for a CPU slot start over on the GPU when it frees up first: as many as
+    its decode batch has places (this router's in-flight requests counted), none while anything
+    waits there or the memory check fails. Policies that never send whole requests to the CPU
+    recall none."""
+    p = make_policy(name, {}, clock=Clock())
+
+    def now(gpu_inflight, gpu_queue=0, free_blocks=16):
+        v = view(gpu_queue=gpu_queue, free_blocks=free_blocks)
+        v.gpu_decode.total_blocks, v.gpu_decode.slots, v.gpu_decode.inflight = 16, 8, gpu_inflight  # batch: 4
+        return v
+    waiting = [REQ] * 3
+    assert p.recall(waiting, now(gpu_inflight=0)) == (3 if recalls else 0)
+    assert p.recall(waiting, now(gpu_inflight=2)) == (2 if recalls else 0)
+    assert p.recall(waiting, now(gpu_inflight=4)) == 0
+    assert p.recall(waiting, now(gpu_inflight=0, gpu_queue=1)) == 0
+    assert p.recall(waiting, now(gpu_inflight=0, free_blocks=1)) == 0  # its KV does not fit there now
+    assert p.recall([], now(gpu_inflight=0)) == 0

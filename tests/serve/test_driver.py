@@ -9,8 +9,8 @@ import copy
 import pytest
 
 from keyacc_ray.serve.driver import RequestDriver
-from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopEnd, SegmentStart, TicketUpdate,
-                                       TokenChunk, Trace)
+from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopEnd, SegmentStart, Ticket,
+                                       TicketUpdate, TokenChunk, Trace, Withdrawn)
 from keyacc_ray.serve.router import Router, hop_keys
 
 PROMPT = [1, 2, 3, 4]
@@ -173,6 +173,19 @@ def test_pinned_stage_goes_to_cpu_and_back():
     assert pools["cpu_decode/0"].calls == [(len(PROMPT) + 1, 3)]
     assert router._counters["moves_total|from=gpu,to=cpu,reason=pinned"] == 1
     assert router._counters["moves_total|from=cpu,to=gpu,reason=pinned"] == 1
+    assert settled(router)
+
+
+@pytest.mark.parametrize("route, first", [("cpu", [("cpu", 40)]), ("stage", [("gpu", 1), ("cpu", 39)])])
+def test_a_pinned_request_stays_where_it_was_pinned_under_an_offload_policy(route, first):
+    """A policy's CPU decode periods are for the requests it placed: pinned to the CPU pool
+    (without migrate_back_after), a request is not moved back to the GPU after a period (it was,
+    after 24 tokens, under every policy with periods)."""
+    driver, router, pools = make("full_offload", {"decode_period_tokens": 24})
+    tokens, errors, trace = asyncio.run(collect(driver, request(40, route=route)))
+    assert tokens == [100 + i for i in range(40)] and not errors
+    assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == first
+    assert pools["cpu_decode/0"].calls[-1][1] is None  # no period: nothing to hand off
     assert settled(router)
 
 
@@ -475,3 +488,82 @@ def test_without_a_router_a_preempted_gpu_decode_is_recomputed_in_place():
     t = Ticket("r", 4, 10, hop="gpu_decode", move_on_preempt=True)
     nt = fallback(t, HopEnd("handoff", 0.1, 3, True))
     assert nt.hop == "gpu_decode" and not nt.move_on_preempt
+
+
+class QueuingCpuPool(FakePool):
+    """A CPU pool whose requests wait in its queue until told to run; withdrawn while still
+    waiting, the stream ends with `Withdrawn` (as AsyncEngine.withdraw does)."""
+
+    def __init__(self):
+        super().__init__("CpuDecode", "cpu", "whole")
+        self.release = asyncio.Event()
+        self.withdrawn: set[str] = set()
+        self.waiting: dict[str, asyncio.Event] = {}
+
+    def remote(self, req, handoff, export_after, ticket=None, movable=False):
+        self.calls.append((None if handoff is None else len(handoff.token_ids), export_after))
+        return FakeStream(self._queued(req, handoff, export_after))
+
+    async def _queued(self, req, handoff, export_after):
+        gone = self.waiting[req.request_id] = asyncio.Event()
+        yield [SegmentStart(self.pool, self.phase, self.name + "-r0", self.name)]
+        await asyncio.wait([asyncio.ensure_future(self.release.wait()), asyncio.ensure_future(gone.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
+        if gone.is_set():
+            yield [Withdrawn()]
+            return
+        async for items in FakePool._run(self, req, handoff, export_after):
+            if not isinstance(items[0], SegmentStart):
+                yield items
+
+    def withdraw(self, rid):
+        self.withdrawn.add(rid)
+        self.waiting[rid].set()
+
+
+def test_requests_queued_on_the_cpu_pool_start_over_on_the_gpu_once_it_has_room():
+    """full_offload sent a burst's overflow to the CPU pool, where three wait for a slot. When
+    the GPU frees up first, the router's `recall` names as many of them as the GPU has places
+    (oldest first); each leaves the CPU queue unstarted (`Withdrawn`), its driver asks again
+    and it runs on the GPU: the same tokens, and a trace that shows the withdrawn CPU segment."""
+    from keyacc_ray.serve.monitor import Snapshot
+
+    driver, r, pools = make("full_offload", {"trigger_window_s": 30.0})
+    cpu = pools["cpu_decode/0"] = QueuingCpuPool()
+    r.snapshot = Snapshot(0.0, {"GpuPrefill": _view("GpuPrefill", "gpu", 2, 400),
+                                "GpuDecode": _view("GpuDecode", "gpu", 2, 400),
+                                "CpuDecode": _view("CpuDecode", "cpu", 1, 4000)})
+
+    async def scenario():
+        from keyacc_ray.serve.messages import HopEnd
+
+        gpu = [await r.begin(Ticket(f"g{i}", len(PROMPT), 8)) for i in range(5)]  # over one batch waits there
+        assert [t.route for t in gpu] == ["gpu"] * 5
+        runs = [asyncio.ensure_future(collect(driver, request(8, rid=f"c{i}"))) for i in range(3)]
+        for _ in range(1000):
+            if len(cpu.waiting) == 3:
+                break
+            await asyncio.sleep(0)
+        assert sorted(cpu.waiting) == ["c0", "c1", "c2"]  # the GPU flooded: overflow to the CPU pool
+        tickets = [Ticket(f"c{i}", len(PROMPT), 8, hop="cpu_decode/0") for i in range(3)]
+        assert await r.recall(tickets) == []  # the GPU is busy: they stay
+        for t in gpu:  # the GPU requests finish: two places free there
+            await r.finish(t, HopEnd("done", 1.0, 8, finished=True))
+        recalled = await r.recall(tickets)
+        assert recalled == ["c0", "c1"]
+        for rid in recalled:
+            cpu.withdraw(rid)
+        cpu.release.set()  # the one left runs on the CPU
+        return await asyncio.gather(*runs)
+
+    results = asyncio.run(scenario())
+    for i, (tokens, errors, trace) in enumerate(results):
+        assert tokens == [100 + j for j in range(8)] and not errors
+        pools_ran = [(s["pool"], s["phase"], s.get("withdrawn", False)) for s in trace["segments"]]
+        if i < 2:
+            assert pools_ran == [("cpu", "whole", True), ("gpu", "prefill", False), ("gpu", "decode", False)]
+        else:
+            assert pools_ran == [("cpu", "whole", False)]
+    assert cpu.withdrawn == {"c0", "c1"} and r.policy.counters["recalled_from_cpu_queue"] == 2
+    assert settled(r)
+    assert Router(["CpuDecode"], "gpu_only", monitor=_Unreachable()).policy.recall([object()], r.load_view()) == 0

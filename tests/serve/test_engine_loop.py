@@ -241,3 +241,36 @@ def test_step_profile_writes_launches_and_ops_per_step(qwen3_path, tmp_path, mon
     assert "aten::" in text  # the model's ops, by self CPU time
     per_step = float(text.split("aten ops per step ")[1].split(",")[0])
     assert per_step > 20  # a 2-layer transformer step is dozens of ops
+
+
+def test_withdraw_ends_a_waiting_stream_and_leaves_a_running_one(qwen3_path):
+    from keyacc_ray.config import EngineConfig
+    from keyacc_ray.engine.llm_engine import LLMEngine
+    from keyacc_ray.serve.messages import Withdrawn
+
+    loop = AsyncEngine(LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=1, dtype="float32")), on_export=lambda p: p)
+    long = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+
+    async def read(rid, got):
+        async for items in loop.generate(rid, prompt_ids=[5, 6, 7], params=long):
+            got.extend(items)
+
+    async def scenario():
+        first, second = [], []
+        a = asyncio.ensure_future(read("a", first))
+        while not first:
+            await asyncio.sleep(0.01)
+        b = asyncio.ensure_future(read("b", second))
+        while "b" not in loop.engine.seqs:
+            await asyncio.sleep(0.001)
+        loop.withdraw("b")  # waiting behind "a": it leaves
+        loop.withdraw("a")  # running: nothing happens
+        await asyncio.wait_for(asyncio.gather(a, b), 60)
+        return first, second
+
+    try:
+        first, second = asyncio.run(scenario())
+    finally:
+        loop.shutdown()
+    assert second == [Withdrawn()]
+    assert sum(len(c.token_ids) for c in first if isinstance(c, TokenChunk)) == 300
