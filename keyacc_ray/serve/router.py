@@ -30,6 +30,10 @@ log = logging.getLogger("ray.serve")
 REFRESH_EVERY_S = 0.1
 FIRST_SNAPSHOT_WAIT_S = 1.0
 ACTIVE_TTL_S = 1800.0  # a request not heard of for this long no longer counts as in flight
+# A request recalled from a CPU queue counts on the GPU from the recall until its driver asks for
+# its next hop (a few ms), so that new arrivals do not take the same places; if it never comes
+# (it started on the CPU before it could leave), the count lapses after this long.
+RECALL_HOLD_S = 2.0
 
 
 def hop_keys(num_cpu_deployments: int) -> list[str]:
@@ -52,6 +56,7 @@ class Router:
         self._active: dict[str, tuple[str, float, int]] = {}  # request id -> (hop, since, tokens)
         self.inflight_tokens = {h: 0 for h in self.deployment_of}  # KV each hop's requests reserve (tokens)
         self._pending_blocks = {h: 0 for h in self.deployment_of}  # blocks sent there since the last snapshot
+        self._recalled: dict[str, float] = {}  # request id -> when recall sent it to the GPU (not there yet)
         self._policy_counted: dict[str, int] = {}
         self.output_lengths = OutputLengths()  # what requests really generate: their KV estimate
         self._cpu_loads: list[PoolLoad] = [PoolLoad() for _ in self.cpu_keys]
@@ -127,15 +132,18 @@ class Router:
         in flight beyond a pool's slots count as queued, and blocks it just sent as taken."""
         views = self.snapshot.deployments if self.snapshot is not None else {}
         gpu = (self.snapshot.gpu or {}) if self.snapshot is not None else {}
+        now = time.monotonic()
+        self._recalled = {r: t for r, t in self._recalled.items() if now - t < RECALL_HOLD_S}
         loads = {}
         for hop, dep in self.deployment_of.items():
+            inflight = self.inflight[hop] + (len(self._recalled) if hop == "gpu_prefill" else 0)
             v = views.get(dep)
             if v is None:
-                loads[hop] = PoolLoad(queue=self.inflight[hop], inflight=self.inflight[hop], known=False)
+                loads[hop] = PoolLoad(queue=inflight, inflight=inflight, known=False)
                 continue
             slots = self._slots(hop, v)
-            loads[hop] = PoolLoad(queue=max(v.num_waiting, self.inflight[hop] - slots), slots=slots,
-                                  inflight=self.inflight[hop],
+            loads[hop] = PoolLoad(queue=max(v.num_waiting, inflight - slots), slots=slots,
+                                  inflight=inflight,
                                   running=v.num_running,
                                   free_blocks=max(0, v.max_free_blocks - self._pending_blocks[hop]),
                                   total_blocks=v.num_total_blocks, block_size=v.block_size, known=True,
@@ -258,6 +266,7 @@ class Router:
             t.last_cpu = None
             return self._enter(t, nxt, self._cpu_period(t) if nxt == "cpu_decode" else None)
         if end.outcome == "withdrawn":  # recalled from a CPU queue before it ran: routed again, as new
+            self._recalled.pop(t.request_id, None)
             t.route = self.policy.route(self._view(t, 0), self.load_view())
             self._count(f"moves_total|from=cpu,to={'cpu' if t.route == 'cpu' else 'gpu'},reason=recall")
             if t.route == "cpu":
@@ -280,6 +289,9 @@ class Router:
         and each driver comes back through `advance`, which routes it again)."""
         await self._ready()
         n = self.policy.recall([self._view(t, 0) for t in waiting], self.load_view())
+        now = time.monotonic()
+        for t in waiting[:n]:
+            self._recalled[t.request_id] = now
         return [t.request_id for t in waiting[:n]]
 
     async def finish(self, t: Ticket, end: HopEnd) -> None:

@@ -163,7 +163,7 @@ def test_requests_queued_on_the_cpu_pool_move_to_the_gpu_when_it_frees_up(app_ur
     requests to end."""
     import threading
 
-    policy("full_offload", {**FAST, "trigger_window_s": 30.0, "gpu_queue_overflow": 0})
+    policy("full_offload", {**FAST, "trigger_window_s": 30.0, "gpu_queue_overflow": 0, "recall_queued": True})
     stop = threading.Event()
     recalls = recall_moves(app_url)
 

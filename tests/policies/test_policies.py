@@ -225,7 +225,7 @@ def test_recall_from_the_cpu_queue_up_to_the_gpu_places(name, recalls):
     its decode batch has places (this router's in-flight requests counted), none while anything
     waits there or the memory check fails. Policies that never send whole requests to the CPU
     recall none."""
-    p = make_policy(name, {}, clock=Clock())
+    p = make_policy(name, {"recall_queued": True} if recalls else {}, clock=Clock())
 
     def now(gpu_inflight, gpu_queue=0, free_blocks=16):
         v = view(gpu_queue=gpu_queue, free_blocks=free_blocks)
@@ -238,3 +238,5 @@ def test_recall_from_the_cpu_queue_up_to_the_gpu_places(name, recalls):
     assert p.recall(waiting, now(gpu_inflight=0, gpu_queue=1)) == 0
     assert p.recall(waiting, now(gpu_inflight=0, free_blocks=1)) == 0  # its KV does not fit there now
     assert p.recall([], now(gpu_inflight=0)) == 0
+    if recalls:  # an operator's choice: off by default
+        assert make_policy(name, {}, clock=Clock()).recall(waiting, now(gpu_inflight=0)) == 0

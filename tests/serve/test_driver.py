@@ -528,7 +528,7 @@ def test_requests_queued_on_the_cpu_pool_start_over_on_the_gpu_once_it_has_room(
     and it runs on the GPU: the same tokens, and a trace that shows the withdrawn CPU segment."""
     from keyacc_ray.serve.monitor import Snapshot
 
-    driver, r, pools = make("full_offload", {"trigger_window_s": 30.0})
+    driver, r, pools = make("full_offload", {"trigger_window_s": 30.0, "recall_queued": True})
     cpu = pools["cpu_decode/0"] = QueuingCpuPool()
     r.snapshot = Snapshot(0.0, {"GpuPrefill": _view("GpuPrefill", "gpu", 2, 400),
                                 "GpuDecode": _view("GpuDecode", "gpu", 2, 400),
@@ -551,6 +551,8 @@ def test_requests_queued_on_the_cpu_pool_start_over_on_the_gpu_once_it_has_room(
             await r.finish(t, HopEnd("done", 1.0, 8, finished=True))
         recalled = await r.recall(tickets)
         assert recalled == ["c0", "c1"]
+        assert await r.recall(tickets[2:]) == []  # the two places are taken until c0 and c1 arrive
+        assert r.load_view().gpu_prefill.inflight == 2
         for rid in recalled:
             cpu.withdraw(rid)
         cpu.release.set()  # the one left runs on the CPU
