@@ -131,10 +131,11 @@ class Policy:
         """After a CPU decode period: "gpu" to move the decode back, "cpu" to go on."""
         return "cpu"
 
-    def recall(self, waiting: list[RequestView], load: LoadView) -> int:
+    def recall(self, waiting: list[RequestView], load: LoadView) -> int | None:
         """Requests queued on the CPU pool that have not started there (oldest first): how many
-        of them start over on the GPU instead, now that it has room (0: none move)."""
-        return 0
+        of them start over on the GPU instead, now that it has room (0: none now; None: this
+        policy never recalls, so the pools need not ask)."""
+        return None
 
     def offload_on_preemption(self) -> bool:
         """A decode the GPU pool preempts (out of KV blocks) moves to the CPU pool with its KV

@@ -51,6 +51,6 @@ class FullOffload(Policy):
     def after_period(self, req: RequestView, load: LoadView) -> str:
         return return_decision(self, self.gpu, req, load)
 
-    def recall(self, waiting: list[RequestView], load: LoadView) -> int:
+    def recall(self, waiting: list[RequestView], load: LoadView) -> int | None:
         self.observe(load)
         return recall_waiting(self, waiting, load)

@@ -122,10 +122,12 @@ def gpu_has_room(policy: Policy, req: RequestView, load: LoadView) -> bool:
     return gpu_places(policy, req, load) > 0
 
 
-def recall_waiting(policy: Policy, waiting: list[RequestView], load: LoadView) -> int:
+def recall_waiting(policy: Policy, waiting: list[RequestView], load: LoadView) -> int | None:
     """Requests waiting for a CPU slot start over on the GPU where it has places for them now
     (the GPU freed up before the CPU pool did): as many as it has places, oldest first."""
-    if not waiting or not policy.options.get("recall_queued"):
+    if not policy.options.get("recall_queued"):
+        return None
+    if not waiting:
         return 0
     n = min(len(waiting), gpu_places(policy, waiting[0], load))
     for _ in range(n):

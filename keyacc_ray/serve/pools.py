@@ -51,6 +51,7 @@ ROUTER_CHECK_TIMEOUT_S = 10.0
 # over on the GPU if that has room by now; one call per replica every RECALL_EVERY_S while any waits.
 RECALL_AFTER_S = 0.5
 RECALL_EVERY_S = 0.5
+RECALL_OFF_RECHECK_S = 5.0  # the policy does not recall (recall_queued off): ask again only this seldom
 HEARTBEAT_S = 1.0
 
 
@@ -177,19 +178,24 @@ class EnginePool:
         """While requests wait here unstarted: every RECALL_EVERY_S, offer those waiting for
         RECALL_AFTER_S to the router; the ones it recalls leave the engine's queue (if they still
         have not started) and their drivers start them over where the router says."""
+        pause = RECALL_EVERY_S
         while self._unstarted:
-            await asyncio.sleep(RECALL_EVERY_S)
+            await asyncio.sleep(pause)
+            pause = RECALL_EVERY_S
             now = time.monotonic()
             due = sorted((since, rid, t) for rid, (t, since) in self._unstarted.items()
                          if now - since >= RECALL_AFTER_S)
             if not due:
                 continue
             try:
-                ids = set(await asyncio.wait_for(self._router().options(_by_reference=False).recall.remote(
-                    [t for _, _, t in due]), ROUTER_CHECK_TIMEOUT_S))
+                ids = await asyncio.wait_for(self._router().options(_by_reference=False).recall.remote(
+                    [t for _, _, t in due]), ROUTER_CHECK_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - router restarting or gone: they wait here
                 log.warning("recall check failed (%s)", e.__class__.__name__)
                 self._router_handle = None
+                continue
+            if ids is None:
+                pause = RECALL_OFF_RECHECK_S
                 continue
             for _, rid, t in due:
                 if t.request_id in ids and self._unstarted.pop(rid, None) is not None:

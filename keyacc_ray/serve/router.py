@@ -283,12 +283,15 @@ class Router:
             self._count(f"moves_total|from={src},to={dst},reason={reason}")
         return self._enter(t, nxt, export_after)
 
-    async def recall(self, waiting: list[Ticket]) -> list[str]:
+    async def recall(self, waiting: list[Ticket]) -> list[str] | None:
         """A CPU pool's requests that wait there, not started (oldest first): the ids of those
         that should start over on the GPU, now that it has room (their streams end `Withdrawn`
-        and each driver comes back through `advance`, which routes it again)."""
+        and each driver comes back through `advance`, which routes it again). None: the policy
+        never recalls (the pool asks again much later, in case the policy changes)."""
         await self._ready()
         n = self.policy.recall([self._view(t, 0) for t in waiting], self.load_view())
+        if n is None:
+            return None
         now = time.monotonic()
         for t in waiting[:n]:
             self._recalled[t.request_id] = now

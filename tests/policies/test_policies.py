@@ -223,8 +223,8 @@ def test_no_request_queues_on_the_cpu_while_the_gpu_has_room(name):
 def test_recall_from_the_cpu_queue_up_to_the_gpu_places(name, recalls):
     """Requests waiting for a CPU slot start over on the GPU when it frees up first: as many as
     its decode batch has places (this router's in-flight requests counted), none while anything
-    waits there or the memory check fails. Policies that never send whole requests to the CPU
-    recall none."""
+    waits there or the memory check fails. Off (the default, and policies that never send whole
+    requests to the CPU): None, so that the pools need not ask."""
     p = make_policy(name, {"recall_queued": True} if recalls else {}, clock=Clock())
 
     def now(gpu_inflight, gpu_queue=0, free_blocks=16):
@@ -232,11 +232,13 @@ def test_recall_from_the_cpu_queue_up_to_the_gpu_places(name, recalls):
         v.gpu_decode.total_blocks, v.gpu_decode.slots, v.gpu_decode.inflight = 16, 8, gpu_inflight  # batch: 4
         return v
     waiting = [REQ] * 3
-    assert p.recall(waiting, now(gpu_inflight=0)) == (3 if recalls else 0)
-    assert p.recall(waiting, now(gpu_inflight=2)) == (2 if recalls else 0)
+    if not recalls:
+        assert p.recall(waiting, now(gpu_inflight=0)) is None
+        return
+    assert p.recall(waiting, now(gpu_inflight=0)) == 3
+    assert p.recall(waiting, now(gpu_inflight=2)) == 2
     assert p.recall(waiting, now(gpu_inflight=4)) == 0
     assert p.recall(waiting, now(gpu_inflight=0, gpu_queue=1)) == 0
     assert p.recall(waiting, now(gpu_inflight=0, free_blocks=1)) == 0  # its KV does not fit there now
     assert p.recall([], now(gpu_inflight=0)) == 0
-    if recalls:  # an operator's choice: off by default
-        assert make_policy(name, {}, clock=Clock()).recall(waiting, now(gpu_inflight=0)) == 0
+    assert make_policy(name, {}, clock=Clock()).recall(waiting, now(gpu_inflight=0)) is None  # off by default

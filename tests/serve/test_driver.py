@@ -568,4 +568,6 @@ def test_requests_queued_on_the_cpu_pool_start_over_on_the_gpu_once_it_has_room(
             assert pools_ran == [("cpu", "whole", False)]
     assert cpu.withdrawn == {"c0", "c1"} and r.policy.counters["recalled_from_cpu_queue"] == 2
     assert settled(r)
-    assert Router(["CpuDecode"], "gpu_only", monitor=_Unreachable()).policy.recall([object()], r.load_view()) == 0
+    off = Router(["CpuDecode"], "full_offload", monitor=_Unreachable())  # recall_queued off: pools need not ask
+    off.snapshot = r.snapshot
+    assert asyncio.run(off.recall([Ticket("c9", len(PROMPT), 8, hop="cpu_decode/0")])) is None
