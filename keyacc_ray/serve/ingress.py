@@ -209,7 +209,7 @@ class Ingress:
     async def tokenizer_info(self, request: Request):
         if (err := self._auth_error(request)) is not None:
             return err
-        return protocol.tokenizer_info(self.tokenizer)
+        return protocol.tokenizer_info(self.tokenizer, self.vocab_size)
 
     async def _tokenizer_call(self, request: Request, call):
         if (err := self._auth_error(request)) is not None:

@@ -427,10 +427,10 @@ def detokenize(data: dict, *, tokenizer, served_names: set[str], vocab_size: int
     return {"prompt": tokenizer.decode(ids)}
 
 
-def tokenizer_info(tokenizer) -> dict:
+def tokenizer_info(tokenizer, vocab_size: int) -> dict:
     """What a remote client needs to tokenize as this server does (lm-evaluation-harness's
     remote tokenizer reads eos_token and the chat template)."""
-    info = {"tokenizer_class": type(tokenizer).__name__, "vocab_size": len(tokenizer),
+    info = {"tokenizer_class": type(tokenizer).__name__, "vocab_size": vocab_size,
             "chat_template": getattr(tokenizer, "chat_template", None)}
     for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
         info[name] = getattr(tokenizer, name, None)

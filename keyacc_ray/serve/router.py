@@ -132,8 +132,9 @@ class Router:
         in flight beyond a pool's slots count as queued, and blocks it just sent as taken."""
         views = self.snapshot.deployments if self.snapshot is not None else {}
         gpu = (self.snapshot.gpu or {}) if self.snapshot is not None else {}
-        now = time.monotonic()
-        self._recalled = {r: t for r, t in self._recalled.items() if now - t < RECALL_HOLD_S}
+        if self._recalled:  # recalls whose requests never arrived lapse
+            now = time.monotonic()
+            self._recalled = {r: t for r, t in self._recalled.items() if now - t < RECALL_HOLD_S}
         loads = {}
         for hop, dep in self.deployment_of.items():
             inflight = self.inflight[hop] + (len(self._recalled) if hop == "gpu_prefill" else 0)

@@ -153,7 +153,7 @@ def test_tokenizer_endpoints(qwen3_path):
     chat = tokenize({"model": "m", "messages": msgs}, max_model_len=256, **kw)
     assert chat["tokens"] == _choices(tok, "chat", messages=msgs).request.prompt_token_ids
     assert detokenize({"tokens": out["tokens"]}, vocab_size=len(tok), **kw) == {"prompt": "hello there"}
-    info = tokenizer_info(tok)
+    info = tokenizer_info(tok, len(tok))
     assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
     for call, body, param in ((tokenize, {"prompt": 5}, "prompt"), (tokenize, {"prompt": "x", "model": "z"}, "model"),
                               (detokenize, {"tokens": [1, -2]}, "tokens"), (detokenize, {"tokens": "ab"}, "tokens"),
