@@ -156,42 +156,47 @@ def test_gpu_decode_preempted_for_kv_moves_to_the_cpu_pool(app_url, policy):
 
 
 def test_requests_queued_on_the_cpu_pool_move_to_the_gpu_when_it_frees_up(app_url, policy):
-    """Long pinned requests hold every CPU slot and the GPU; requests sent now overflow to the CPU
-    pool (full_offload, flood limit 0) and queue there. Then the GPU frees up (its clients go
-    away) long before any CPU slot does: the router recalls the queued requests, they leave the
-    CPU queue unstarted and run on the GPU. Without the recall they would wait for the long CPU
-    requests to end."""
+    """Long pinned requests hold every CPU slot (and as many again wait behind them) and the GPU;
+    requests sent now overflow to the CPU pool (full_offload, flood limit 0) and queue there. Then
+    the GPU frees up (its clients go away) while the CPU slots stay taken: the router recalls the
+    queued requests, they leave the CPU queue unstarted and run on the GPU. Without the recall
+    they would wait for two waves of long requests and then decode on the CPU (the traces would
+    show it: the recall is the only path that ends a CPU hop withdrawn with no token)."""
     import threading
 
     policy("full_offload", {**FAST, "trigger_window_s": 30.0, "gpu_queue_overflow": 0, "recall_queued": True})
-    stop = threading.Event()
+    gpu_go, cpu_go = threading.Event(), threading.Event()
     recalls = recall_moves(app_url)
 
-    def one(prompt, max_tokens, route=None):
+    def one(prompt, max_tokens):
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True, **({"keyacc": {"route": route}} if route else {})}
+                "return_token_ids": True}
         return prompt, httpx.post(f"{app_url}/v1/completions", timeout=180, json=body)
 
-    def held(prompt):  # a streamed GPU request whose client goes away when told
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
-                "stream": True, "keyacc": {"route": "gpu"}}
+    def held(prompt, route, max_tokens, go):  # a stream whose client goes away when told
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "keyacc": {"route": route}}
         with httpx.stream("POST", f"{app_url}/v1/completions", timeout=180, json=body) as r:
+            assert r.status_code == 200, r.read()
             for _ in r.iter_lines():
-                if stop.is_set():
+                if go.is_set():
                     return
 
-    with cf.ThreadPoolExecutor(32) as ex:
-        longs = [ex.submit(one, PROMPTS[i % len(PROMPTS)], 600, "cpu") for i in range(16)]
-        gpu = [ex.submit(held, PROMPTS[i % len(PROMPTS)]) for i in range(8)]
+    with cf.ThreadPoolExecutor(64) as ex:
+        # 32 on a pool of 16 slots: the 16 waiting (pinned, never recalled) are ahead of the short
+        # requests in the CPU queue.
+        longs = [ex.submit(held, PROMPTS[i % len(PROMPTS)], "cpu", 700, cpu_go) for i in range(32)]
+        gpu = [ex.submit(held, PROMPTS[i % len(PROMPTS)], "gpu", 300, gpu_go) for i in range(8)]
         time.sleep(0.5)
         shorts = [ex.submit(one, PROMPTS[i % len(PROMPTS)], 16) for i in range(6)]
         time.sleep(0.5)
-        stop.set()
-        traces = check([f.result() for f in shorts], 16)
-        assert not any(f.done() for f in longs), "the long CPU requests ended first: the test proves nothing"
-        for f in gpu:
+        gpu_go.set()
+        try:
+            traces = check([f.result() for f in shorts], 16)
+        finally:
+            cpu_go.set()
+        for f in gpu + longs:  # every stream ends, held or not (their outputs are checked elsewhere)
             f.result()
-        check([f.result() for f in longs], 600)
     queued = [t for t in traces if t["segments"][0]["pool"] == "cpu"]
     assert len(queued) >= 3, [t["segments"] for t in traces]
     for t in queued:  # left the CPU queue unstarted, ran on the GPU
