@@ -309,14 +309,14 @@ def _chat_prompt(data: dict, tokenizer) -> list[int]:
         content = m.get("content")
         if content is None and m["role"] == "assistant":  # OpenAI lets an assistant turn carry no content
             content = ""
-        if isinstance(content, list):  # [{"type": "text", "text": ...}]
+        if isinstance(content, list):  # [{"type": "text", "text": ...}], joined by newlines as vLLM does
             parts = []
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise InvalidRequest(f"messages[{i}].content: only text parts are supported",
                                          param=f"messages[{i}].content")
                 parts.append(part["text"])
-            content = "".join(parts)
+            content = "\n".join(parts)
         if not isinstance(content, str):
             raise InvalidRequest(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
         clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})

@@ -110,6 +110,19 @@ def test_null_fields_as_clients_send_them(qwen3_path):
     assert e.value.param == "messages[0].content"
 
 
+def test_text_content_parts_join_as_vllm(qwen3_path):
+    """OpenAI clients may send content as a list of parts: text parts join with newlines (vLLM's
+    rule for string-content templates), anything else is refused."""
+    tok = AutoTokenizer.from_pretrained(qwen3_path)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}]
+    joined = [{"role": "user", "content": "one\ntwo"}]
+    assert (_choices(tok, "chat", messages=parts).request.prompt_token_ids
+            == _choices(tok, "chat", messages=joined).request.prompt_token_ids)
+    with pytest.raises(InvalidRequest) as e:
+        _choices(tok, "chat", messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    assert e.value.param == "messages[0].content"
+
+
 def test_echo_parsing_and_what_each_choice_sends(qwen3_path):
     from keyacc_ray.serve.messages import TokenChunk
     from keyacc_ray.serve.protocol import as_sent
