@@ -130,3 +130,59 @@ def test_prefill_replica_killed_request_still_served(app_url):
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == hf_greedy(tiny_model("qwen3"), tok(PROMPTS[2])["input_ids"], 20)
     wait_healthy()
+
+
+def test_router_killed_requests_in_flight_and_arriving_are_served(app_url):
+    """The router replica dies while streams run on both pools and new requests arrive: the
+    streams go on (they need the router only between hops), the new requests are routed by the
+    drivers' own fallback until Serve has a new router, every output equals generate(), and the
+    new router's in-flight counts settle to zero (requests it never began are not counted)."""
+    import concurrent.futures as cf
+
+    from tests.e2e.test_offload import router_inflight_settles
+
+    _, tok = hf_model(tiny_model("qwen3"))
+    n = 700  # the served context is 768: long enough to be in flight on any machine when the kill comes
+
+    def streamed(prompt, route, started):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+                "ignore_eos": True, "return_token_ids": True, "keyacc": {"route": route}}
+        ids = []
+        with httpx.stream("POST", f"{app_url}/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                ids += [t for c in chunk["choices"] for t in c.get("token_ids", [])]
+                if ids:
+                    started.add(prompt)
+        return prompt, ids, n
+
+    def plain(prompt):
+        r = httpx.post(f"{app_url}/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return prompt, r.json()["choices"][0]["token_ids"], 24
+
+    started: set = set()
+    with cf.ThreadPoolExecutor(12) as ex:
+        streams = [ex.submit(streamed, PROMPTS[i], route, started) for i, route in enumerate(["gpu", "cpu", "gpu", "cpu"])]
+        deadline = time.monotonic() + 30
+        while len(started) < len(streams) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(started) == len(streams), "the streams did not start"
+        ray.kill(replica_actor("Router"), no_restart=True)
+        in_flight = [not f.done() for f in streams]
+        arriving = [ex.submit(plain, PROMPTS[4 + i]) for i in range(4)]
+        results = [f.result() for f in streams + arriving]
+    assert all(in_flight), "a stream ended before the router was killed: the test proves less than it says"
+    for prompt, ids, k in results:
+        assert ids == hf_greedy(tiny_model("qwen3"), tok(prompt)["input_ids"], k), prompt
+    wait_healthy()
+    r = httpx.post(f"{app_url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    assert router_inflight_settles()
