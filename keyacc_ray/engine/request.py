@@ -23,6 +23,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0  # tokens less likely than min_p x the most likely one are ruled out (0: off)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -75,6 +76,8 @@ class SamplingParams:
                                and -100 <= v <= 100 for v in lb.values())):
                 raise bad(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases in [-100, 100]",
                           "logit_bias")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be a number in [0, 1], got {self.min_p!r}", "min_p")
         if not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:

@@ -64,6 +64,9 @@ class Sampler:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
         probs = torch.softmax(row, dim=-1)
+        if p.min_p > 0.0:  # relative to the most likely token, after temperature and top-k (as vLLM)
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+            probs = probs / probs.sum()
         if p.top_p < 1.0:
             sorted_p, idx = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < p.top_p

@@ -146,10 +146,16 @@ class AppConfig:
     # request), "all" (every internal hop too: router decisions, pool streams; 4-6 lines per
     # request) or "none". Like vLLM's request log, off on the hot internal path by default.
     access_log: str = "ingress"
+    # Default sampling parameters: "auto" takes those in the model's generation_config.json (as
+    # vLLM's --generation-config auto, and as transformers' generate() does), "vllm" the neutral
+    # ones (temperature 1, no top-k / top-p / min-p, no repetition penalty).
+    generation_config: str = "auto"
 
     def __post_init__(self):
         if self.allow_route_pinning not in (True, False, "operators"):
             raise ConfigError(f"allow_route_pinning must be true, false or \"operators\", got {self.allow_route_pinning!r}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ConfigError(f"generation_config must be \"auto\" or \"vllm\", got {self.generation_config!r}")
         if self.access_log not in ACCESS_LOG:
             raise ConfigError(f"access_log must be one of {sorted(ACCESS_LOG)}, got {self.access_log!r}")
 
@@ -282,7 +288,7 @@ def build_app(args: dict | None = None):
         max_ongoing_requests=4096, max_queued_requests=cfg.max_queued_requests, **logs("ingress"),
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus, "resources": dict(cfg.control_resources), **env},
     ).bind(router, pools, cfg.model, cfg.served_model_name, max_len, cfg.allow_route_pinning, cfg.max_body_bytes,
-           cfg.api_keys_file, cfg.operator_keys_file, cfg.trust_remote_code)
+           cfg.api_keys_file, cfg.operator_keys_file, cfg.trust_remote_code, cfg.generation_config)
 
 
 if __name__ == "__main__":  # python -m keyacc_ray.serve.app serve run deployments/app.yaml

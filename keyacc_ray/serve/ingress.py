@@ -108,7 +108,7 @@ class Ingress:
     def __init__(self, router, pools: dict, model: str, served_model_name: str, max_model_len: int,
                  allow_route_pinning: bool | str = True, max_body_bytes: int = 1 << 20,
                  api_keys_file: str | None = None, operator_keys_file: str | None = None,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, generation_config: str = "auto"):
         """router: the Router deployment's handle; pools: the pool handles by hop key
         ("gpu_prefill", "gpu_decode", "cpu_decode/0", ...)."""
         from transformers import AutoTokenizer
@@ -117,6 +117,10 @@ class Ingress:
         self.driver = RequestDriver(RemoteRouter(router), pools)
         self.tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
         self.vocab_size = len(self.tokenizer)  # once: transformers rebuilds the vocabulary to count it
+        self.sampling_defaults = protocol.generation_defaults(model) if generation_config == "auto" else {}
+        if self.sampling_defaults:
+            log.warning("keyacc ingress: default sampling parameters from the model's generation_config.json: %s "
+                        "(generation_config: vllm for neutral ones)", self.sampling_defaults)
         self.model_name = served_model_name
         self.max_model_len = max_model_len
         self.allow_pinning = allow_route_pinning
@@ -233,7 +237,7 @@ class Ingress:
             data = protocol.load_json(body, self.max_body_bytes)
             p = protocol.parse(data, kind, tokenizer=self.tokenizer, served_names={self.model_name},
                                max_model_len=self.max_model_len, allow_pinning=self._may_pin(request),
-                               vocab_size=self.vocab_size)
+                               vocab_size=self.vocab_size, defaults=self.sampling_defaults)
         except KeyaccError as e:
             self._count(f"errors_{e.status_code}")
             return error_response(e.status_code, e.to_dict())

@@ -18,6 +18,9 @@ NEUTRAL = {"tools": (None, []),
 
 
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # the last: vLLM's extension
+# What a model's generation_config.json may set as the server's defaults (vLLM's --generation-config
+# auto): these, and max_new_tokens as the default max_tokens.
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 MAX_CHOICES = 64  # choices per HTTP request: prompts (a completions batch) x n
 
 
@@ -63,9 +66,11 @@ def load_json(body: bytes, max_bytes: int) -> dict:
 
 
 def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model_len: int,
-          allow_pinning: bool = True, vocab_size: int | None = None) -> ParsedRequest:
+          allow_pinning: bool = True, vocab_size: int | None = None, defaults: dict | None = None) -> ParsedRequest:
     """`vocab_size`: len(tokenizer), which the caller should compute once (transformers rebuilds
-    the whole vocabulary to answer it: about a millisecond per call)."""
+    the whole vocabulary to answer it: about a millisecond per call). `defaults`: sampling
+    parameters for the fields a request leaves out or sends as null (`generation_defaults`)."""
+    defaults = defaults or {}
     model = data.get("model")
     if model is None:
         raise InvalidRequest("'model' is required", param="model")
@@ -105,6 +110,7 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
         max_tokens = data["max_completion_tokens"]
     if max_tokens is None:
         max_tokens = 16 if kind == "completion" else max_model_len - longest
+        max_tokens = min(max_tokens, defaults.get("max_tokens", max_tokens))
     _type(max_tokens, (int,), "max_tokens", "an integer")
     echo_only = echo and max_tokens == 0  # as vLLM: one token is made and dropped
     if echo_only:
@@ -117,12 +123,12 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
                              f"of {max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
 
     logprobs = _logprobs(data, kind)
-    temperature = data.get("temperature", 1.0)
-    top_p = data.get("top_p", 1.0)
-    temperature = 1.0 if temperature is None else _type(temperature, (int, float), "temperature", "a number")
-    top_p = 1.0 if top_p is None else _type(top_p, (int, float), "top_p", "a number")
-    top_k = data.get("top_k", 0)
-    top_k = 0 if top_k is None else _type(top_k, (int,), "top_k", "an integer")
+    given = {k: data[k] for k in SAMPLING_DEFAULTS if data.get(k) is not None}
+    temperature = _type(given.get("temperature", defaults.get("temperature", 1.0)), (int, float), "temperature",
+                        "a number")
+    top_p = _type(given.get("top_p", defaults.get("top_p", 1.0)), (int, float), "top_p", "a number")
+    top_k = _type(given.get("top_k", defaults.get("top_k", 0)), (int,), "top_k", "an integer")
+    min_p = _type(given.get("min_p", defaults.get("min_p", 0.0)), (int, float), "min_p", "a number")
     seed = data.get("seed")
     if seed is not None:
         _type(seed, (int,), "seed", "an integer")
@@ -137,8 +143,10 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
     min_tokens = data.get("min_tokens")
     min_tokens = 0 if min_tokens is None else _type(min_tokens, (int,), "min_tokens", "an integer")
     penalties = {k: _type(data[k], (int, float), k, "a number") for k in PENALTIES if data.get(k) is not None}
+    if "repetition_penalty" not in penalties and "repetition_penalty" in defaults:
+        penalties["repetition_penalty"] = defaults["repetition_penalty"]
     params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                            top_k=top_k, seed=seed, stop=list(stop), stop_token_ids=list(stop_token_ids),
+                            top_k=top_k, min_p=float(min_p), seed=seed, stop=list(stop), stop_token_ids=list(stop_token_ids),
                             ignore_eos=ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(data, vocab),
                             min_tokens=min_tokens, prompt_logprobs=logprobs if echo else None,
                             **{k: float(v) for k, v in penalties.items()}).validate()
@@ -435,3 +443,30 @@ def tokenizer_info(tokenizer, vocab_size: int) -> dict:
     for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
         info[name] = getattr(tokenizer, name, None)
     return info
+
+
+def generation_defaults(model: str) -> dict:
+    """The sampling defaults a model's creator put in its generation_config.json, as vLLM's
+    `--generation-config auto` takes them: temperature, top_p, top_k, min_p, repetition_penalty,
+    and max_new_tokens as the default max_tokens (here only where a request sends none). They
+    fill in what a request leaves out; transformers' generate() applies the same file, so a
+    greedy request still gets generate()'s tokens (its repetition penalty included). A value
+    this server would refuse in a request is dropped with a warning."""
+    import logging
+
+    from transformers import GenerationConfig
+
+    try:
+        cfg = GenerationConfig.from_pretrained(model).to_diff_dict()
+    except (OSError, ValueError):  # no generation_config.json: neutral defaults
+        return {}
+    out = {k: cfg[k] for k in SAMPLING_DEFAULTS if cfg.get(k) is not None}
+    if isinstance(cfg.get("max_new_tokens"), int) and cfg["max_new_tokens"] > 0:
+        out["max_tokens"] = cfg["max_new_tokens"]
+    for k in list(out):
+        try:
+            SamplingParams(**{k: out[k]}).validate()
+        except InvalidRequest as e:
+            logging.getLogger("ray.serve").warning("generation_config.json: %s ignored (%s)", k, e)
+            del out[k]
+    return out

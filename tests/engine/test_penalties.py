@@ -131,3 +131,25 @@ def test_min_tokens_equals_generate_min_new_tokens(qwen3_path):
                              eos_token_id=eos, pad_token_id=tok.pad_token_id, sequence_bias={(eos,): 30.0})
     want = out[0, len(ids):].tolist()
     assert got == want and len(got) == 6 and got[-1] == eos
+
+
+def test_min_p_keeps_only_tokens_near_the_most_likely():
+    """min_p: a sampled token is never less likely than min_p x the most likely one (after
+    temperature), whatever the seed; min_p 1 leaves only the most likely token."""
+    from keyacc_ray.engine.sampling import Sampler
+
+    logits = torch.tensor([[2.0, 1.9, 1.0, 0.5, 0.0, -1.0, 1.5, 1.95]])
+    probs = torch.softmax(logits[0], dim=-1)
+    allowed = set(torch.nonzero(probs >= 0.8 * probs.max()).flatten().tolist())
+    assert 1 < len(allowed) < logits.shape[1]
+    s, drawn = Sampler(), set()
+    for seed in range(200):
+        p = SamplingParams(temperature=1.0, min_p=0.8, seed=seed).validate()
+        s.add(f"r{seed}", p)
+        drawn.add(s.sample(logits, [f"r{seed}"], [p])[0])
+    assert drawn == allowed  # every allowed token comes up in 200 draws, nothing else ever does
+    p = SamplingParams(temperature=1.0, min_p=1.0, seed=3).validate()
+    s.add("one", p)
+    assert s.sample(logits, ["one"], [p]) == [0]
+    with pytest.raises(InvalidRequest):
+        SamplingParams(min_p=1.5).validate()

@@ -174,3 +174,45 @@ def test_tokenizer_endpoints(qwen3_path):
         with pytest.raises(KeyaccError) as e:  # a 400, or a 404 for another model
             call(body, **kw, **({"max_model_len": 256} if call is tokenize else {"vocab_size": len(tok)}))
         assert e.value.param == param
+
+
+def test_generation_config_defaults_fill_what_a_request_leaves_out(qwen3_path, tmp_path):
+    """vLLM's --generation-config auto: the model's generation_config.json sampling fields are the
+    defaults; a request's own values (null meaning unset) win; max_new_tokens is the default
+    max_tokens only; a value this server would refuse is dropped."""
+    import json
+    import shutil
+
+    from keyacc_ray.serve.protocol import generation_defaults
+
+    model = tmp_path / "m"
+    shutil.copytree(qwen3_path, model)
+    gc = json.loads((model / "generation_config.json").read_text())
+    gc.update(temperature=0.6, top_k=20, top_p=0.95, min_p=0.05, repetition_penalty=1.1, max_new_tokens=30,
+              do_sample=True)
+    (model / "generation_config.json").write_text(json.dumps(gc))
+    assert generation_defaults(qwen3_path) == {}  # the repo's tiny model ships none
+    d = generation_defaults(str(model))
+    assert d == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.1,
+                 "max_tokens": 30}
+    tok = AutoTokenizer.from_pretrained(qwen3_path)
+
+    def params(kind="completion", **body):
+        msgs = {"messages": [{"role": "user", "content": "hi"}]} if kind == "chat" else {"prompt": "hi"}
+        return parse({"model": "m", **msgs, **body}, kind, tokenizer=tok, served_names={"m"},
+                     max_model_len=256, defaults=d).request.params
+
+    p = params()
+    assert (p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["repetition_penalty"]) == (0.6, 20, 0.95, 0.05, 1.1)
+    assert p["max_tokens"] == 16  # the completions default is smaller
+    assert params("chat")["max_tokens"] == 30  # instead of the rest of the context
+    p = params(temperature=0, top_k=None, repetition_penalty=1.0, max_tokens=100, min_p=0)
+    assert (p["temperature"], p["top_k"], p["repetition_penalty"], p["max_tokens"], p["min_p"]) == (0, 20, 1.0, 100, 0)
+    assert parse({"model": "m", "prompt": "hi"}, "completion", tokenizer=tok, served_names={"m"},
+                 max_model_len=256).request.params["repetition_penalty"] == 1.0  # no defaults: neutral
+    with pytest.raises(InvalidRequest) as e:
+        params(min_p=2)
+    assert e.value.param == "min_p"
+    gc.update(top_p=0.0, temperature=5.0)  # refused in a request: not taken as defaults either
+    (model / "generation_config.json").write_text(json.dumps(gc))
+    assert "top_p" not in generation_defaults(str(model)) and "temperature" not in generation_defaults(str(model))
