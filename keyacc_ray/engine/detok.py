@@ -11,9 +11,12 @@ CONTEXT_TOKENS = 6
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str],
-                 output_ids: list[int] = (), emitted_chars: int = 0):
+                 output_ids: list[int] = (), emitted_chars: int = 0, include_stop: bool = False,
+                 skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.stop = list(stop)
+        self.include_stop = include_stop  # the stop string that matched stays in the text
+        self.skip_special_tokens = skip_special_tokens
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -26,7 +29,7 @@ class IncrementalDetokenizer:
         self.emitted = emitted_chars
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _append(self, token_id: int) -> None:
         self.ids.append(token_id)
@@ -38,14 +41,16 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.ids)
 
     def step(self, token_id: int) -> bool:
-        """Add a token; True if a stop string appeared (the text is cut before it)."""
+        """Add a token; True if a stop string appeared (the text is cut before it, or after it
+        with `include_stop`)."""
         before = len(self.text)
         self._append(token_id)
         if self.stop and len(self.text) > before:
             start = max(0, before - self.holdback)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [(i, len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
             if hits:
-                self.text = self.text[:min(hits)]
+                at, n = min(hits)
+                self.text = self.text[:at + (n if self.include_stop else 0)]
                 self.stopped = True
                 return True
         return False

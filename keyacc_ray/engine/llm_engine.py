@@ -155,7 +155,8 @@ class LLMEngine:
         self.sampler.add(seq.request_id, seq.params, rng_state)
         self.detok[seq.request_id] = IncrementalDetokenizer(
             self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], seq.params.stop,
-            seq.output_token_ids, seq.emitted_text_chars)
+            seq.output_token_ids, seq.emitted_text_chars, seq.params.include_stop_str_in_output,
+            seq.params.skip_special_tokens)
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs.get(request_id)
@@ -253,6 +254,8 @@ class LLMEngine:
         status = None
         if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             status = SeqStatus.FINISHED_STOPPED
+            if p.include_stop_str_in_output:  # the stop token's own text, as vLLM
+                self.detok[seq.request_id].step(token)
         elif self.detok[seq.request_id].step(token):
             status = SeqStatus.FINISHED_STOPPED
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:

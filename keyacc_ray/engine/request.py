@@ -44,6 +44,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's min_tokens: no end-of-sequence or stop token id before this many tokens
     min_tokens: int = 0
+    # vLLM's: the stop string (or the stop token's text) that ended the output stays in its text;
+    # special tokens' text is left out of the output text
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def validate(self) -> "SamplingParams":
         def bad(msg: str, param: str) -> InvalidRequest:
@@ -94,6 +98,9 @@ class SamplingParams:
                       "characters each", "stop")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative integers", "stop_token_ids")
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be a boolean, got {getattr(self, name)!r}", name)
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):

@@ -14,7 +14,13 @@ from keyacc_ray.serve.messages import GenerateRequest, TokenChunk
 # Accepted only at their neutral values; anything else is refused rather than silently ignored.
 NEUTRAL = {"tools": (None, []),
            "tool_choice": (None, "none"), "functions": (None, []), "suffix": (None, ""),
-           "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,)}
+           "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,),
+           # vLLM's extensions this server does not implement
+           "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "bad_words": (None, []),
+           "allowed_token_ids": (None,), "logits_processors": (None,), "prompt_logprobs": (None,),
+           "truncate_prompt_tokens": (None,), "spaces_between_special_tokens": (None, True),
+           "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+           "structured_outputs": (None,), "chat_template": (None,), "documents": (None,)}
 
 
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # the last: vLLM's extension
@@ -140,6 +146,8 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
     _type(stop_token_ids, (list,), "stop_token_ids", "a list of integers")
     ignore_eos = data.get("ignore_eos", False)
     _type(ignore_eos, (bool,), "ignore_eos", "a boolean")
+    text_opts = {k: _type(data[k], (bool,), k, "a boolean") for k in ("include_stop_str_in_output", "skip_special_tokens")
+                 if data.get(k) is not None}
     min_tokens = data.get("min_tokens")
     min_tokens = 0 if min_tokens is None else _type(min_tokens, (int,), "min_tokens", "an integer")
     penalties = {k: _type(data[k], (int, float), k, "a number") for k in PENALTIES if data.get(k) is not None}
@@ -148,7 +156,7 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
     params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                             top_k=top_k, min_p=float(min_p), seed=seed, stop=list(stop), stop_token_ids=list(stop_token_ids),
                             ignore_eos=ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(data, vocab),
-                            min_tokens=min_tokens, prompt_logprobs=logprobs if echo else None,
+                            min_tokens=min_tokens, prompt_logprobs=logprobs if echo else None, **text_opts,
                             **{k: float(v) for k, v in penalties.items()}).validate()
 
     stream = data.get("stream", False)
@@ -330,11 +338,36 @@ def _chat_prompt(data: dict, tokenizer) -> list[int]:
         clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequest("this model has no chat template; use /v1/completions", param="messages")
+    flags = {k: _type(data[k], (bool,), k, "a boolean") if data.get(k) is not None else default
+             for k, default in (("add_generation_prompt", True), ("continue_final_message", False),
+                                ("add_special_tokens", False))}
+    if flags["add_generation_prompt"] and flags["continue_final_message"]:
+        raise InvalidRequest("'continue_final_message' needs 'add_generation_prompt': false", param="continue_final_message")
+    extra = _template_kwargs(data.get("chat_template_kwargs"))
     try:
-        text = tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=flags["add_generation_prompt"],
+                                             continue_final_message=flags["continue_final_message"], **extra)
     except Exception as e:  # noqa: BLE001 - a template's own check (e.g. "roles must alternate", no system role)
         raise InvalidRequest(f"this model's chat template rejected the messages: {e}", param="messages") from None
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(text, add_special_tokens=flags["add_special_tokens"])["input_ids"]
+
+
+# apply_chat_template's own arguments: never template variables from a request
+_RESERVED_TEMPLATE_ARGS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                           "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                           "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
+def _template_kwargs(kw) -> dict:
+    """vLLM's `chat_template_kwargs`: extra variables for the chat template (e.g. Qwen3's
+    `enable_thinking`). The template runs in transformers' sandboxed Jinja environment."""
+    if kw is None:
+        return {}
+    _type(kw, (dict,), "chat_template_kwargs", "an object")
+    bad = [k for k in kw if not k.isidentifier() or k in _RESERVED_TEMPLATE_ARGS]
+    if bad:
+        raise InvalidRequest(f"chat_template_kwargs may not set {sorted(bad)}", param="chat_template_kwargs")
+    return kw
 
 
 def _keyacc_ext(ext, allow_pinning: bool) -> tuple[str | None, int | None]:

@@ -418,6 +418,12 @@ def test_stop_strings_and_seed(client):
     r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0, stop=[stop],
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[:text.index(stop)]
+    for route in ("gpu", "stage", "cpu"):  # vLLM's include_stop_str_in_output, across a hand-off too
+        kept = "".join(c.choices[0].text for c in client.completions.create(
+            model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0, stop=[stop], stream=True,
+            extra_body={"ignore_eos": True, "include_stop_str_in_output": True, "keyacc": {"route": route}})
+            if c.choices)
+        assert kept == text[:text.index(stop) + len(stop)], route
     a = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=1.0, seed=3,
                                   extra_body={"return_token_ids": True, "keyacc": {"route": "gpu"}})
     b = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=1.0, seed=3,
@@ -453,6 +459,10 @@ BAD = [
     (json.dumps({"model": MODEL, "prompt": "hi", "keyacc": {"route": "moon"}}).encode(), 400, "keyacc.route"),
     (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens"),  # 0: echo only
     (json.dumps({"model": MODEL, "prompt": "hi", "echo": "yes"}).encode(), 400, "echo"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "min_p": 1.5}).encode(), 400, "min_p"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "use_beam_search": True}).encode(), 400, "use_beam_search"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "guided_choice": ["a", "b"]}).encode(), 400, "guided_choice"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "skip_special_tokens": "no"}).encode(), 400, "skip_special_tokens"),
 ]
 
 

@@ -104,6 +104,26 @@ def test_eos_and_stop_token_ids(engine, qwen3_path):
     assert toks == ref[: ref.index(ref[3]) + 1] and reason == "stop"
 
 
+def test_include_stop_str_in_output_and_skip_special_tokens(engine, qwen3_path):
+    """vLLM's text options: the stop string (or stop token's text) kept at the end of the text;
+    special tokens' text kept when skip_special_tokens is false."""
+    greedy = dict(max_tokens=30, temperature=0, ignore_eos=True)
+    full_text, full_toks, _ = run_text(engine, PROMPTS[1], SamplingParams(**greedy))
+    stop = full_text[10:13]
+    text, _, reason = run_text(engine, PROMPTS[1], SamplingParams(**greedy, stop=[stop, "@@never"],
+                                                                 include_stop_str_in_output=True))
+    assert reason == "stop" and text == full_text[: full_text.index(stop) + len(stop)]
+    k = next(i for i, t in enumerate(full_toks) if engine.tokenizer.decode([t]).strip())  # a token with text
+    text, toks, reason = run_text(engine, PROMPTS[1], SamplingParams(**greedy, stop_token_ids=[full_toks[k]],
+                                                                    include_stop_str_in_output=True))
+    assert reason == "stop" and toks == full_toks[: k + 1]
+    assert text == engine.tokenizer.decode(toks) and text != engine.tokenizer.decode(toks[:-1])
+    special = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")  # forced by a logit bias, never the end
+    forced = dict(max_tokens=3, temperature=0, ignore_eos=True, logit_bias={special: 100.0})
+    assert run_text(engine, PROMPTS[0], SamplingParams(**forced))[0] == ""
+    assert run_text(engine, PROMPTS[0], SamplingParams(**forced, skip_special_tokens=False))[0] == "<|im_end|>" * 3
+
+
 def test_streamed_text_is_whole_characters(engine):
     for prompt in ["café naïve Straße 東京", "🙂 🚀 ✨", "你好世界"]:
         params = SamplingParams(max_tokens=40, temperature=1.0, seed=5)

@@ -216,3 +216,39 @@ def test_generation_config_defaults_fill_what_a_request_leaves_out(qwen3_path, t
     gc.update(top_p=0.0, temperature=5.0)  # refused in a request: not taken as defaults either
     (model / "generation_config.json").write_text(json.dumps(gc))
     assert "top_p" not in generation_defaults(str(model)) and "temperature" not in generation_defaults(str(model))
+
+
+def test_vllm_chat_options_and_refused_extensions(qwen3_path):
+    """vLLM's chat options (add_generation_prompt, continue_final_message, chat_template_kwargs,
+    add_special_tokens) reach the template; vLLM extensions this server does not implement are
+    refused by name, never ignored."""
+    tok = AutoTokenizer.from_pretrained(qwen3_path)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hel"}]
+
+    def ids(**body):
+        return _choices(tok, "chat", messages=msgs, **body).request.prompt_token_ids
+
+    def want(text_kw, **tok_kw):
+        return tok(tok.apply_chat_template(msgs, tokenize=False, **text_kw), add_special_tokens=False, **tok_kw)["input_ids"]
+
+    assert ids() == want({"add_generation_prompt": True})
+    assert ids(add_generation_prompt=False) == want({"add_generation_prompt": False})
+    cont = ids(add_generation_prompt=False, continue_final_message=True)
+    assert cont == want({"add_generation_prompt": False, "continue_final_message": True})
+    assert tok.decode(cont).endswith("hel")  # the assistant's turn left open
+    with pytest.raises(InvalidRequest):
+        ids(continue_final_message=True)  # with a generation prompt too
+    tok.chat_template = "{{ greeting | default('') }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    assert tok.decode(ids(chat_template_kwargs={"greeting": "Hey"})) == "Hey[hi][hel]"
+    for bad in ({"tokenize": True}, {"messages": []}, "x"):
+        with pytest.raises(InvalidRequest) as e:
+            ids(chat_template_kwargs=bad)
+        assert e.value.param == "chat_template_kwargs"
+    p = _choices(tok, prompt="hi", include_stop_str_in_output=True, skip_special_tokens=False).request.params
+    assert p["include_stop_str_in_output"] is True and p["skip_special_tokens"] is False
+    for body in ({"use_beam_search": True}, {"guided_json": {"type": "object"}}, {"allowed_token_ids": [1]},
+                 {"chat_template": "{{ x }}"}, {"spaces_between_special_tokens": False}, {"prompt_logprobs": 1}):
+        with pytest.raises(InvalidRequest) as e:
+            _choices(tok, prompt="hi", **body)
+        assert e.value.param == next(iter(body)) and e.value.code == "unsupported_parameter"
+    assert _choices(tok, prompt="hi", use_beam_search=False, length_penalty=1.0, bad_words=[]).request
