@@ -44,7 +44,7 @@ class Sampler:
                 if p.greedy:
                     out[i] = int(row.argmax())
             if not p.greedy:
-                out[i] = self._sample_row(row.float().cpu(), p, self._gens[request_ids[i]])
+                out[i] = self._sample_row(row.float(), p, self._gens[request_ids[i]])
         return out
 
     @staticmethod
@@ -59,20 +59,43 @@ class Sampler:
 
     @staticmethod
     def _sample_row(row: torch.Tensor, p: SamplingParams, g: torch.Generator) -> int:
-        row = row / p.temperature
-        if p.top_k and p.top_k > 0 and p.top_k < row.numel():
+        """One token from a row of logits (any device): temperature, top-k, min-p, top-p, then one
+        uniform draw from the request's own generator on CPU, inverted through the cumulative
+        distribution (torch.multinomial and a full sort each cost tens of milliseconds on a
+        150k-token vocabulary on CPU; this costs well under one). Only candidates are carried:
+        with top-k, the tokens scoring at least the k-th (ties kept, in token-id order, so the
+        draw is the same on any device); with top-p, the most likely tokens up to its mass."""
+        ids = None  # token id of each candidate; None: every token, in order
+        if p.top_k and 0 < p.top_k < row.numel():
             kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
+            ids = torch.nonzero(row >= kth).flatten()
+            row, ids = row[ids], ids.cpu()
+        probs = torch.softmax(row.cpu() / p.temperature, dim=-1)
         if p.min_p > 0.0:  # relative to the most likely token, after temperature and top-k (as vLLM)
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
             probs = probs / probs.sum()
         if p.top_p < 1.0:
-            sorted_p, idx = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < p.top_p
+            top, order = _top_mass(probs, p.top_p)
+            keep = torch.cumsum(top, dim=-1) - top < p.top_p
             keep[0] = True
-            probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
-        return int(torch.multinomial(probs, 1, generator=g).item())
+            probs, order = top[keep], order[keep]
+            ids = order if ids is None else ids[order]
+        cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+        u = torch.rand((), generator=g, dtype=torch.float64) * cdf[-1]
+        choice = min(int(torch.searchsorted(cdf, u, right=True)), probs.numel() - 1)
+        return choice if ids is None else int(ids[choice])
+
+
+def _top_mass(probs: torch.Tensor, mass: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The most likely entries of `probs`, in descending order (values, indices), enough of them
+    to hold at least `mass` (all of them if need be): a top-k that widens, instead of sorting a
+    whole vocabulary for the few hundred tokens that usually hold the mass."""
+    k = min(probs.numel(), 256)
+    while True:
+        top, order = torch.topk(probs, k)
+        if k == probs.numel() or float(top.sum()) >= mass:
+            return top, order
+        k = min(probs.numel(), k * 8)
 
 
 def process_logits(row: torch.Tensor, token_ids: list[int], num_prompt: int, p: SamplingParams,

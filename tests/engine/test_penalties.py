@@ -153,3 +153,51 @@ def test_min_p_keeps_only_tokens_near_the_most_likely():
     assert s.sample(logits, ["one"], [p]) == [0]
     with pytest.raises(InvalidRequest):
         SamplingParams(min_p=1.5).validate()
+
+
+def test_top_k_draws_only_among_the_k_best_and_reproduces():
+    """top-k sampling works on the candidates alone: every draw is one of the k best tokens (ties
+    with the k-th kept), each of them comes up, and a seed draws the same token again."""
+    from keyacc_ray.engine.sampling import Sampler
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 5000, generator=g)
+    logits[0, 17] = logits[0, 4000] = logits.max() + 1.0  # a tie at the top
+    best = set(torch.topk(logits[0], 3).indices.tolist())
+    s, drawn = Sampler(), []
+    for seed in range(300):
+        p = SamplingParams(temperature=2.0, top_k=3, top_p=0.99, seed=seed).validate()
+        s.add(f"r{seed}", p)
+        drawn.append(s.sample(logits, [f"r{seed}"], [p])[0])
+    assert set(drawn) == best and {17, 4000} <= best
+    p = SamplingParams(temperature=2.0, top_k=3, top_p=0.99, seed=5).validate()
+    s.add("again", p)
+    assert s.sample(logits, ["again"], [p])[0] == drawn[5]
+
+
+@pytest.mark.parametrize("kw", [{}, {"top_k": 4}, {"top_p": 0.9}, {"min_p": 0.1}])
+def test_sampled_frequencies_follow_the_distribution(kw):
+    """The inverse-CDF draw: over 4000 seeds each token comes up as often as its probability
+    after temperature / top-k / top-p / min-p says (within 0.03), and never a token they rule out."""
+    from keyacc_ray.engine.sampling import Sampler
+
+    logits = torch.tensor([[1.0, 0.2, -0.5, 2.0, 0.0, -3.0]])
+    p0 = SamplingParams(temperature=0.8, **kw).validate()
+    probs = torch.softmax(logits[0] / 0.8, dim=-1)
+    if "top_k" in kw:
+        probs[probs < torch.topk(probs, kw["top_k"]).values[-1]] = 0
+    if "min_p" in kw:
+        probs[probs < kw["min_p"] * probs.max()] = 0
+    if "top_p" in kw:
+        probs = probs / probs.sum()
+        order = torch.argsort(probs, descending=True)
+        keep = torch.cumsum(probs[order], 0) - probs[order] < kw["top_p"]
+        probs[order[~keep]] = 0
+    probs = probs / probs.sum()
+    s, counts = Sampler(), torch.zeros(6)
+    for seed in range(4000):
+        p = SamplingParams(**{**p0.to_dict(), "seed": seed})
+        s.add("r", p)
+        counts[s.sample(logits, ["r"], [p])[0]] += 1
+    assert torch.all(counts[probs == 0] == 0)
+    assert torch.allclose(counts / 4000, probs, atol=0.03), (counts / 4000, probs)
