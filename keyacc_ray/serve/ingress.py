@@ -304,11 +304,16 @@ class Ingress:
         created = int(time.time())
         n = len(p.requests)
         n_out, reason = [0] * n, [None] * n
+        def usage_so_far(body: dict, k: int) -> dict:  # vLLM's continuous_usage_stats: the choice's count so far
+            if p.continuous_usage:
+                body["usage"] = protocol.usage(p.num_prompt_tokens, n_out[k])
+            return body
+
         if p.kind == "chat":
             for k in range(n):
                 head = protocol.chunk_body(p, created, "", None, index=k)
                 head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                yield _sse(head)
+                yield _sse(usage_so_far(head, k))
         pending = [None] * n  # only a choice's finishing chunk waits, so its trace can ride on it
         offset, seen = [0] * n, [False] * n
         async for k, i in items:
@@ -320,7 +325,7 @@ class Ingress:
                 lps = protocol.logprobs_body(p.kind, covered, entries, self._token_text, offset[k])
                 if lps is not None and p.kind != "chat" and lps["tokens"]:
                     offset[k] = lps["text_offset"][-1] + len(lps["tokens"][-1])
-                body = protocol.chunk_body(p, created, text, i.finish_reason, generated, lps, k)
+                body = usage_so_far(protocol.chunk_body(p, created, text, i.finish_reason, generated, lps, k), k)
                 if i.finish_reason is None:
                     yield _sse(body)
                 else:
@@ -338,6 +343,7 @@ class Ingress:
                 body["keyacc"] = i.to_dict()
                 if p.include_usage:
                     body["usage"] = None
+                usage_so_far(body, k)
                 yield _sse(body)
         for body in filter(None, pending):
             yield _sse(body)

@@ -44,6 +44,7 @@ class ParsedRequest:
     # with logprobs, its tokens' scores); `echo_only`: max_tokens 0, the prompt and nothing else
     echo: list[str] | None = None
     echo_only: bool = False
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
 
     @property
     def request(self) -> GenerateRequest:
@@ -165,6 +166,8 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
     _type(opts, (dict,), "stream_options", "an object")
     include_usage = opts.get("include_usage", False)
     _type(include_usage, (bool,), "stream_options.include_usage", "a boolean")
+    continuous = opts.get("continuous_usage_stats", False)
+    _type(continuous, (bool,), "stream_options.continuous_usage_stats", "a boolean")
 
     return_ids = data.get("return_token_ids", False)
     _type(return_ids, (bool,), "return_token_ids", "a boolean")
@@ -180,7 +183,7 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
                                         choice_params, route, back))
     texts = [x if isinstance(x, str) else tokenizer.decode(x) for x in _prompt_items(data)] if echo else None
     return ParsedRequest(kind, reqs, stream, include_usage, model, return_ids, rid, sum(len(ids) for ids in prompts),
-                         [t for t in texts for _ in range(n)] if echo else None, echo_only)
+                         [t for t in texts for _ in range(n)] if echo else None, echo_only, include_usage and continuous)
 
 
 def _logit_bias(data: dict, vocab: int) -> dict[int, float] | None:
@@ -335,7 +338,8 @@ def _chat_prompt(data: dict, tokenizer) -> list[int]:
             content = "\n".join(parts)
         if not isinstance(content, str):
             raise InvalidRequest(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
-        clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+        clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content,
+                      **({"name": m["name"]} if isinstance(m.get("name"), str) else {})})  # for templates that use it
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequest("this model has no chat template; use /v1/completions", param="messages")
     flags = {k: _type(data[k], (bool,), k, "a boolean") if data.get(k) is not None else default

@@ -98,6 +98,24 @@ def test_chat_streaming_and_not(client):
     text = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
         model=MODEL, messages=msgs, max_tokens=30, temperature=0, stream=True) if ch.choices)
     assert text == r.choices[0].message.content
+    # vLLM's continuous_usage_stats: every chunk says how many tokens the choice has so far
+    _, tok = hf_model(tiny_model("qwen3"))
+    prompt_tokens = len(tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                            add_special_tokens=False)["input_ids"])
+    seen = []
+    for ch in client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=30, temperature=0, stream=True,
+                                             stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                             extra_body={"return_token_ids": True, "ignore_eos": True}):
+        assert ch.usage is not None and ch.usage.prompt_tokens == prompt_tokens
+        got = sum(len(c.model_extra.get("token_ids") or []) for c in ch.choices)
+        seen.append((ch.usage.completion_tokens, got))
+    assert seen[0][0] == 0 and seen[-1][0] == 30
+    counts = [u for u, _ in seen]
+    assert counts == sorted(counts)
+    total = 0
+    for u, got in seen[:-1]:  # the last chunk is the usage-only one
+        total += got
+        assert u == total
 
 
 def test_batched_prompts_and_n(client):

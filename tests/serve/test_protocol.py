@@ -240,6 +240,9 @@ def test_vllm_chat_options_and_refused_extensions(qwen3_path):
         ids(continue_final_message=True)  # with a generation prompt too
     tok.chat_template = "{{ greeting | default('') }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
     assert tok.decode(ids(chat_template_kwargs={"greeting": "Hey"})) == "Hey[hi][hel]"
+    tok.chat_template = "{% for m in messages %}{{ m.get('name', '?') }}:{{ m['content'] }};{% endfor %}"
+    named = [{"role": "user", "content": "hi", "name": "ann"}, {"role": "user", "content": "yo"}]
+    assert tok.decode(_choices(tok, "chat", messages=named).request.prompt_token_ids) == "ann:hi;?:yo;"
     for bad in ({"tokenize": True}, {"messages": []}, "x"):
         with pytest.raises(InvalidRequest) as e:
             ids(chat_template_kwargs=bad)
