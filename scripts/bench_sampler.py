@@ -49,7 +49,9 @@ def main() -> None:
             s.add(r, p)
         s.sample(logits, rids, params, history=lambda i: (history[i], 10, (0,)))  # warm up
         t = time.perf_counter()
-        for _ in range(args.steps):
+        for step in range(args.steps):
+            for i, h in enumerate(history):  # each sequence's history grows by a token a step, as in decoding
+                h.append((step * 7919 + i) % args.vocab)
             s.sample(logits, rids, params, history=lambda i: (history[i], 10, (0,)))
         per_step = (time.perf_counter() - t) / args.steps * 1e3
         print(f"{name:48s} {per_step:8.2f} ms per step  {per_step / args.batch:6.3f} ms per row")
