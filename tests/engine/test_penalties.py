@@ -201,3 +201,17 @@ def test_sampled_frequencies_follow_the_distribution(kw):
         counts[s.sample(logits, ["r"], [p])[0]] += 1
     assert torch.all(counts[probs == 0] == 0)
     assert torch.allclose(counts / 4000, probs, atol=0.03), (counts / 4000, probs)
+
+
+def test_distinct_ids_follow_a_growing_history():
+    """The repetition penalty's seen-token set, kept up to date step by step, is the history's
+    set at every step (and starts again for a history that is not the one it followed)."""
+    from keyacc_ray.engine.sampling import Sampler
+
+    s, hist = Sampler(), [5, 3, 5]
+    for t in [3, 9, 9, 1, 5, 2]:
+        hist.append(t)
+        assert sorted(s._distinct("r", hist, "cpu").tolist()) == sorted(set(hist))
+    assert sorted(s._distinct("r", [7, 7], "cpu").tolist()) == [7]  # shorter: another history
+    s.remove("r")
+    assert "r" not in s._seen
