@@ -23,6 +23,18 @@ def replica_actor(deployment: str):
     raise LookupError(deployment)
 
 
+def stream_chunks(app_url: str, body: dict):
+    """A streamed completion's chunks, parsed; none of them may be an error."""
+    with httpx.stream("POST", f"{app_url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            yield chunk
+
+
 def wait_healthy(timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -41,19 +53,13 @@ def test_decode_replica_killed_mid_stream(app_url, route, victim, survivor):
     body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
             "ignore_eos": True, "return_token_ids": True, "keyacc": {"route": route}}
     ids, trace, killed = [], None, False
-    with httpx.stream("POST", f"{app_url}/v1/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            for c in chunk["choices"]:
-                ids += c.get("token_ids", [])
-            trace = chunk.get("keyacc") or trace
-            if not killed and len(ids) >= 8:
-                ray.kill(replica_actor(victim), no_restart=True)
-                killed = True
+    for chunk in stream_chunks(app_url, body):
+        for c in chunk["choices"]:
+            ids += c.get("token_ids", [])
+        trace = chunk.get("keyacc") or trace
+        if not killed and len(ids) >= 8:
+            ray.kill(replica_actor(victim), no_restart=True)
+            killed = True
     assert killed
     assert ids == hf_greedy(tiny_model("qwen3"), tok(prompt)["input_ids"], n)
     segs = trace["segments"]
@@ -148,16 +154,10 @@ def test_router_killed_requests_in_flight_and_arriving_are_served(app_url):
         body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
                 "ignore_eos": True, "return_token_ids": True, "keyacc": {"route": route}}
         ids = []
-        with httpx.stream("POST", f"{app_url}/v1/completions", json=body, timeout=120) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                ids += [t for c in chunk["choices"] for t in c.get("token_ids", [])]
-                if ids:
-                    started.add(prompt)
+        for chunk in stream_chunks(app_url, body):
+            ids += [t for c in chunk["choices"] for t in c.get("token_ids", [])]
+            if ids:
+                started.add(prompt)
         return prompt, ids, n
 
     def plain(prompt):
