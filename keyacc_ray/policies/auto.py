@@ -6,7 +6,7 @@ whole requests go to the CPU (full offload's rule, `whole_request_route`). CPU d
 periods and move back after the memory check, as in both modes."""
 from keyacc_ray.policies import register
 from keyacc_ray.policies.base import LoadView, Policy, RequestView
-from keyacc_ray.policies.hysteresis import gate, recall_waiting, return_decision, whole_request_route
+from keyacc_ray.policies.hysteresis import check_hold, gate, recall_waiting, return_decision, whole_request_route
 from keyacc_ray.policies.stage_offload import decode_placement
 
 DEFAULTS = {
@@ -16,6 +16,9 @@ DEFAULTS = {
     # requests queued on the CPU pool start over on the GPU when it has places first (off: on this
     # box's closed-loop bench it raised full_offload's p99 TTFT at 40 clients, docs/benchmarks.md)
     "recall_queued": False,
+    # a request that would wait for a place on either pool waits at the router for the first one
+    # (whole_request_route); 0: it queues on a pool at once
+    "max_hold_s": 5.0,
 }
 
 
@@ -27,6 +30,7 @@ class Auto(Policy):
 
     def __init__(self, options: dict, clock=None):
         super().__init__(options, clock)
+        check_hold(self.options)
         self.gpu = gate(self.options, "gpu")
         self.prefill = gate(self.options, "prefill")
         self.cpu = gate(self.options, "cpu")

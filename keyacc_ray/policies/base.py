@@ -8,6 +8,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 ROUTES = ("gpu", "cpu", "stage")
+# route(): the request waits at the router (admitted nowhere yet) until a place frees on either
+# pool, then is routed again; the router holds it (`Router.begin`).
+HOLD = "hold"
 
 
 @dataclass
@@ -18,6 +21,7 @@ class RequestView:
     num_output_tokens: int  # generated so far
     max_tokens: int
     expected_output: int | None = None  # what requests here really generate (OutputLengths), if known
+    held_s: float = 0.0  # how long the router has held it, not yet admitted anywhere (see HOLD)
 
     @property
     def remaining_tokens(self) -> int:
@@ -116,7 +120,9 @@ class Policy:
 
     def route(self, req: RequestView, load: LoadView) -> str:
         """The first hop: "gpu" (prefill + decode on the GPU pool), "cpu" (whole request on the
-        CPU pool) or "stage" (prefill on the GPU pool, decode on the CPU pool)."""
+        CPU pool) or "stage" (prefill on the GPU pool, decode on the CPU pool); or HOLD: it would
+        wait for a place on whichever pool it went to, so it waits at the router for the first
+        place either pool frees (asked again then, with `req.held_s` grown)."""
         raise NotImplementedError
 
     def after_prefill(self, req: RequestView, load: LoadView) -> str:

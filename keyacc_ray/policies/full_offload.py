@@ -7,16 +7,18 @@ included) exceeds `gpu_queue_overflow`, or one GPU decode batch (its slots, KV b
 included) where that is less, new requests overflow to the CPU at once, without waiting out
 the trigger window (a burst of 40 requests arrives within milliseconds; waiting 0.5 s would
 queue them all on the GPU, each behind whole request lifetimes there, while CPU slots idle).
-The CPU pool is gated the same way. When both are overloaded a request has to queue somewhere:
-it goes to the pool that works off its queue sooner at its recent rate (queue / tokens per
-second, both from the monitor), and to the GPU while either rate is unknown.
+The CPU pool is gated the same way. A request that would wait for a place on either pool
+waits at the router (HOLD, up to `max_hold_s`) and takes the first place either frees. Held
+that long, it has to queue somewhere: it goes to the pool that works off its queue sooner at its
+recent rate (queue / tokens per second, both from the monitor), and to the GPU while either rate
+is unknown.
 Requests running on the CPU decode in periods of `decode_period_tokens`; after each, the decode
 moves back to the GPU if the GPU is accepting again and the memory check passes, otherwise it
 keeps running on the CPU.
 """
 from keyacc_ray.policies import register
 from keyacc_ray.policies.base import LoadView, Policy, RequestView
-from keyacc_ray.policies.hysteresis import gate, recall_waiting, return_decision, whole_request_route
+from keyacc_ray.policies.hysteresis import check_hold, gate, recall_waiting, return_decision, whole_request_route
 
 DEFAULTS = {
     "gpu_queue_high": 2, "gpu_queue_safe": 1, "gpu_queue_overflow": 24, "cpu_queue_high": 4, "cpu_queue_safe": 1,
@@ -25,6 +27,9 @@ DEFAULTS = {
     # requests queued on the CPU pool start over on the GPU when it has places first (off: on this
     # box's closed-loop bench it raised full_offload's p99 TTFT at 40 clients, docs/benchmarks.md)
     "recall_queued": False,
+    # a request that would wait for a place on either pool waits at the router for the first one
+    # (whole_request_route); 0: it queues on a pool at once
+    "max_hold_s": 5.0,
 }
 
 
@@ -36,6 +41,7 @@ class FullOffload(Policy):
 
     def __init__(self, options: dict, clock=None):
         super().__init__(options, clock)
+        check_hold(self.options)
         self.gpu = gate(self.options, "gpu")
         self.cpu = gate(self.options, "cpu")
 

@@ -6,7 +6,17 @@ never flips it, and each such aborted episode is counted as a suppressed decisio
 """
 from __future__ import annotations
 
-from keyacc_ray.policies.base import LoadView, Policy, PoolLoad, RequestView
+from keyacc_ray.policies.base import HOLD, LoadView, Policy, PoolLoad, RequestView
+
+# The most a request may wait at the router (`max_hold_s`): the ingress gives up on a router
+# call after 10 s (serve/driver.py ROUTER_TIMEOUT_S) and would then decide alone.
+MAX_HOLD_S = 5.0
+
+
+def check_hold(options: dict) -> None:
+    v = options["max_hold_s"]
+    if not 0 <= v <= MAX_HOLD_S:
+        raise ValueError(f"max_hold_s must be within [0, {MAX_HOLD_S}] seconds, got {v}")
 
 
 class Debounced:
@@ -149,13 +159,22 @@ def whole_request_route(policy: Policy, gpu_overloaded: bool, cpu_gate: PoolGate
     that a request never queues on the CPU pool while the GPU has room for it right now (the
     gate keeps the GPU from being flooded, not from being used). When the CPU pool is
     overloaded too, the request queues where the queue drains sooner at the pool's recent rate
-    (queue / tokens per second), and on the GPU while a rate is unknown."""
+    (queue / tokens per second), and on the GPU while a rate is unknown.
+
+    Except that a request that would wait for a place wherever it went (the CPU pool full, the
+    GPU pool without room) waits at the router instead, for up to `max_hold_s` (HOLD): admitted
+    to a pool's queue it would wait there for that pool's first free place, which, with
+    requests of similar lengths, can be a whole CPU request lifetime while the GPU turns over
+    several; held, it takes the first place either pool frees."""
     flood = flooded(policy, req, load)
     if not gpu_overloaded and not flood:
         return "gpu"
-    if cpu_full(load) and gpu_has_room(policy, req, load):
+    full = cpu_full(load)
+    if full and gpu_has_room(policy, req, load):
         policy.count("gpu_room_over_cpu_queue")
         return "gpu"
+    if full and req.held_s < policy.options["max_hold_s"]:
+        return HOLD
     if not cpu_gate.overloaded:
         if not gpu_overloaded:
             policy.count("overflow_to_cpu")

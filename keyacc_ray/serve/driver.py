@@ -100,6 +100,9 @@ class RequestDriver:
         try:
             call = self.router.begin(t) if end is None else self.router.advance(t, end)
             return await asyncio.wait_for(call, ROUTER_TIMEOUT_S)
+        except asyncio.CancelledError:  # the client went away while the router decided (or held it)
+            self._finish(t, HopEnd("done", 0.0, end.num_output_tokens if end else 0))
+            raise
         except Exception as e:  # noqa: BLE001 - router restarting or gone: decide here
             log.warning("router unavailable for %s (%s); deciding locally", t.request_id, e.__class__.__name__)
             return fallback(t, end)

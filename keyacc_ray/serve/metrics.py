@@ -28,6 +28,8 @@ def render(snap_info: dict, ingress_counts: dict) -> str:
     snap = (snap_info or {}).get("snapshot") or {}
     emit("keyacc_monitor_snapshot_age_seconds", "gauge", {}, min(snap_info.get("snapshot_age_s", 0), 1e9),
          "age of the router's load snapshot")
+    emit("keyacc_requests_held", "gauge", {}, snap_info.get("held", 0),
+         "new requests waiting at the router for a place on either pool")
     for r in snap.get("replicas", []):
         labels = {"deployment": r["deployment"], "pool": r["pool"], "replica": r["replica"],
                   "emulated": "1" if r["emulated"] else "0"}

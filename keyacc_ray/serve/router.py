@@ -8,7 +8,8 @@ recall: GPU prefill -> GPU or CPU decode, CPU decode in periods after which the 
 the decode back), `finish`; and a CPU pool asks `recall` which of its queued, unstarted requests
 should start over on the GPU now that it has room. Tokens never pass through here: a few small
 calls per request, not per token. The router counts each request on its current hop (in flight)
-to correct the snapshot.
+to correct the snapshot. A new request the policy finds no place for on either pool (HOLD) waits
+in `begin`, admitted nowhere, until a place frees (`_release_held`, oldest first).
 """
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ import asyncio
 import logging
 import math
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import ray
 
 from keyacc_ray.policies import LoadView, PoolLoad, RequestView, make_policy
-from keyacc_ray.policies.base import OutputLengths
+from keyacc_ray.policies.base import HOLD, OutputLengths
 from keyacc_ray.serve.driver import FAILOVER, MAX_RECOVERIES, error_item as _err
 from keyacc_ray.serve.messages import HopEnd, Ticket
 from keyacc_ray.serve.monitor import LoadMonitor
@@ -34,6 +37,15 @@ ACTIVE_TTL_S = 1800.0  # a request not heard of for this long no longer counts a
 # its next hop (a few ms), so that new arrivals do not take the same places; if it never comes
 # (it started on the CPU before it could leave), the count lapses after this long.
 RECALL_HOLD_S = 2.0
+
+
+@dataclass
+class _Held:
+    """A new request the policy holds here until either pool has a place (policies HOLD)."""
+
+    ticket: Ticket
+    since: float
+    admitted: asyncio.Future  # its ticket, entered on its first hop, once a place is found
 
 
 def hop_keys(num_cpu_deployments: int) -> list[str]:
@@ -57,6 +69,7 @@ class Router:
         self.inflight_tokens = {h: 0 for h in self.deployment_of}  # KV each hop's requests reserve (tokens)
         self._pending_blocks = {h: 0 for h in self.deployment_of}  # blocks sent there since the last snapshot
         self._recalled: dict[str, float] = {}  # request id -> when recall sent it to the GPU (not there yet)
+        self._held: deque[_Held] = deque()  # new requests waiting here for a place, oldest first
         self._policy_counted: dict[str, int] = {}
         self.output_lengths = OutputLengths()  # what requests really generate: their KV estimate
         self._cpu_loads: list[PoolLoad] = [PoolLoad() for _ in self.cpu_keys]
@@ -108,6 +121,7 @@ class Router:
                     pass
             self.snapshot_age_s = time.monotonic() - last_ok
             self._first_try.set()
+            self._release_held()  # places the new snapshot shows; holds that ran out
             await asyncio.sleep(REFRESH_EVERY_S)
 
     def reconfigure(self, user_config: dict) -> None:
@@ -116,6 +130,7 @@ class Router:
             self.policy = make_policy(user_config["policy"], user_config.get("policy_options") or {})
             self._policy_counted = {}
             log.info("keyacc router: policy is now %s %s", self.policy.name, self.policy.options)
+            self._release_held()  # the new policy may not hold at all
 
     def _slots(self, hop: str, v) -> int:
         """How many of this hop's requests its replicas run at once: their sequence slots, or
@@ -233,17 +248,66 @@ class Router:
         if t.pinned_route is not None:
             if not self.allow_pinning:
                 return self._stop(t, _err(403, "route pinning is turned off on this server", "permission_error"))
-            t.route, why = t.pinned_route, "pinned"
-        else:
-            t.route, why = self.policy.route(self._view(t, 0), self.load_view()), "policy"
+            t.route = t.pinned_route
+            return self._start(t, "pinned")
+        # behind requests already held here, a new one waits its turn
+        route = HOLD if self._held else self.policy.route(self._view(t, 0), self.load_view())
+        if route == HOLD:
+            return await self._hold(t)
+        t.route = route
+        return self._start(t, "policy")
+
+    def _start(self, t: Ticket, why: str) -> Ticket:
+        """Enter the first hop of the request's route."""
         self._count(f"requests_started_total|route={t.route},reason={why}")
         if t.route == "cpu":
             return self._enter(t, "cpu_decode", self._cpu_period(t))
         return self._enter(t, "gpu_prefill", 1)
 
+    async def _hold(self, t: Ticket) -> Ticket:
+        """Wait here until `_release_held` admits the request (a place freed on either pool, or
+        the policy's `max_hold_s` ran out). A driver that goes away meanwhile (its client hung up)
+        cancels this call: the request leaves the line, or its hop if it was just admitted."""
+        held = _Held(t, time.monotonic(), asyncio.get_running_loop().create_future())
+        self._held.append(held)
+        self._count("requests_held_total")
+        try:
+            self._release_held()
+            return await held.admitted
+        except asyncio.CancelledError:
+            if held.admitted.done() and not held.admitted.cancelled():
+                self._leave(t, HopEnd("done", 0.0, 0))
+            elif held in self._held:
+                self._held.remove(held)
+            raise
+
+    def _release_held(self) -> None:
+        """Admit held requests, oldest first, for as long as the policy finds the oldest a place.
+        Called whenever places may have freed: a request finished or moved on, a new snapshot,
+        a new policy."""
+        now = time.monotonic()
+        while self._held:
+            held = self._held[0]
+            if held.admitted.done():  # its caller went away
+                self._held.popleft()
+                continue
+            t = held.ticket
+            route = self.policy.route(self._view(t, 0, held_s=now - held.since), self.load_view())
+            if route == HOLD:
+                return
+            self._held.popleft()
+            self._count("hold_seconds_total", now - held.since)
+            t.route = route
+            held.admitted.set_result(self._start(t, "policy"))
+
     async def advance(self, t: Ticket, end: HopEnd) -> Ticket:
         """The request's hop ended with a hand-off, a full queue or a failure: where next."""
         await self._ready()
+        t = await self._advance(t, end)
+        self._release_held()  # after the request entered its next hop: what it left is free only now
+        return t
+
+    async def _advance(self, t: Ticket, end: HopEnd) -> Ticket:
         self._leave(t, end)
         kind = t.hop.split("/")[0]
         if end.outcome == "backpressure":  # the pool's bounded queue is full: not a fault
@@ -268,8 +332,11 @@ class Router:
             return self._enter(t, nxt, self._cpu_period(t) if nxt == "cpu_decode" else None)
         if end.outcome == "withdrawn":  # recalled from a CPU queue before it ran: routed again, as new
             self._recalled.pop(t.request_id, None)
-            t.route = self.policy.route(self._view(t, 0), self.load_view())
-            self._count(f"moves_total|from=cpu,to={'cpu' if t.route == 'cpu' else 'gpu'},reason=recall")
+            route = self.policy.route(self._view(t, 0), self.load_view())
+            if route == HOLD:  # no place anywhere any more: back in line, as new
+                return await self._hold(t)
+            self._count(f"moves_total|from=cpu,to={'cpu' if route == 'cpu' else 'gpu'},reason=recall")
+            t.route = route
             if t.route == "cpu":
                 return self._enter(t, "cpu_decode", self._cpu_period(t))
             return self._enter(t, "gpu_prefill", 1)
@@ -299,13 +366,19 @@ class Router:
         return [t.request_id for t in waiting[:n]]
 
     async def finish(self, t: Ticket, end: HopEnd) -> None:
-        """The request is done (finished, failed with an error, or its client went away)."""
+        """The request is done (finished, failed with an error, or its client went away, maybe
+        while it was held here)."""
+        for held in [h for h in self._held if h.ticket.request_id == t.request_id]:
+            held.admitted.cancel()
+            self._held.remove(held)
         self._leave(t, end)
         if end.finished:
             self.output_lengths.observe(end.num_output_tokens)
+        self._release_held()
 
-    def _view(self, t: Ticket, num_output_tokens: int) -> RequestView:
-        return RequestView(t.num_prompt_tokens, num_output_tokens, t.max_tokens, self.output_lengths.expected())
+    def _view(self, t: Ticket, num_output_tokens: int, held_s: float = 0.0) -> RequestView:
+        return RequestView(t.num_prompt_tokens, num_output_tokens, t.max_tokens, self.output_lengths.expected(),
+                           held_s)
 
     def _cpu_period(self, t: Ticket) -> int | None:
         """Tokens before the next decision on the CPU pool. A pinned request has none unless the
@@ -336,4 +409,4 @@ class Router:
         snap = self.snapshot
         return {"snapshot": snap.to_dict() if snap is not None else None,
                 "snapshot_age_s": self.snapshot_age_s, "policy": self.policy.name,
-                "inflight": dict(self.inflight)}
+                "inflight": dict(self.inflight), "held": len(self._held)}

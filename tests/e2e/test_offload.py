@@ -164,7 +164,8 @@ def test_requests_queued_on_the_cpu_pool_move_to_the_gpu_when_it_frees_up(app_ur
     show it: the recall is the only path that ends a CPU hop withdrawn with no token)."""
     import threading
 
-    policy("full_offload", {**FAST, "trigger_window_s": 30.0, "gpu_queue_overflow": 0, "recall_queued": True})
+    policy("full_offload", {**FAST, "trigger_window_s": 30.0, "gpu_queue_overflow": 0, "recall_queued": True,
+                            "max_hold_s": 0})  # not held at the router: they queue on the CPU pool
     gpu_go, cpu_go = threading.Event(), threading.Event()
     recalls = recall_moves(app_url)
 
@@ -210,3 +211,69 @@ def recall_moves(app_url) -> float:
     line = 'keyacc_moves_total{from="cpu",to="gpu",reason="recall"} '
     text = httpx.get(f"{app_url}/metrics", timeout=10).text
     return next((float(x[len(line):]) for x in text.splitlines() if x.startswith(line)), 0.0)
+
+
+def test_requests_with_no_place_anywhere_wait_at_the_router_and_take_the_first_one(app_url, policy):
+    """Long pinned streams hold every CPU slot and the GPU; requests sent now would wait for a
+    place on either pool, so the router holds them (admitted nowhere, `held` in its snapshot).
+    The GPU frees up first (its clients go away): the held requests start there, unqueued
+    anywhere before, and equal generate(). A held request whose client hangs up leaves no
+    count behind."""
+    import threading
+
+    from ray import serve
+
+    policy("full_offload", {**FAST, "trigger_window_s": 30.0, "gpu_queue_overflow": 0, "max_hold_s": 5.0})
+    router = serve.get_deployment_handle("Router", "keyacc")
+    gpu_go, cpu_go = threading.Event(), threading.Event()
+    held_before = metric(app_url, "keyacc_requests_held_total ")
+
+    def one(prompt, max_tokens):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        return prompt, httpx.post(f"{app_url}/v1/completions", timeout=180, json=body)
+
+    def stream(prompt, route, max_tokens, go):  # a stream whose client goes away when told
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, **({"keyacc": {"route": route}} if route else {})}
+        with httpx.stream("POST", f"{app_url}/v1/completions", timeout=180, json=body) as r:
+            assert r.status_code == 200, r.read()
+            for _ in r.iter_lines():
+                if go.is_set():
+                    return
+
+    def held_now() -> int:
+        return router.snapshot_dict.remote().result(timeout_s=10)["held"]
+
+    with cf.ThreadPoolExecutor(40) as ex:
+        longs = [ex.submit(stream, PROMPTS[i % len(PROMPTS)], "cpu", 700, cpu_go) for i in range(16)]
+        gpu = [ex.submit(stream, PROMPTS[i % len(PROMPTS)], "gpu", 300, gpu_go) for i in range(8)]
+        time.sleep(0.5)
+        shorts = [ex.submit(one, PROMPTS[i % len(PROMPTS)], 16) for i in range(4)]
+        quitter = httpx.Client(timeout=2.0)  # hangs up while held
+        gone = ex.submit(lambda: quitter.post(f"{app_url}/v1/completions", json={
+            "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 16, "ignore_eos": True}))
+        deadline, most = time.monotonic() + 3.0, 0
+        while most < 5 and time.monotonic() < deadline:
+            most = max(most, held_now())
+            time.sleep(0.05)
+        assert most == 5, "the requests were not held at the router"
+        assert metric(app_url, "keyacc_requests_held ") >= 4
+        with pytest.raises(httpx.TimeoutException):
+            gone.result()
+        gpu_go.set()
+        try:
+            traces = check([f.result() for f in shorts], 16)
+        finally:
+            cpu_go.set()
+        for f in gpu + longs:
+            f.result()
+    for t in traces:  # never queued on a pool: started on the GPU when it freed up
+        assert [s["pool"] for s in t["segments"]] == ["gpu", "gpu"] and not t["segments"][0].get("withdrawn")
+    assert metric(app_url, "keyacc_requests_held_total ") - held_before >= 5
+    assert router_inflight_settles() and held_now() == 0
+
+
+def metric(app_url, prefix: str) -> float:
+    text = httpx.get(f"{app_url}/metrics", timeout=10).text
+    return next((float(x[len(prefix):]) for x in text.splitlines() if x.startswith(prefix)), 0.0)

@@ -62,7 +62,7 @@ def test_full_offload_sustained_overload_switches_within_one_window_and_returns(
 
 def test_full_offload_cpu_gate_keeps_requests_on_gpu_when_cpu_is_full():
     clock = Clock()
-    p = make_policy("full_offload", {"trigger_window_s": 0.2, "return_window_s": 1.0}, clock=clock)
+    p = make_policy("full_offload", {"trigger_window_s": 0.2, "return_window_s": 1.0, "max_hold_s": 0}, clock=clock)
     routes = drive(p, clock, lambda t: view(gpu_queue=10, cpu_queue=10), 1.0)
     assert routes[-1] == "gpu"
 
@@ -77,8 +77,9 @@ def test_full_offload_flood_overflows_at_once_but_a_small_spike_waits_the_window
 
 
 def test_full_offload_both_overloaded_queues_where_it_drains_sooner():
+    """Not held (max_hold_s 0, or held as long as it may be): it queues on a pool."""
     clock = Clock()
-    p = make_policy("full_offload", {"trigger_window_s": 0.2, "return_window_s": 1.0}, clock=clock)
+    p = make_policy("full_offload", {"trigger_window_s": 0.2, "return_window_s": 1.0, "max_hold_s": 0}, clock=clock)
 
     def loaded(gpu_q, cpu_q, gpu_tps, cpu_tps):
         v = view(gpu_queue=gpu_q, cpu_queue=cpu_q)
@@ -149,7 +150,7 @@ def test_auto_picks_stage_or_whole_request_by_prefill_load():
 
 def test_auto_flood_overflows_whole_requests_at_once_and_both_full_queues_where_it_drains_sooner():
     clock = Clock()
-    p = make_policy("auto", {"trigger_window_s": 0.5, "return_window_s": 1.0}, clock=clock)
+    p = make_policy("auto", {"trigger_window_s": 0.5, "return_window_s": 1.0, "max_hold_s": 0}, clock=clock)
     assert p.route(REQ, view(gpu_queue=4, prefill_queue=4)) == "gpu"  # above high, within the window
     assert p.route(REQ, view(gpu_queue=30, prefill_queue=30)) == "cpu"  # a burst beyond gpu_queue_overflow
     assert p.counters["overflow_to_cpu"] == 1
@@ -201,7 +202,7 @@ def test_no_request_queues_on_the_cpu_while_the_gpu_has_room(name):
     """The GPU gate is on (sustained overload), but right now nothing waits on the GPU and a
     decode batch has a free place, while the CPU pool's slots are all taken: the GPU, at once."""
     clock = Clock()
-    p = make_policy(name, {"trigger_window_s": 0.2, "return_window_s": 5.0}, clock=clock)
+    p = make_policy(name, {"trigger_window_s": 0.2, "return_window_s": 5.0, "max_hold_s": 0}, clock=clock)
     drive(p, clock, lambda t: view(gpu_queue=10, prefill_queue=10), 0.5)  # the gate flips on
 
     def now(gpu_inflight, cpu_inflight, cpu_queue=0):
@@ -216,6 +217,32 @@ def test_no_request_queues_on_the_cpu_while_the_gpu_has_room(name):
     big = RequestView(20, 0, 400)  # its KV does not fit the GPU now
     assert p.route(big, now(gpu_inflight=0, cpu_inflight=32)) == "cpu"
     assert p.counters["gpu_room_over_cpu_queue"] == 2
+
+
+@pytest.mark.parametrize("name", ["full_offload", "auto"])
+def test_a_request_with_no_place_on_either_pool_is_held_then_queues(name):
+    """The CPU pool full and the GPU without room: HOLD (it waits at the router for the first
+    place either pool frees) until it has been held `max_hold_s`, then it queues on a pool as
+    before. A place on either pool ends the hold; where the CPU has room the gate decides."""
+    clock = Clock()
+    p = make_policy(name, {"trigger_window_s": 0.2, "return_window_s": 5.0, "max_hold_s": 2.0}, clock=clock)
+    drive(p, clock, lambda t: view(gpu_queue=10, prefill_queue=10), 0.5)  # the gate flips on
+
+    def now(gpu_inflight, cpu_inflight, cpu_queue=0, gpu_queue=0):
+        v = view(gpu_queue=gpu_queue, prefill_queue=gpu_queue, free_blocks=16)
+        v.gpu_decode.total_blocks, v.gpu_decode.slots, v.gpu_decode.inflight = 16, 8, gpu_inflight  # batch: 4
+        v.cpu.slots, v.cpu.inflight, v.cpu.queue = 32, cpu_inflight, cpu_queue
+        return v
+    held = lambda s: RequestView(20, 0, 40, held_s=s)  # noqa: E731
+    assert p.route(REQ, now(gpu_inflight=4, cpu_inflight=32)) == "hold"
+    assert p.route(held(1.9), now(gpu_inflight=4, cpu_inflight=32, cpu_queue=2, gpu_queue=3)) == "hold"
+    assert p.route(held(1.9), now(gpu_inflight=3, cpu_inflight=32)) == "gpu"  # a GPU place freed
+    assert p.route(held(1.9), now(gpu_inflight=4, cpu_inflight=31)) == "cpu"  # a CPU place freed
+    assert p.route(held(2.0), now(gpu_inflight=4, cpu_inflight=32)) in ("gpu", "cpu")  # held long enough
+    with pytest.raises(ValueError, match="max_hold_s"):
+        make_policy(name, {"max_hold_s": 60})
+    assert make_policy("stage_offload", {}).route(REQ, now(gpu_inflight=4, cpu_inflight=32)) != "hold"
+    assert make_policy("gpu_only", {}).route(REQ, now(gpu_inflight=4, cpu_inflight=32)) == "gpu"
 
 
 @pytest.mark.parametrize("name, recalls", [("full_offload", True), ("auto", True), ("stage_offload", False),

@@ -528,7 +528,8 @@ def test_requests_queued_on_the_cpu_pool_start_over_on_the_gpu_once_it_has_room(
     and it runs on the GPU: the same tokens, and a trace that shows the withdrawn CPU segment."""
     from keyacc_ray.serve.monitor import Snapshot
 
-    driver, r, pools = make("full_offload", {"trigger_window_s": 30.0, "recall_queued": True})
+    # (not held at the router first: max_hold_s 0, as after a hold that ran out)
+    driver, r, pools = make("full_offload", {"trigger_window_s": 30.0, "recall_queued": True, "max_hold_s": 0})
     cpu = pools["cpu_decode/0"] = QueuingCpuPool()
     r.snapshot = Snapshot(0.0, {"GpuPrefill": _view("GpuPrefill", "gpu", 2, 400),
                                 "GpuDecode": _view("GpuDecode", "gpu", 2, 400),
@@ -571,3 +572,42 @@ def test_requests_queued_on_the_cpu_pool_start_over_on_the_gpu_once_it_has_room(
     off = Router(["CpuDecode"], "full_offload", monitor=_Unreachable())  # recall_queued off: pools need not ask
     off.snapshot = r.snapshot
     assert asyncio.run(off.recall([Ticket("c9", len(PROMPT), 8, hop="cpu_decode/0")])) is None
+
+
+def test_requests_with_no_place_on_either_pool_wait_at_the_router_in_order():
+    """full_offload, a GPU batch of 4 (KV-bound) with one batch queued behind it, and a CPU pool
+    of 2 slots: once both are full, new requests are held at the router (admitted nowhere) and
+    take the places the pools free, oldest first; a held request whose caller goes away leaves
+    the line; one held as long as `max_hold_s` queues on a pool."""
+    from keyacc_ray.serve.messages import HopEnd, Ticket
+    from keyacc_ray.serve.monitor import Snapshot
+
+    r = Router(["CpuDecode"], "full_offload", {"trigger_window_s": 30.0, "max_hold_s": 0.5}, monitor=_Unreachable())
+    r.snapshot = Snapshot(0.0, {"GpuPrefill": _view("GpuPrefill", "gpu", 8, 40),
+                                "GpuDecode": _view("GpuDecode", "gpu", 8, 40),
+                                "CpuDecode": _view("CpuDecode", "cpu", 2, 4000)})
+
+    async def run():
+        first = [await r.begin(Ticket(f"b{i}", 64, 96)) for i in range(11)]
+        assert [t.route for t in first] == ["gpu"] * 9 + ["cpu"] * 2
+        held = [asyncio.create_task(r.begin(Ticket(f"h{i}", 64, 96))) for i in range(3)]
+        await asyncio.sleep(0.05)
+        assert not any(h.done() for h in held) and r.inflight["cpu_decode/0"] == 2
+        assert (await r.snapshot_dict())["held"] == 3
+        held[1].cancel()  # its client went away: it leaves the line, nothing counted anywhere
+        await asyncio.sleep(0)
+        await r.finish(first[9], HopEnd("done", 1.0, 96, finished=True))  # a CPU place frees
+        await asyncio.sleep(0)
+        assert held[0].done() and held[0].result().hop == "cpu_decode/0" and not held[2].done()
+        assert held[1].cancelled() and r.inflight["cpu_decode/0"] == 2
+        await r.finish(Ticket("h2", 64, 96), HopEnd("done", 0.0, 0))  # its driver's finish, begin never cancelled
+        with pytest.raises(asyncio.CancelledError):
+            await held[2]
+        assert not r._held and r.inflight["cpu_decode/0"] == 2
+        late = asyncio.create_task(r.begin(Ticket("late", 64, 96)))
+        await asyncio.sleep(0.3)
+        assert not late.done()
+        t = await asyncio.wait_for(late, 1.0)  # held as long as it may be: it queues on a pool
+        assert t.hop in ("gpu_prefill", "cpu_decode/0")
+        assert r._counters["requests_held_total"] == 4 and r._counters["hold_seconds_total"] >= 0.5
+    asyncio.run(run())
