@@ -245,12 +245,15 @@ def test_requests_with_no_place_anywhere_wait_at_the_router_and_take_the_first_o
     def held_now() -> int:
         return router.snapshot_dict.remote().result(timeout_s=10)["held"]
 
-    with cf.ThreadPoolExecutor(40) as ex:
-        longs = [ex.submit(stream, PROMPTS[i % len(PROMPTS)], "cpu", 700, cpu_go) for i in range(16)]
-        gpu = [ex.submit(stream, PROMPTS[i % len(PROMPTS)], "gpu", 300, gpu_go) for i in range(8)]
+    with cf.ThreadPoolExecutor(56) as ex:
+        # Both pools stay busy until told: 32 long CPU streams on 16 slots (16 wait there), and
+        # 12 on the GPU's 8 slots, each needing nearly its whole KV budget (whatever the router's
+        # output-length estimate, the slots alone leave no room there).
+        longs = [ex.submit(stream, PROMPTS[i % len(PROMPTS)], "cpu", 700, cpu_go) for i in range(32)]
+        gpu = [ex.submit(stream, PROMPTS[i % len(PROMPTS)], "gpu", 700, gpu_go) for i in range(12)]
         time.sleep(0.5)
         shorts = [ex.submit(one, PROMPTS[i % len(PROMPTS)], 16) for i in range(4)]
-        quitter = httpx.Client(timeout=2.0)  # hangs up while held
+        quitter = httpx.Client(timeout=1.0)  # hangs up while held
         gone = ex.submit(lambda: quitter.post(f"{app_url}/v1/completions", json={
             "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 16, "ignore_eos": True}))
         deadline, most = time.monotonic() + 3.0, 0
@@ -261,6 +264,10 @@ def test_requests_with_no_place_anywhere_wait_at_the_router_and_take_the_first_o
         assert metric(app_url, "keyacc_requests_held ") >= 4
         with pytest.raises(httpx.TimeoutException):
             gone.result()
+        deadline = time.monotonic() + 3.0
+        while held_now() > 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert held_now() == 4, "a request whose client hung up is still held"
         gpu_go.set()
         try:
             traces = check([f.result() for f in shorts], 16)
