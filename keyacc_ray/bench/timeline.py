@@ -1,5 +1,6 @@
-"""A timeline of one run from the server's own /metrics: queue depth per pool, requests moved
-each way and tokens/s per pool, sampled every `interval_s` while the load runs."""
+"""A timeline of one run from the server's own /metrics: queue depth per pool (and the requests
+the router holds for a place, as pool "router"), requests moved each way and tokens/s per pool,
+sampled every `interval_s` while the load runs."""
 from __future__ import annotations
 
 import asyncio
@@ -30,6 +31,8 @@ def reduce_sample(samples: list[tuple[str, dict, float]]) -> dict:
         pool = labels.get("pool")
         if name == "keyacc_queue_depth":
             out["queue"][pool] = out["queue"].get(pool, 0) + v
+        elif name == "keyacc_requests_held":  # waiting at the router for a place on either pool
+            out["queue"]["router"] = v
         elif name == "keyacc_running_sequences":
             out["running"][pool] = out["running"].get(pool, 0) + v
         elif name == "keyacc_tokens_generated_total":

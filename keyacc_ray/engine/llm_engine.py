@@ -230,7 +230,7 @@ class LLMEngine:
             logits = self.runner.extend(s.request_id, ids[start:start + rows], start, all_logits=True)
             targets = ids[start + 1:start + 1 + rows]  # the token each position predicts
             if targets:
-                scores += self.sampler.logprobs(logits[:len(targets)], targets, [k] * len(targets))
+                scores += self.sampler.logprobs(logits[:len(targets)], targets, [k] * len(targets), ranks=True)
         self._prompt_scores[s.request_id] = scores
         return logits[-1]
 

@@ -66,14 +66,20 @@ class Sampler:
         return out
 
     @staticmethod
-    def logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[tuple]:
+    def logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int], ranks: bool = False) -> list[tuple]:
         """For each row: (log-probability of token_ids[row], [(id, logprob) of its num_top[row]
-        most likely tokens]), under the model's own distribution (log-softmax of the raw logits)."""
+        most likely tokens]), under the model's own distribution (log-softmax of the raw logits);
+        with `ranks`, a third element: token_ids[row]'s rank in it (1: the most likely)."""
         lp = torch.log_softmax(logits.float(), dim=-1)
-        chosen = lp.gather(1, torch.tensor(token_ids, device=lp.device)[:, None])[:, 0].tolist()
+        chosen_t = lp.gather(1, torch.tensor(token_ids, device=lp.device)[:, None])
+        chosen = chosen_t[:, 0].tolist()
         top_v, top_i = lp.topk(max(num_top), dim=-1)
         top_v, top_i = top_v.tolist(), top_i.tolist()
-        return [(chosen[r], list(zip(top_i[r][:n], top_v[r][:n]))) for r, n in enumerate(num_top)]
+        out = [(chosen[r], list(zip(top_i[r][:n], top_v[r][:n]))) for r, n in enumerate(num_top)]
+        if ranks:
+            rank = ((lp > chosen_t).sum(dim=-1) + 1).tolist()
+            out = [(*e, rank[r]) for r, e in enumerate(out)]
+        return out
 
     @staticmethod
     def _sample_row(row: torch.Tensor, p: SamplingParams, g: torch.Generator) -> int:

@@ -277,9 +277,12 @@ class Ingress:
         text, ids, lp_ids = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
         reason, n_out, traces = [None] * n, [0] * n, [{} for _ in range(n)]
         lps = [[] for _ in range(n)] if p.request.params.get("logprobs") is not None else None
+        prompt_lps: list = [None] * n  # each choice's prompt scores, from its first chunk
         seen = [False] * n
         async for k, i in items:
             if isinstance(i, TokenChunk):
+                if not seen[k]:
+                    prompt_lps[k] = i.prompt_logprobs
                 t, covered, entries, generated = protocol.as_sent(p, k, i, not seen[k])
                 seen[k] = True
                 text[k].append(t)
@@ -298,7 +301,15 @@ class Ingress:
                                         protocol.logprobs_body(p.kind, lp_ids[k], lps[k] if lps else None,
                                                                self._token_text), delta=False)
                    for k in range(n)]
-        return protocol.full_body(p, choices, sum(n_out), traces)
+        body = protocol.full_body(p, choices, sum(n_out), traces)
+        if p.prompt_logprobs is not None:  # vLLM: per choice in completions, once per response in chat
+            scored = [protocol.prompt_logprobs_body(p, k, prompt_lps[k], self._token_text) for k in range(n)]
+            if p.kind == "chat":
+                body["prompt_logprobs"] = scored[0]
+            else:
+                for choice, s in zip(body["choices"], scored):
+                    choice["prompt_logprobs"] = s
+        return body
 
     async def _sse_stream(self, p, items):
         created = int(time.time())

@@ -17,7 +17,7 @@ NEUTRAL = {"tools": (None, []),
            "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,),
            # vLLM's extensions this server does not implement
            "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "bad_words": (None, []),
-           "allowed_token_ids": (None,), "logits_processors": (None,), "prompt_logprobs": (None,),
+           "allowed_token_ids": (None,), "logits_processors": (None,),
            "truncate_prompt_tokens": (None,), "spaces_between_special_tokens": (None, True),
            "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
            "structured_outputs": (None,), "chat_template": (None,), "documents": (None,)}
@@ -45,6 +45,7 @@ class ParsedRequest:
     echo: list[str] | None = None
     echo_only: bool = False
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
+    prompt_logprobs: int | None = None  # vLLM's extension: each prompt token's logprob and this many alternatives
 
     @property
     def request(self) -> GenerateRequest:
@@ -130,6 +131,8 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
                              f"of {max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
 
     logprobs = _logprobs(data, kind)
+    prompt_logprobs = _prompt_logprobs(data)
+    scored = [k for k in (prompt_logprobs, logprobs if echo else None) if k is not None]
     given = {k: data[k] for k in SAMPLING_DEFAULTS if data.get(k) is not None}
     temperature = _type(given.get("temperature", defaults.get("temperature", 1.0)), (int, float), "temperature",
                         "a number")
@@ -157,11 +160,13 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
     params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                             top_k=top_k, min_p=float(min_p), seed=seed, stop=list(stop), stop_token_ids=list(stop_token_ids),
                             ignore_eos=ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(data, vocab),
-                            min_tokens=min_tokens, prompt_logprobs=logprobs if echo else None, **text_opts,
+                            min_tokens=min_tokens, prompt_logprobs=max(scored) if scored else None, **text_opts,
                             **{k: float(v) for k, v in penalties.items()}).validate()
 
     stream = data.get("stream", False)
     _type(stream, (bool,), "stream", "a boolean")
+    if stream and prompt_logprobs is not None:  # as vLLM
+        raise InvalidRequest("'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
     opts = data.get("stream_options") or {}
     _type(opts, (dict,), "stream_options", "an object")
     include_usage = opts.get("include_usage", False)
@@ -183,7 +188,8 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
                                         choice_params, route, back))
     texts = [x if isinstance(x, str) else tokenizer.decode(x) for x in _prompt_items(data)] if echo else None
     return ParsedRequest(kind, reqs, stream, include_usage, model, return_ids, rid, sum(len(ids) for ids in prompts),
-                         [t for t in texts for _ in range(n)] if echo else None, echo_only, include_usage and continuous)
+                         [t for t in texts for _ in range(n)] if echo else None, echo_only, include_usage and continuous,
+                         prompt_logprobs)
 
 
 def _logit_bias(data: dict, vocab: int) -> dict[int, float] | None:
@@ -223,6 +229,36 @@ def _child_seed(seed: int | None, j: int) -> int | None:
     if seed is None:
         return None
     return seed + j if seed + j <= MAX_SEED else seed - j
+
+
+def _prompt_logprobs(data: dict) -> int | None:
+    """vLLM's `prompt_logprobs`: how many alternatives per prompt token (None: not asked for)."""
+    k = data.get("prompt_logprobs")
+    if k is None:
+        return None
+    _type(k, (int,), "prompt_logprobs", "an integer")
+    if not 0 <= k <= MAX_LOGPROBS:
+        raise InvalidRequest(f"'prompt_logprobs' must be in [0, {MAX_LOGPROBS}], got {k}", param="prompt_logprobs")
+    return k
+
+
+def prompt_logprobs_body(p: ParsedRequest, k: int, entries: list | None, token_text) -> list | None:
+    """Choice k's `prompt_logprobs` as vLLM returns them: per prompt token None (the first: nothing
+    comes before it) or {token id: {logprob, rank, decoded_token}} for the prompt's own token
+    (its rank in the model's distribution) and its p.prompt_logprobs most likely alternatives."""
+    if p.prompt_logprobs is None:
+        return None
+    prompt = p.requests[k].prompt_token_ids
+    out: list = []
+    for tid, e in zip(prompt, entries or [None] * len(prompt)):
+        if e is None:
+            out.append(None)
+            continue
+        d = {str(tid): {"logprob": e[0], "rank": e[2], "decoded_token": token_text(tid)}}
+        for r, (j, lj) in enumerate(e[1][:p.prompt_logprobs], 1):
+            d.setdefault(str(j), {"logprob": lj, "rank": r, "decoded_token": token_text(j)})
+        out.append(d)
+    return out
 
 
 def _logprobs(data: dict, kind: str) -> int | None:
@@ -281,8 +317,9 @@ def as_sent(p: ParsedRequest, k: int, c: TokenChunk, first: bool) -> tuple[str, 
     if not (p.echo and first):
         return text, ids, lps, ids
     prompt = p.requests[k].prompt_token_ids
-    if lps is not None:
-        lps = (c.prompt_logprobs or [None] * len(prompt)) + lps
+    if lps is not None:  # the prompt's scores, with as many alternatives as `logprobs` asks for
+        n = p.requests[k].params["logprobs"]
+        lps = [e and (e[0], e[1][:n]) for e in c.prompt_logprobs or [None] * len(prompt)] + lps
     return p.echo[k] + text, list(prompt) + ids, lps, ids
 
 

@@ -130,7 +130,7 @@ keyacc_moves_total{from="gpu",to="cpu",reason="policy"} 2.0
 """
 METRICS_B = METRICS_A.replace("} 100.0", "} 160.0").replace('reason="policy"} 2.0', 'reason="policy"} 5.0') + \
     'keyacc_tokens_generated_total{deployment="CpuDecode",pool="cpu",replica="b",emulated="0"} 30.0\n' + \
-    'keyacc_moves_total{from="cpu",to="gpu",reason="return"} 1.0\n'
+    'keyacc_moves_total{from="cpu",to="gpu",reason="return"} 1.0\n' + 'keyacc_requests_held 2.0\n'
 
 
 def test_timeline_from_metrics():
@@ -140,7 +140,7 @@ def test_timeline_from_metrics():
     assert s["t"] == [0.5]
     assert s["tokens_per_s"] == {"gpu": [120.0], "cpu": [60.0]}
     assert s["moves"] == {"gpu->cpu": [3.0], "cpu->gpu": [1.0]}
-    assert s["queue"]["gpu"] == [3.0]
+    assert s["queue"]["gpu"] == [3.0] and s["queue"]["router"] == [2.0]  # held at the router
 
 
 def test_plots_are_written(tmp_path):

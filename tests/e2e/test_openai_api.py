@@ -515,3 +515,53 @@ def test_metrics_show_pools_and_emulation(app_url):
     assert 'emulated="1"' in text  # no CUDA here: the GPU role is emulated, and says so
     assert "keyacc_requests_started_total" in text
     assert "keyacc_gpu_available 0.0" in text or "keyacc_gpu_available 1.0" in text
+
+
+@pytest.mark.parametrize("route", ["gpu", "stage", "cpu"])
+def test_prompt_logprobs_as_vllm_returns_them(client, route):
+    """vLLM's `prompt_logprobs: N`: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} for the prompt's own token (its rank under the model) and the N likeliest,
+    each equal to transformers' score of that position given the tokens before it, whichever pool
+    prefilled; with echo + logprobs the echo keeps its own number of alternatives; in chat once
+    per response; refused when streaming, as vLLM does."""
+    path = tiny_model("qwen3")
+    _, tok = hf_model(path)
+    ids = tok(PROMPTS[1])["input_ids"]
+    ref = hf_prompt_scores(path, ids)
+    extra = {"keyacc": {"route": route}}
+    r = client.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=2, temperature=0, echo=True,
+                                  logprobs=1, extra_body={**extra, "prompt_logprobs": 3})
+    choices = sorted(r.choices, key=lambda c: c.index)
+    for c, prompt in zip(choices, [ids, ids[:3]]):
+        plp = c.model_extra["prompt_logprobs"]
+        assert len(plp) == len(prompt) and plp[0] is None
+        for t in range(1, len(prompt)):
+            row, own = ref[t - 1], str(prompt[t])
+            top = torch.topk(row, 3).indices.tolist()
+            assert list(plp[t])[0] == own  # the prompt's own token first, then the likeliest
+            assert {int(k) for k in plp[t]} == {prompt[t], *top}
+            assert plp[t][own]["logprob"] == pytest.approx(float(row[prompt[t]]), abs=1e-4)
+            lp = row[prompt[t]]  # its rank, up to ties within float noise
+            assert int((row > lp + 1e-4).sum()) + 1 <= plp[t][own]["rank"] <= int((row > lp - 1e-4).sum()) + 1
+            assert plp[t][own]["decoded_token"] == tok.decode([prompt[t]])
+            for rank, j in enumerate(top, 1):
+                assert plp[t][str(j)]["rank"] == rank or str(j) == own
+                assert plp[t][str(j)]["logprob"] == pytest.approx(float(row[j]), abs=1e-4)
+        assert all(d is None or len(d) == 1 for d in c.logprobs.top_logprobs)  # echo: logprobs=1, not 3
+    # 0 alternatives: the prompt's own tokens only; no prompt_logprobs unless asked for
+    zero = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0,
+                                     extra_body={**extra, "prompt_logprobs": 0}).choices[0].model_extra
+    assert [list(d) if d else None for d in zero["prompt_logprobs"]] == [None] + [[str(t)] for t in ids[1:]]
+    assert "prompt_logprobs" not in client.completions.create(model=MODEL, prompt=ids, max_tokens=1,
+                                                              extra_body=extra).choices[0].model_extra
+    msgs = [{"role": "user", "content": PROMPTS[0]}]
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0,
+                                          extra_body={**extra, "prompt_logprobs": 1})
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    chat_ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(chat.model_extra["prompt_logprobs"]) == len(chat_ids) == chat.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=1, stream=True,
+                                  extra_body={**extra, "prompt_logprobs": 1})
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 21})

@@ -95,14 +95,17 @@ def first_outputs(eng, prompts, params, rids):
 
 
 def check_prompt(path, prompt, scores, k):
-    """scores[t]: prompt[t] given prompt[:t], as transformers scores the whole prompt at once."""
+    """scores[t]: prompt[t] given prompt[:t], as transformers scores the whole prompt at once, and
+    its rank under that distribution."""
     model, _ = hf_model(path)
     with torch.inference_mode():
         ref = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0].float(), dim=-1)
     assert len(scores) == len(prompt) and scores[0] is None
     for t in range(1, len(prompt)):
-        lp, top = scores[t]
+        lp, top, rank = scores[t]
         assert abs(lp - float(ref[t - 1, prompt[t]])) < 1e-4, t
+        own = ref[t - 1, prompt[t]]  # its rank, up to ties within float noise
+        assert int((ref[t - 1] > own + 1e-4).sum()) + 1 <= rank <= int((ref[t - 1] > own - 1e-4).sum()) + 1, t
         want = torch.topk(ref[t - 1], k)
         assert [j for j, _ in top] == want.indices.tolist()
         assert all(abs(a - b) < 1e-4 for (_, a), b in zip(top, want.values.tolist()))

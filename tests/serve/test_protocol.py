@@ -250,8 +250,33 @@ def test_vllm_chat_options_and_refused_extensions(qwen3_path):
     p = _choices(tok, prompt="hi", include_stop_str_in_output=True, skip_special_tokens=False).request.params
     assert p["include_stop_str_in_output"] is True and p["skip_special_tokens"] is False
     for body in ({"use_beam_search": True}, {"guided_json": {"type": "object"}}, {"allowed_token_ids": [1]},
-                 {"chat_template": "{{ x }}"}, {"spaces_between_special_tokens": False}, {"prompt_logprobs": 1}):
+                 {"chat_template": "{{ x }}"}, {"spaces_between_special_tokens": False}, {"truncate_prompt_tokens": 5}):
         with pytest.raises(InvalidRequest) as e:
             _choices(tok, prompt="hi", **body)
         assert e.value.param == next(iter(body)) and e.value.code == "unsupported_parameter"
     assert _choices(tok, prompt="hi", use_beam_search=False, length_penalty=1.0, bad_words=[]).request
+
+
+def test_prompt_logprobs_parsing_and_body(qwen3_path):
+    from keyacc_ray.serve.protocol import prompt_logprobs_body
+
+    tok = AutoTokenizer.from_pretrained(qwen3_path)
+    assert _choices(tok, prompt=[5, 6, 7]).prompt_logprobs is None
+    p = _choices(tok, prompt=[5, 6, 7], prompt_logprobs=2)
+    assert p.prompt_logprobs == 2 and p.request.params["prompt_logprobs"] == 2
+    # with echo + logprobs the engine scores the prompt once, with the larger number of alternatives
+    both = _choices(tok, prompt=[5, 6, 7], prompt_logprobs=1, echo=True, logprobs=4)
+    assert both.prompt_logprobs == 1 and both.request.params["prompt_logprobs"] == 4
+    assert _choices(tok, "chat", messages=[{"role": "user", "content": "hi"}], prompt_logprobs=0).prompt_logprobs == 0
+    for body in ({"prompt_logprobs": 21}, {"prompt_logprobs": -1}, {"prompt_logprobs": True},
+                 {"prompt_logprobs": 1, "stream": True}):
+        with pytest.raises(InvalidRequest) as e:
+            _choices(tok, prompt="hi", **body)
+        assert e.value.param == "prompt_logprobs", body
+    text = {5: "a", 6: "b", 7: "c", 9: "z"}.__getitem__
+    entries = [None, (-1.0, [(9, -0.5), (6, -1.0), (7, -3.0)], 2), (-0.1, [(7, -0.1), (9, -4.0), (5, -5.0)], 1)]
+    assert prompt_logprobs_body(p, 0, entries, text) == [
+        None,
+        {"6": {"logprob": -1.0, "rank": 2, "decoded_token": "b"}, "9": {"logprob": -0.5, "rank": 1, "decoded_token": "z"}},
+        {"7": {"logprob": -0.1, "rank": 1, "decoded_token": "c"}, "9": {"logprob": -4.0, "rank": 2, "decoded_token": "z"}}]
+    assert prompt_logprobs_body(_choices(tok, prompt=[5, 6, 7]), 0, entries, text) is None
