@@ -234,11 +234,14 @@ def _child_seed(seed: int | None, j: int) -> int | None:
 def _prompt_logprobs(data: dict) -> int | None:
     """vLLM's `prompt_logprobs`: how many alternatives per prompt token (None: not asked for)."""
     k = data.get("prompt_logprobs")
-    if k is None:
-        return None
-    _type(k, (int,), "prompt_logprobs", "an integer")
+    return None if k is None else _num_alternatives(k, "prompt_logprobs")
+
+
+def _num_alternatives(k, name: str) -> int:
+    """A count of most likely alternatives per token: an integer in [0, MAX_LOGPROBS]."""
+    _type(k, (int,), name, "an integer")
     if not 0 <= k <= MAX_LOGPROBS:
-        raise InvalidRequest(f"'prompt_logprobs' must be in [0, {MAX_LOGPROBS}], got {k}", param="prompt_logprobs")
+        raise InvalidRequest(f"'{name}' must be in [0, {MAX_LOGPROBS}], got {k}", param=name)
     return k
 
 
@@ -271,9 +274,7 @@ def _logprobs(data: dict, kind: str) -> int | None:
     top = data.get("top_logprobs")
     if top is None:
         return 0 if on else None
-    _type(top, (int,), "top_logprobs", "an integer")
-    if not 0 <= top <= MAX_LOGPROBS:
-        raise InvalidRequest(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs")
+    _num_alternatives(top, "top_logprobs")
     if not on and top > 0:
         raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     return top if on else None

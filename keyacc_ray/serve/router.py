@@ -258,8 +258,11 @@ class Router:
         return self._start(t, "policy")
 
     def _start(self, t: Ticket, why: str) -> Ticket:
-        """Enter the first hop of the request's route."""
+        """Count the request as started and enter the first hop of its route."""
         self._count(f"requests_started_total|route={t.route},reason={why}")
+        return self._enter_first_hop(t)
+
+    def _enter_first_hop(self, t: Ticket) -> Ticket:
         if t.route == "cpu":
             return self._enter(t, "cpu_decode", self._cpu_period(t))
         return self._enter(t, "gpu_prefill", 1)
@@ -337,9 +340,7 @@ class Router:
                 return await self._hold(t)
             self._count(f"moves_total|from=cpu,to={'cpu' if route == 'cpu' else 'gpu'},reason=recall")
             t.route = route
-            if t.route == "cpu":
-                return self._enter(t, "cpu_decode", self._cpu_period(t))
-            return self._enter(t, "gpu_prefill", 1)
+            return self._enter_first_hop(t)
         # a hand-off: the policy says where the sequence goes on
         view = self._view(t, end.num_output_tokens)
         nxt, export_after = self._next_hop(t, kind, view)
