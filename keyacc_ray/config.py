@@ -30,11 +30,18 @@ class EngineConfig:
     kv_block_size: int = 16
     num_kv_blocks: int | None = None  # default: enough for every slot at max_model_len
     max_waiting: int = 256  # bounded waiting queue
-    max_prefill_tokens: int = 4096  # prefill tokens admitted per step (at least one request)
-    batched_prefill: bool = True  # a step's fresh prompts in one padded forward (off: one forward each)
+    # prompt tokens fed per step in all (chunked prefill: a longer prompt goes in chunks of what is
+    # left, beside the step's decode rows; vLLM's max_num_batched_tokens less the decode rows)
+    max_prefill_tokens: int = 4096
+    batched_prefill: bool = True  # a step's prompt chunks in the decode rows' forward (off: one forward each)
     num_threads: int | None = None  # torch intra-op threads
     kv_export_layout: str = "LHTD"
-    kv_memory_fraction: float = 0.85  # CUDA: share of free device memory (after weights) for KV
+    kv_memory_fraction: float = 0.85  # CPU: share of available RAM the KV block pool may take
+    # CUDA: share of the whole device for weights, activations (a profiled forward) and KV, as vLLM
+    gpu_memory_utilization: float = 0.9
+    # paged attention over the block pool (auto: where the load probe shows it matches the model's
+    # own attention; off: the model's own attention over gathered KV)
+    paged_attention: str = "auto"
     cpu_kernels: str = "auto"  # CPU fast path (keyacc_ray/kernels): auto (where it builds and checks out), on, off
     cpu_weight_quant: str = "none"  # none, or int8: weight-only int8 (per-row scales) for bf16 linears on the fast path
     trust_remote_code: bool = False  # run the model repository's own Python code (transformers' flag)
@@ -58,6 +65,10 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.dtype must be auto/float32/bfloat16/float16, got {self.dtype!r}")
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ConfigError(f"EngineConfig.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.paged_attention not in ("auto", "off"):
+            raise ConfigError(f"EngineConfig.paged_attention must be auto/off, got {self.paged_attention!r}")
         if self.cpu_kernels not in ("auto", "on", "off"):
             raise ConfigError(f"EngineConfig.cpu_kernels must be auto/on/off, got {self.cpu_kernels!r}")
         if self.kv_allocation not in ("lazy", "reserve"):

@@ -54,3 +54,7 @@ class BlockManager:
 
     def block_table(self, seq_id: str) -> list[int]:
         return list(self._tables.get(seq_id, []))
+
+    def table_ref(self, seq_id: str) -> list[int]:
+        """The sequence's block table itself (not a copy): read it, do not change it."""
+        return self._tables[seq_id]

@@ -7,12 +7,14 @@ import time
 import warnings
 from dataclasses import dataclass
 
+import torch
+
 from keyacc_ray.config import EngineConfig
 from keyacc_ray.engine.blocks import BlockManager
 from keyacc_ray.engine.detok import IncrementalDetokenizer
 from keyacc_ray.engine.kv_package import KVMeta, KVPackage, dtype_name, to_engine_tensors, to_wire
 from keyacc_ray.engine.request import SamplingParams, Sequence, SeqStatus
-from keyacc_ray.engine.runner import ModelRunner
+from keyacc_ray.engine.runner import ModelRunner, StepItem
 from keyacc_ray.engine.sampling import Sampler
 from keyacc_ray.engine.scheduler import Scheduler
 from keyacc_ray.errors import InvalidRequest, ModelLoadError, Overloaded
@@ -55,21 +57,6 @@ class EngineStats:
     num_preemptions: int = 0  # lazy KV: sequences that gave up their blocks (recomputed later)
 
 
-def prefill_groups(lengths: list[int], max_padding: float = 0.25) -> list[list[int]]:
-    """Indices of prompts to prefill together, longest first: a group grows while its padded
-    size (rows x longest) stays within (1 + max_padding) x its real tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups: list[list[int]] = []
-    for i in order:
-        g = groups[-1] if groups else None
-        if g is not None and (len(g) + 1) * lengths[g[0]] <= (1 + max_padding) * (sum(lengths[k] for k in g)
-                                                                                  + lengths[i]):
-            g.append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None):
         from transformers import AutoTokenizer
@@ -83,12 +70,14 @@ class LLMEngine:
         self.runner = ModelRunner(config.model, config.dtype, config.device, config.max_num_seqs,
                                   config.max_model_len, config.num_threads, config.kv_memory_fraction,
                                   config.cpu_kernels, config.cpu_weight_quant,
-                                  trust_remote_code=config.trust_remote_code)
+                                  trust_remote_code=config.trust_remote_code, block_size=config.kv_block_size,
+                                  num_kv_blocks=config.num_kv_blocks,
+                                  gpu_memory_utilization=config.gpu_memory_utilization,
+                                  max_num_batched_tokens=config.max_prefill_tokens,
+                                  paged_attention=config.paged_attention)
         self.max_model_len = self.runner.max_model_len
-        # The KV budget in blocks: configured, or what the preallocated slots hold (on CUDA the
-        # slots themselves are sized from free device memory).
-        slots = self.runner.num_slots
-        num_blocks = config.num_kv_blocks or -(-slots * self.max_model_len // config.kv_block_size)
+        # The KV budget in blocks is the runner's block pool: the accounting is the memory.
+        num_blocks = self.runner.num_blocks
         self.blocks = BlockManager(num_blocks, config.kv_block_size)
         # The longest sequence this engine can ever hold is its KV budget (reserved at admission,
         # or grown to by a sequence running alone): the context it serves is no longer than that
@@ -99,7 +88,7 @@ class LLMEngine:
                         "of %d: serving a context of %d", num_blocks, config.kv_block_size, budget,
                         self.max_model_len, budget)
             self.max_model_len = budget
-        self.scheduler = Scheduler(self.blocks, slots, config.max_waiting,
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_waiting,
                                    config.max_prefill_tokens, lazy=config.kv_allocation == "lazy")
         self.sampler = Sampler()
         self.seqs: dict[str, Sequence] = {}
@@ -148,7 +137,13 @@ class LLMEngine:
         self._enqueue(seq, rng_state=None)
         return seq
 
+    def _scoring(self, seq: Sequence) -> bool:
+        """A fresh prompt whose tokens are scored as it is prefilled (prompt logprobs)."""
+        return seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0
+
     def _enqueue(self, seq: Sequence, rng_state) -> None:
+        if self._scoring(seq):  # every position's logits come back: chunks whose logits fit
+            seq.max_chunk = max(1, PROMPT_LOGITS_BYTES // (4 * self.runner.vocab_size))
         if not self.scheduler.add(seq):
             raise Overloaded(f"the engine's waiting queue is full ({self.config.max_waiting})")
         self.seqs[seq.request_id] = seq
@@ -178,61 +173,56 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One forward for every scheduled sequence (decode rows and prompt chunks together),
+        then one batched sampling of the rows that produce a token."""
         sched = self.scheduler.schedule()
         for s in sched.preempted:
-            if s.request_id in self.move_on_preempt:  # leaves with its KV (still in its slot)
-                self.preempt_exports.append(self.export_request(s.request_id))
+            if s.request_id in self.move_on_preempt:  # leaves with its KV (its blocks are intact this step)
+                self.preempt_exports.append(self.export_request(s.request_id,
+                                                                blocks=sched.preempted_tables[s.request_id]))
                 continue
-            self.runner.free_slot(s.request_id)  # its KV is gone: readmitted, it prefills again
-            s.num_cached = 0
-        new_tokens: list[tuple[Sequence, tuple]] = []  # (sequence, (token, logprobs or None))
-        if sched.decode:
-            rows = sorted(sched.decode, key=lambda s: self.runner.slot_of(s.request_id))
-            logits = self.runner.decode([s.token_ids[-1] for s in rows], [s.num_cached for s in rows])
-            for s, t in zip(rows, self._sample(logits, rows)):
-                s.num_cached += 1
-                new_tokens.append((s, t))
-        fresh = []
+            s.num_cached = 0  # its KV is gone: readmitted, it prefills again
         for s in sched.admitted:
-            self.runner.alloc_slot(s.request_id)
             if s.imported is not None:
                 self._write_imported(s)
-            if s.num_cached == 0 and self.config.batched_prefill and s.params.prompt_logprobs is None:
-                fresh.append(s)
-                continue
-            if s.params.prompt_logprobs is not None and s.num_cached == 0 and s.num_output_tokens == 0:
-                logits = self._prefill_scoring_prompt(s)
-            else:
-                logits = self.runner.extend(s.request_id, s.token_ids[s.num_cached:], s.num_cached)
-            s.num_cached = s.num_tokens
-            new_tokens.append((s, self._sample(logits[None], [s])[0]))
-        # Fresh prompts in few forwards instead of one each: a wave of arrivals stalls the
-        # running decodes for one batched step, not for one forward per arrival.
-        for group in prefill_groups([s.num_tokens for s in fresh]):
-            seqs = [fresh[i] for i in group]
-            if len(seqs) == 1:
-                logits = self.runner.extend(seqs[0].request_id, seqs[0].token_ids, 0)[None]
-            else:
-                logits = self.runner.prefill([s.request_id for s in seqs], [s.token_ids for s in seqs])
-            for s, t in zip(seqs, self._sample(logits, seqs)):
-                s.num_cached = s.num_tokens
-                new_tokens.append((s, t))
-        return [self._postprocess(s, t) for s, t in new_tokens]
+        table = self.blocks.table_ref
+        items = [StepItem([s.token_ids[-1]], s.num_cached, table(s.request_id)) for s in sched.decode]
+        for s, n in sched.prefill:
+            logits = "all" if self._scoring(s) else ("last" if s.num_cached + n == s.num_tokens else "none")
+            items.append(StepItem(s.token_ids[s.num_cached:s.num_cached + n], s.num_cached, table(s.request_id),
+                                  logits))
+        if not items:
+            return []
+        if self.config.batched_prefill:
+            logits = self.runner.forward(items)
+        else:  # decode rows together, each prompt chunk in a forward of its own
+            nd = len(sched.decode)
+            parts = ([self.runner.forward(items[:nd])] if nd else []) + [self.runner.forward([it])
+                                                                        for it in items[nd:]]
+            logits = torch.cat(parts)
+        rows, seqs, at = [], [], 0
+        for s, it in zip([*sched.decode, *(p[0] for p in sched.prefill)], items):
+            got = logits[at:at + it.num_logits]
+            at += it.num_logits
+            if it.logits == "all":
+                self._score_chunk(s, it, got)
+            s.num_cached += len(it.tokens)
+            if s.num_cached == s.num_tokens:
+                rows.append(at - 1)
+                seqs.append(s)
+        if not seqs:
+            return []
+        sampled = self._sample(logits[torch.tensor(rows, device=logits.device)], seqs)
+        return [self._postprocess(s, t) for s, t in zip(seqs, sampled)]
 
-    def _prefill_scoring_prompt(self, s: Sequence) -> torch.Tensor:
-        """A fresh prompt's prefill that also scores it (prompt logprobs): in chunks of positions
-        whose logits fit PROMPT_LOGITS_BYTES, each chunk extending the cache. Returns the last
-        position's logits (the first output token's); the scores wait for that token's output."""
-        ids, k = s.token_ids, s.params.prompt_logprobs
-        rows = max(1, PROMPT_LOGITS_BYTES // (4 * self.runner.vocab_size))
-        scores: list = [None]
-        for start in range(0, len(ids), rows):
-            logits = self.runner.extend(s.request_id, ids[start:start + rows], start, all_logits=True)
-            targets = ids[start + 1:start + 1 + rows]  # the token each position predicts
-            if targets:
-                scores += self.sampler.logprobs(logits[:len(targets)], targets, [k] * len(targets), ranks=True)
-        self._prompt_scores[s.request_id] = scores
-        return logits[-1]
+    def _score_chunk(self, s: Sequence, it: StepItem, logits) -> None:
+        """Prompt logprobs of a chunk: each position's logits score the token after it."""
+        if it.start == 0:
+            self._prompt_scores[s.request_id] = [None]
+        targets = s.token_ids[it.start + 1:it.start + 1 + len(it.tokens)]
+        if targets:
+            self._prompt_scores[s.request_id] += self.sampler.logprobs(
+                logits[:len(targets)], targets, [s.params.prompt_logprobs] * len(targets), ranks=True)
 
     def _sample(self, logits, seqs: list[Sequence]) -> list[tuple[int, tuple | None]]:
         """One token per row, with its logprobs where the request asked for them."""
@@ -270,8 +260,6 @@ class LLMEngine:
         return out
 
     def _finish(self, seq: Sequence, status: SeqStatus) -> None:
-        if self.runner.has_slot(seq.request_id):
-            self.runner.free_slot(seq.request_id)
         self.move_on_preempt.discard(seq.request_id)
         self.scheduler.finish(seq, status)
         self.seqs.pop(seq.request_id, None)
@@ -280,14 +268,16 @@ class LLMEngine:
         self._prompt_scores.pop(seq.request_id, None)
 
     # ---- hand-off ----------------------------------------------------------------------
-    def export_request(self, request_id: str, layout: str | None = None, source: str = "") -> KVPackage:
-        """Remove a sequence from this engine and return its full state as a KVPackage."""
+    def export_request(self, request_id: str, layout: str | None = None, source: str = "",
+                       blocks: list[int] | None = None) -> KVPackage:
+        """Remove a sequence from this engine and return its full state as a KVPackage (`blocks`:
+        the table of a sequence preempted this step, whose KV its freed blocks still hold)."""
         seq = self.seqs[request_id]
         layout = layout or self.config.kv_export_layout
-        in_slot = self.runner.has_slot(request_id)  # running, or preempted with its KV still there
-        if in_slot or seq.imported is None:
-            n = seq.num_cached if in_slot else 0
-            k, v = self.runner.read_kv(request_id, n)
+        blocks = blocks if blocks is not None else self.blocks.block_table(request_id)
+        if seq.imported is None:
+            n = seq.num_cached if blocks else 0
+            k, v = self.runner.read_kv(blocks, n)
             meta = self.kv_meta(layout, n, source or str(self.runner.device))
             keys, values = to_wire(k, layout), to_wire(v, layout)
         else:  # still waiting with an imported package: pass its arrays on untouched
@@ -323,6 +313,7 @@ class LLMEngine:
         seq = Sequence(rid, list(pkg.token_ids), pkg.num_prompt_tokens, params,
                        emitted_text_chars=pkg.emitted_text_chars)
         seq.imported = pkg if pkg.meta.num_kv_tokens > 0 else None
+        seq.num_cached = pkg.meta.num_kv_tokens  # in the package until admission writes it into blocks
         if seq.num_output_tokens >= params.max_tokens:
             raise InvalidRequest("the imported sequence has no tokens left to generate", param="max_tokens")
         self.validate(seq.token_ids[:seq.num_prompt_tokens], params)
@@ -334,15 +325,14 @@ class LLMEngine:
         with warnings.catch_warnings():  # object-store views are read-only; we only read them
             warnings.simplefilter("ignore", UserWarning)
             k, v = to_engine_tensors(pkg, self.runner.dtype, self.runner.device, self._kv_dims())
-        self.runner.write_kv(seq.request_id, k, v)
-        seq.num_cached = pkg.meta.num_kv_tokens
+        self.runner.write_kv(self.blocks.table_ref(seq.request_id), k, v)
         seq.imported = None
 
     # ---- introspection -----------------------------------------------------------------
     def stats(self) -> EngineStats:
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting,
                            self.blocks.num_free_blocks, self.blocks.num_blocks, self.blocks.block_size,
-                           self.runner.num_slots, self.tokens_generated, self.runner.device_label(),
+                           self.config.max_num_seqs, self.tokens_generated, self.runner.device_label(),
                            self.scheduler.num_preemptions)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],

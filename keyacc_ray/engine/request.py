@@ -155,6 +155,7 @@ class Sequence:
     imported: Any = None  # a KVPackage waiting to be written into a slot on admission
     # Tokens this engine produced, and where the output text stands (for hand-offs).
     emitted_text_chars: int = 0
+    max_chunk: int = 0  # the most prompt tokens one step may feed (0: the scheduler's budget)
 
     @property
     def num_tokens(self) -> int:

@@ -1,11 +1,18 @@
 """The model forward on one device: every torch / CUDA detail of the engine lives here.
 
-Any transformers decoder-only model runs unmodified. Its attention layers only call
-`cache.update(key, value, layer_idx)` and attend over what it returns, so `SlotKVCache` hands
-them views of a preallocated buffer per layer, `[slots, kv_heads, max_len, head_dim]`, and we
-pass a ready 4D additive mask (transformers uses a prepared 4D mask as it is) plus explicit
-per-row positions. Running sequences occupy slots 0..n-1 (a freed slot is refilled by moving
-the last one), so the batched decode attends over plain views: no gather copy, no `torch.cat`.
+Any transformers decoder-only model runs unmodified. The KV cache is physical paged memory: per
+layer one pool of fixed-size blocks (`engine/paged_attention.py`), a sequence's tokens in the
+blocks of its table (kept by `engine/blocks.py`: the accounting is the memory). Nothing is
+reserved per sequence, nothing is copied when one finishes.
+
+A step is a list of `StepItem`s (decode tokens and prompt chunks, chunked prefill mixed with
+decodes) run as one packed forward whose attention reads the pool through block tables
+("keyacc_paged"), where a load probe shows the model's attention goes through transformers'
+attention interface and agrees with its own; otherwise (eager-only attention such as Gemma2's
+soft-capping, multi-head latent attention that attends over its cached latent itself) the
+model's own attention runs over keys gathered from the pool with 4D masks: decode rows in one
+batch, each prompt chunk in a forward of its own. On CPU with the kernels built, a step of
+decode rows alone runs the fused decode step over the pool.
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from keyacc_ray.engine.paged_attention import ATTN_NAME, PagedAttention, PagedKVCache, StepBatch, active, gather, register
 from keyacc_ray.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -41,60 +49,6 @@ class KVShape:
     @property
     def v_dim(self) -> int:
         return self.v_head_dim or self.head_dim
-
-
-class SlotKVCache:
-    """Duck-typed transformers cache over preallocated per-layer slot buffers."""
-
-    is_compileable = False
-
-    def __init__(self, shape: KVShape, num_slots: int, max_len: int, device: torch.device):
-        kdims = (num_slots, shape.num_kv_heads, max_len, shape.head_dim)
-        vdims = (num_slots, shape.num_kv_heads, max_len, shape.v_dim)
-        self.k = [torch.zeros(kdims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
-        self.v = [torch.zeros(vdims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
-        self._mode = None
-
-    # Set by the runner before each forward.
-    def bind_decode(self, rows: int, positions: torch.Tensor, kv_len: int) -> None:
-        self._mode = ("decode", rows, positions, torch.arange(rows, device=positions.device), kv_len)
-
-    def bind_extend(self, slot: int, start: int, kv_len: int) -> None:
-        self._mode = ("extend", slot, start, None, kv_len)
-
-    def bind_prefill(self, slots: list[int], offsets: list[int], width: int, device: torch.device) -> None:
-        """Fresh prompts, left-padded to `width`: row r's tokens are columns offsets[r].. of the
-        batch. Every real token's (row, column) -> (slot, position), for one gather and one write
-        per layer (not one copy per row: on a GPU each is a kernel launch)."""
-        rows, cols, dst_slots, positions = [], [], [], []
-        for r, (slot, off) in enumerate(zip(slots, offsets)):
-            n = width - off
-            rows += [r] * n
-            cols += range(off, width)
-            dst_slots += [slot] * n
-            positions += range(n)
-        idx = torch.tensor([rows, cols, dst_slots, positions], device=device)
-        self._mode = ("prefill", idx, None, None, None)
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        kind, a, b, rows_idx, kv_len = self._mode
-        k, v = self.k[layer_idx], self.v[layer_idx]
-        if kind == "prefill":  # a = [rows, cols, slots, positions]; nothing cached before: attend over these
-            rows, cols, slots, positions = a
-            k[slots, :, positions] = key_states[rows, :, cols]
-            v[slots, :, positions] = value_states[rows, :, cols]
-            return key_states, value_states
-        if kind == "decode":  # a = rows, b = positions [rows]
-            k[rows_idx, :, b, :] = key_states[:, :, 0, :]
-            v[rows_idx, :, b, :] = value_states[:, :, 0, :]
-            return k[:a, :, :kv_len], v[:a, :, :kv_len]
-        t = key_states.shape[2]  # extend: a = slot, b = start position
-        k[a, :, b:b + t] = key_states[0]
-        v[a, :, b:b + t] = value_states[0]
-        return k[a:a + 1, :, :kv_len], v[a:a + 1, :, :kv_len]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
 
 
 class _ShapeProbe:
@@ -146,10 +100,33 @@ def cache_kwarg(model) -> str:
                          param="model")
 
 
+@dataclass
+class StepItem:
+    """One sequence's part of a forward: `tokens` fed at positions start.., their KV written into
+    `blocks` (the sequence's block table, covering start + len(tokens)); `logits`: which rows of
+    logits come back ("last", "all" for scoring a prompt, "none" for a prompt chunk that is not
+    its last)."""
+
+    tokens: list[int]
+    start: int
+    blocks: list[int]
+    logits: str = "last"
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.tokens) == 1 and self.start > 0
+
+    @property
+    def num_logits(self) -> int:
+        return {"last": 1, "all": len(self.tokens), "none": 0}[self.logits]
+
+
 class ModelRunner:
-    def __init__(self, model: str, dtype: str, device: str, num_slots: int, max_model_len: int | None,
+    def __init__(self, model: str, dtype: str, device: str, max_num_seqs: int, max_model_len: int | None,
                  num_threads: int | None = None, kv_memory_fraction: float = 0.85, cpu_kernels: str = "off",
-                 cpu_weight_quant: str = "none", trust_remote_code: bool = False):
+                 cpu_weight_quant: str = "none", trust_remote_code: bool = False, block_size: int = 16,
+                 num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
+                 max_num_batched_tokens: int = 4096, paged_attention: str = "auto"):
         from transformers import AutoConfig
 
         if num_threads:
@@ -167,6 +144,7 @@ class ModelRunner:
         if self.device.type == "cpu" and torch_dtype == torch.float16:
             log.warning("float16 on CPU is slow; consider bfloat16")
         self.model = load_model(model, torch_dtype, trust_remote_code).to(self.device).eval()
+        self._own_attn = self.model.config._attn_implementation
         self._cache_kw = cache_kwarg(self.model)
         cfg = self.model.config
         self.hf_config = cfg
@@ -174,20 +152,37 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
         self.max_model_len = min(max_model_len or limit, limit)
+        self.max_num_seqs = max_num_seqs
         self.layer_types = getattr(cfg, "layer_types", None)
         self.sliding_window = getattr(cfg, "sliding_window", None)
         self._min = torch.finfo(torch_dtype).min
         self.kv_shape = self._probe_kv_shape()
-        self.num_slots = self._fit_slots(num_slots, kv_memory_fraction)
-        self.cache = SlotKVCache(self.kv_shape, self.num_slots, self.max_model_len, self.device)
-        self._slot_of: dict[str, int] = {}
-        self._owner: list[str | None] = [None] * self.num_slots
+        self.block_size = block_size
+        self.num_blocks = self._fit_blocks(num_kv_blocks, kv_memory_fraction, gpu_memory_utilization,
+                                           max_num_batched_tokens)
+        s = self.kv_shape
+        self.cache = PagedKVCache(s.num_layers, self.num_blocks, s.num_kv_heads, block_size, s.head_dim, s.v_dim,
+                                  self.dtype, self.device)
+        self.windows = [self._window(i) for i in range(s.num_layers)]
         self.fast_path = None  # what keyacc_ray.kernels swapped in (FastPathReport)
         self.fused_step = None  # FusedDecodeStep once it reproduced the model's own logits
-        self._check_cache_used()
+        self._kernels = None
+        self.paged = False  # until the probe below shows the paged attention agrees with the model's
         if self.device.type == "cpu" and cpu_kernels != "off":
             self._enable_cpu_kernels(required=cpu_kernels == "on",
                                      quant=None if cpu_weight_quant == "none" else cpu_weight_quant)
+        self.attn = PagedAttention(self.cache, self.windows, self._kernels)
+        self.paged = paged_attention != "off" and self._try_paged()
+        self._check_cache_used()
+
+    def _window(self, layer: int) -> int:
+        """The sliding window of a layer (0: it attends over everything), by the same rule the
+        masks of the model's own attention follow."""
+        if self.layer_types and layer < len(self.layer_types):
+            return int(self.sliding_window or 0) if self.layer_types[layer] == "sliding_attention" else 0
+        if self.layer_types is None and self.sliding_window:
+            return int(self.sliding_window)
+        return 0
 
     @torch.inference_mode()
     def _probe_kv_shape(self) -> KVShape:
@@ -216,20 +211,78 @@ class ModelRunner:
         heads, kdim, vdim = shapes.pop()
         return KVShape(n, heads, kdim, self.dtype, 0 if vdim == kdim else vdim)
 
-    def _check_cache_used(self) -> None:
-        """One 2-token forward into a probe slot must write its keys: a model (or transformers
-        version) that takes the cache under another name would otherwise attend over the current
-        token alone and produce fluent garbage with no error."""
-        rid = "__keyacc_cache_probe__"
-        slot = self.alloc_slot(rid)
+    def _probe_items(self) -> list[StepItem]:
+        """Probe sequences over the last blocks of the pool: two prompts, one continued by a chunk
+        (attends over cached blocks), decode rows of different lengths; spans several blocks."""
+        bs, nb = self.block_size, self.num_blocks
+        g = torch.Generator().manual_seed(11)
+        lens = [min(2 * bs + 3, max(2, bs * max(1, nb // 4) - 2)), 5]
+        items, first = [], nb
+        for n in lens:
+            need = -(-(n + 2) // bs)
+            if first - need < 0:
+                break
+            blocks = list(range(first - need, first))
+            first -= need
+            items.append(StepItem(torch.randint(0, self.vocab_size, (n,), generator=g).tolist(), 0, blocks))
+        return items
+
+    def _run_probe(self, paged: bool) -> list[torch.Tensor]:
+        self.paged = paged
+        items = self._probe_items()
+        head = [StepItem(it.tokens[:-2], 0, it.blocks, "all") for it in items]
+        out = [self.forward(head)]
+        tail = [StepItem(it.tokens[-2:], len(it.tokens) - 2, it.blocks, "all") for it in items]
+        out.append(self.forward(tail))
+        dec = [StepItem([7], len(it.tokens), it.blocks) for it in items]
+        out.append(self.forward(dec))
+        return [o.float() for o in out]
+
+    def _try_paged(self) -> bool:
+        """Run the probe through the model's own attention over gathered KV and through the paged
+        attention; keep the paged path only if every layer went through it and the logits agree."""
+        if not self._probe_items():
+            return False
+        register()
+        fused, self.fused_step = self.fused_step, None  # the model's forward is what is probed
         try:
-            for buf in self.cache.k:  # a slot keeps what its last sequence left
-                buf[slot, :, :2].zero_()
-            self.extend(rid, [1, 2], 0)
-            written = bool(self.cache.k[0][slot, :, :2].abs().sum() > 0)
+            ref = self._run_probe(False)
+            self.model.set_attn_implementation(ATTN_NAME)
+            self.attn.calls = 0
+            got = self._run_probe(True)
+            calls = self.attn.calls
+        except Exception as e:  # noqa: BLE001 - not this model's attention: its own, over gathered KV
+            log.info("paged attention not used for %s (%s: %s); its own attention over gathered KV",
+                     type(self.model).__name__, type(e).__name__, e)
+            self._restore_attn()
+            return False
         finally:
-            self.free_slot(rid)
-        if not written:
+            self.fused_step = fused
+        tol = 1e-3 if self.dtype == torch.float32 else 3e-2
+        ok = calls == 3 * self.kv_shape.num_layers and all(
+            float((a - b).norm()) <= tol * float(b.norm()) + 1e-5 for a, b in zip(got, ref))
+        if not ok:
+            log.warning("paged attention disagrees with %s's own attention (calls %d); using its own over "
+                        "gathered KV", type(self.model).__name__, calls)
+            self._restore_attn()
+        return ok
+
+    def _restore_attn(self) -> None:
+        self.paged = False
+        try:
+            self.model.set_attn_implementation(self._own_attn)
+        except Exception:  # noqa: BLE001
+            self.model.config._attn_implementation = self._own_attn
+
+    def _check_cache_used(self) -> None:
+        """A probe forward must write its keys into the pool: a model (or transformers version)
+        that takes the cache under another name would otherwise attend over the current tokens
+        alone and produce fluent garbage with no error."""
+        blk = self.num_blocks - 1
+        for buf in self.cache.k:
+            buf[blk].zero_()
+        self.forward([StepItem([1, 2], 0, [blk])])
+        if not bool(self.cache.k[0][blk, :, :2].abs().sum() > 0):
             raise ModelLoadError(f"{type(self.model).__name__} did not write the KV cache passed as "
                                  f"{self._cache_kw!r}; this transformers version or model is not supported",
                                  param="model")
@@ -246,7 +299,8 @@ class ModelRunner:
         from keyacc_ray.kernels import fastpath
         from keyacc_ray.kernels.fused_step import FusedDecodeStep
 
-        self.fast_path = fastpath.apply(self.model, mod, quant=quant)
+        self._kernels = mod
+        self.fast_path = fastpath.apply(self.model, mod, attention=False, quant=quant)
         try:
             step = FusedDecodeStep.build(self.model, mod)
         except Exception as e:  # noqa: BLE001 - an unusual model: transformers' forward it is
@@ -259,23 +313,19 @@ class ModelRunner:
     def _check_fused_step(self, step) -> bool:
         """Run one decode step both ways on probe sequences; keep the fused step only if its
         logits and KV writes match the model's own within rounding (norm-wise)."""
-        g = torch.Generator().manual_seed(7)
-        lens = [5, 9][: max(1, min(2, self.num_slots))]
-        ids = [f"__probe{i}" for i in range(len(lens))]
+        items = self._probe_items()
+        if not items:
+            return False
         tol = 1e-3 if self.dtype == torch.float32 else 5e-2
         try:
-            first = []
-            for rid, n in zip(ids, lens):
-                self.alloc_slot(rid)
-                prompt = torch.randint(0, self.vocab_size, (n,), generator=g).tolist()
-                first.append(int(self.extend(rid, prompt, 0).argmax()))
-            pos = torch.tensor(lens, device=self.device)
-            ref = self.decode(first, lens)
-            kref = torch.stack([self.cache.k[i][torch.arange(len(lens)), :, pos] for i in (0, -1)]).float()
+            first = [int(x) for x in self.forward(items).argmax(-1)]
+            dec = [StepItem([t], len(it.tokens), it.blocks) for t, it in zip(first, items)]
+            rows = self._decode_rows(dec)
+            ref = self.forward(dec)
+            kref = torch.stack([self.cache.k[i][rows[2], :, rows[3]] for i in (0, -1)]).float()
             with torch.inference_mode():
-                got = step(torch.tensor(first, device=self.device), pos, self._masks(pos[:, None], max(lens) + 1),
-                           self.cache.k, self.cache.v, max(lens) + 1)
-            kgot = torch.stack([self.cache.k[i][torch.arange(len(lens)), :, pos] for i in (0, -1)]).float()
+                got = step(*rows, self.cache.k, self.cache.v, self.windows)
+            kgot = torch.stack([self.cache.k[i][rows[2], :, rows[3]] for i in (0, -1)]).float()
             ok = all(float((a.float() - b.float()).norm()) <= tol * float(b.float().norm()) + 1e-6
                      for a, b in ((got, ref), (kgot, kref)))
             if not ok:
@@ -284,90 +334,85 @@ class ModelRunner:
         except Exception as e:  # noqa: BLE001 - any failure means: not this model
             log.warning("fused decode step not usable for this model: %s", e)
             return False
-        finally:
-            for rid in ids:
-                if rid in self._slot_of:
-                    self.free_slot(rid)
 
-    def _fit_slots(self, wanted: int, fraction: float) -> int:
-        """The KV buffer is sized from the free memory after the weights: as many slots (up to
-        `wanted`) as `fraction` of it holds: free device memory on CUDA, available RAM on CPU
-        (where a buffer too big would only fail later, when decoding first touches its pages)."""
+    def _fit_blocks(self, wanted: int | None, fraction: float, gpu_util: float, max_batched: int) -> int:
+        """The block pool's size. CUDA: what `gpu_util` of the whole device holds once the weights
+        and the activations of the largest step (a profiled forward of `max_batched` tokens) are
+        counted, as vLLM's gpu_memory_utilization. CPU: `fraction` of the available RAM (a pool
+        too big would only fail later, when decoding first touches its pages), and by default no
+        more than max_num_seqs sequences of max_model_len. A configured number caps both."""
+        per_block = self.kv_bytes_per_token() * self.block_size
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+            fit = (int(torch.cuda.get_device_properties(self.device).total_memory * gpu_util)
+                   - self._profile_peak(max_batched)) // per_block
         else:
             import psutil
 
-            free = psutil.virtual_memory().available
-        per_slot = self.kv_bytes_per_token() * self.max_model_len
-        fit = int(free * fraction) // per_slot
+            fit = int(psutil.virtual_memory().available * fraction) // per_block
+            if wanted is None:
+                wanted = -(-self.max_num_seqs * self.max_model_len // self.block_size)
         if fit < 1:
-            raise ModelLoadError(f"no room for even one sequence of {self.max_model_len} tokens of KV on "
-                                 f"{self.device} ({free / 2**30:.1f} GiB free); lower max_model_len")
-        if fit < wanted:
-            log.warning("KV memory on %s holds %d sequences of %d tokens, not %d", self.device, fit,
-                        self.max_model_len, wanted)
-        return min(wanted, fit)
+            raise ModelLoadError(f"no room for one KV block ({per_block} bytes) on {self.device}; "
+                                 f"lower max_model_len or max_num_seqs")
+        if wanted is not None and fit < wanted:
+            log.warning("KV memory on %s holds %d blocks of %d tokens, not %d", self.device, fit,
+                        self.block_size, wanted)
+        return min(fit, wanted) if wanted is not None else fit
 
-    # ---- slots -------------------------------------------------------------------------
-    @property
-    def num_used_slots(self) -> int:
-        return len(self._slot_of)
+    @torch.inference_mode()
+    def _profile_peak(self, tokens: int) -> int:
+        """CUDA: the memory peak of a forward of `tokens` prompt tokens (weights included), run
+        through a temporary pool just big enough for it."""
+        tokens = max(2, min(tokens, self.max_model_len))
+        s = self.kv_shape
+        nb = -(-tokens // self.block_size)
+        saved = getattr(self, "cache", None)
+        self.cache = PagedKVCache(s.num_layers, nb, s.num_kv_heads, self.block_size, s.head_dim, s.v_dim,
+                                  self.dtype, self.device)
+        self.paged = False
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            self.forward([StepItem([1] * tokens, 0, list(range(nb)))])
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        finally:
+            self.cache = saved
+            torch.cuda.empty_cache()
 
-    def slot_of(self, request_id: str) -> int:
-        return self._slot_of[request_id]
-
-    def has_slot(self, request_id: str) -> bool:
-        return request_id in self._slot_of
-
-    def alloc_slot(self, request_id: str) -> int:
-        slot = len(self._slot_of)
-        assert slot < self.num_slots, "no free KV slot: the scheduler admitted too many"
-        self._slot_of[request_id] = slot
-        self._owner[slot] = request_id
-        return slot
-
-    def free_slot(self, request_id: str) -> None:
-        slot = self._slot_of.pop(request_id)
-        last = len(self._slot_of)  # index of the last used slot before the pop
-        if slot != last:
-            moved = self._owner[last]
-            for buf in (*self.cache.k, *self.cache.v):
-                buf[slot].copy_(buf[last])
-            self._slot_of[moved] = slot
-            self._owner[slot] = moved
-        self._owner[last] = None
-
-    def read_kv(self, request_id: str, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one sequence as [layers, kv_heads, tokens, head_dim] on the CPU."""
+    # ---- KV of one sequence ------------------------------------------------------------
+    def read_kv(self, blocks: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one sequence (its block table) as [layers, kv_heads, tokens, dim] on the CPU."""
+        s = self.kv_shape
         if num_tokens == 0:
-            s = self.kv_shape
             return (torch.empty((s.num_layers, s.num_kv_heads, 0, s.head_dim), dtype=s.dtype),
                     torch.empty((s.num_layers, s.num_kv_heads, 0, s.v_dim), dtype=s.dtype))
-        s = self._slot_of[request_id]
-        k = torch.stack([b[s, :, :num_tokens] for b in self.cache.k]).cpu()
-        v = torch.stack([b[s, :, :num_tokens] for b in self.cache.v]).cpu()
+        idx = torch.tensor(blocks[:-(-num_tokens // self.block_size)], device=self.device)[None]
+        k = torch.stack([gather(b, idx, num_tokens)[0] for b in self.cache.k]).cpu()
+        v = torch.stack([gather(b, idx, num_tokens)[0] for b in self.cache.v]).cpu()
         return k, v
 
-    def write_kv(self, request_id: str, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [layers, kv_heads, tokens, head_dim] in this cache's dtype, any device."""
-        s = self._slot_of[request_id]
+    def write_kv(self, blocks: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [layers, kv_heads, tokens, dim] in this cache's dtype, any device, into the blocks."""
         n = k.shape[2]
+        if n == 0:
+            return
+        bs = self.block_size
+        pos = torch.arange(n, device=self.device)
+        blk = torch.tensor(blocks, device=self.device)[pos // bs]
+        off = pos % bs
         for layer, (kb, vb) in enumerate(zip(self.cache.k, self.cache.v)):
-            kb[s, :, :n].copy_(k[layer], non_blocking=True)
-            vb[s, :, :n].copy_(v[layer], non_blocking=True)
+            kb[blk, :, off] = k[layer].to(self.device, non_blocking=True).transpose(0, 1)
+            vb[blk, :, off] = v[layer].to(self.device, non_blocking=True).transpose(0, 1)
 
     # ---- forward -----------------------------------------------------------------------
     def _masks(self, q_pos: torch.Tensor, kv_len: int):
         """Additive masks [rows, 1, q, kv_len] for query positions q_pos [rows, q] over the
-        cache (key index = position)."""
+        gathered keys (key index = position)."""
         j = torch.arange(kv_len, device=self.device)
         dist = q_pos[:, :, None] - j[None, None, :]  # query position - key position
-        return self._to_masks(dist >= 0, dist)
+        allowed = dist >= 0
 
-    def _to_masks(self, allowed: torch.Tensor, dist: torch.Tensor):
-        """Additive mask(s) [rows, 1, q, k] from `allowed` [rows, q, k]; sliding-window layers
-        also need dist (query position - key position) < window."""
         def to_mask(ok):
             m = torch.zeros(ok.shape, dtype=self.dtype, device=self.device)
             return m.masked_fill_(~ok, self._min)[:, None]
@@ -379,55 +424,114 @@ class ModelRunner:
             return to_mask(allowed & (dist < self.sliding_window))
         return full
 
-    @torch.inference_mode()
-    def prefill(self, request_ids: list[str], prompts: list[list[int]]) -> torch.Tensor:
-        """Fresh sequences (nothing cached) in one forward; logits of each one's last token
-        [rows, vocab]. Left-padded, so every row's last token is the batch's last column
-        (`logits_to_keep=1` holds for all); padding is masked out of every real row and never
-        written to the cache."""
-        width = max(len(p) for p in prompts)
-        offsets = [width - len(p) for p in prompts]
-        ids = torch.tensor([[0] * o + p for o, p in zip(offsets, prompts)], device=self.device)
-        col = torch.arange(width, device=self.device)
-        off = torch.tensor(offsets, device=self.device)[:, None, None]
-        c, j = col[None, :, None], col[None, None, :]
-        real = (j >= off) & (j <= c)
-        # a padding query attends to itself alone: finite garbage nobody reads, not a NaN row
-        allowed = real | ((c < off) & (j == c))
-        pos = (col[None, :] - off[:, :, 0]).clamp_(min=0)
-        self.cache.bind_prefill([self._slot_of[r] for r in request_ids], offsets, width, self.device)
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=self._to_masks(allowed, c - j),
-                         use_cache=True, logits_to_keep=1, **{self._cache_kw: self.cache})
-        return out.logits[:, -1]
+    def _slots(self, items: list[StepItem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token ids, positions and (block, row) of every new token, in item order (host lists,
+        one copy each to the device)."""
+        bs = self.block_size
+        ids, pos, blk, off = [], [], [], []
+        for it in items:
+            ids += it.tokens
+            r = range(it.start, it.start + len(it.tokens))
+            pos += r
+            blk += [it.blocks[p // bs] for p in r]
+            off += [p % bs for p in r]
+        t = torch.tensor([ids, pos, blk, off], device=self.device)
+        return t[0], t[1], t[2], t[3]
+
+    def _decode_rows(self, items: list[StepItem]):
+        """Decode rows for the fused step and the kernels: ids, positions, blocks, rows-in-block,
+        block tables [rows, max_blocks] int32, context lengths [rows] int64."""
+        ids, pos, blk, off = self._slots(items)
+        width = max(len(it.blocks) for it in items)
+        tables = torch.tensor([it.blocks + [0] * (width - len(it.blocks)) for it in items], dtype=torch.int32,
+                              device=self.device)
+        return ids, pos, blk, off, tables, pos + 1
 
     @torch.inference_mode()
-    def extend(self, request_id: str, token_ids: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
-        """Feed `token_ids` at positions start.. into the sequence's slot; logits of the last
-        [vocab], or of every position [len(token_ids), vocab] (`all_logits`: scoring a prompt)."""
-        slot = self._slot_of[request_id]
-        t = len(token_ids)
-        pos = torch.arange(start, start + t, device=self.device)[None]
-        self.cache.bind_extend(slot, start, start + t)
-        out = self.model(input_ids=torch.tensor([token_ids], device=self.device), position_ids=pos,
-                         attention_mask=self._masks(pos, start + t), use_cache=True,
-                         logits_to_keep=0 if all_logits else 1, **{self._cache_kw: self.cache})
-        return out.logits[0] if all_logits else out.logits[0, -1]
+    def forward(self, items: list[StepItem]) -> torch.Tensor:
+        """One step's sequences; the logits each item asked for, in item order [rows, vocab]."""
+        if self.fused_step is not None and all(it.is_decode for it in items):
+            return self.fused_step(*self._decode_rows(items), self.cache.k, self.cache.v, self.windows)
+        if self.paged:
+            return self._forward_packed(items)
+        outs = []
+        dec = [it for it in items if it.is_decode]
+        if dec:
+            outs.append(self._forward_gather(dec))
+        for it in items:
+            if not it.is_decode and it.num_logits:
+                outs.append(self._forward_gather([it]))
+            elif not it.is_decode:
+                self._forward_gather([it])
+        # back in item order
+        if not dec or all(it.is_decode for it in items):
+            return torch.cat(outs) if outs else torch.empty((0, self.vocab_size), device=self.device)
+        rows, di, ci = [], 0, 1
+        for it in items:
+            if it.is_decode:
+                rows.append(outs[0][di:di + 1])
+                di += 1
+            elif it.num_logits:
+                rows.append(outs[ci])
+                ci += 1
+        return torch.cat(rows)
 
-    @torch.inference_mode()
-    def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """One batched step for slots 0..len-1 (in slot order); logits [rows, vocab]."""
-        rows = len(token_ids)
-        assert rows <= self.num_used_slots
-        pos = torch.tensor(positions, device=self.device)
-        kv_len = max(positions) + 1
-        if self.fused_step is not None:
-            return self.fused_step(torch.tensor(token_ids, device=self.device), pos, self._masks(pos[:, None], kv_len),
-                                   self.cache.k, self.cache.v, kv_len)
-        self.cache.bind_decode(rows, pos, kv_len)
-        out = self.model(input_ids=torch.tensor(token_ids, device=self.device)[:, None],
-                         position_ids=pos[:, None], attention_mask=self._masks(pos[:, None], kv_len),
-                         use_cache=True, **{self._cache_kw: self.cache})
-        return out.logits[:, -1]
+    def _keep(self, items: list[StepItem]) -> torch.Tensor:
+        keep, at = [], 0
+        for it in items:
+            n = len(it.tokens)
+            keep += range(at + n - it.num_logits, at + n)
+            at += n
+        return torch.tensor(keep, dtype=torch.long, device=self.device)
+
+    def _forward_packed(self, items: list[StepItem]) -> torch.Tensor:
+        ids, pos, blk, off = self._slots(items)
+        q_starts, at = [], 0
+        for it in items:
+            q_starts.append(at)
+            at += len(it.tokens)
+        dec_i = [i for i, it in enumerate(items) if it.is_decode]
+        b = StepBatch(ids[None], pos[None], blk, off, q_starts, [len(it.tokens) for it in items],
+                      [it.start for it in items],
+                      [torch.tensor(it.blocks, device=self.device) if not it.is_decode and it.start else None
+                       for it in items],
+                      chunks=[i for i, it in enumerate(items) if not it.is_decode])
+        if dec_i:
+            width = max(len(items[i].blocks) for i in dec_i)
+            tl = torch.tensor([items[i].blocks + [0] * (width - len(items[i].blocks)) for i in dec_i],
+                              device=self.device)
+            b.dec = torch.tensor([q_starts[i] for i in dec_i], device=self.device)
+            b.dec_tables_long, b.dec_tables = tl, tl.to(torch.int32)
+            b.dec_ctx = torch.tensor([items[i].start + 1 for i in dec_i], device=self.device)
+        self.cache.batch = b
+        try:
+            with active(self.attn):
+                out = self.model(input_ids=b.input_ids, position_ids=b.positions, use_cache=True,
+                                 logits_to_keep=self._keep(items), **{self._cache_kw: self.cache})
+        finally:
+            self.cache.batch = None
+        return out.logits[0]
+
+    def _forward_gather(self, items: list[StepItem]) -> torch.Tensor:
+        """The model's own attention (and masks) over keys gathered from the pool: decode rows in
+        one batch, or one sequence's chunk."""
+        ids, pos, blk, off = self._slots(items)
+        rows = len(items)
+        t = len(items[0].tokens)
+        kv_len = max(it.start + len(it.tokens) for it in items)
+        width = -(-kv_len // self.block_size)
+        gi = torch.tensor([it.blocks[:width] + [0] * (width - len(it.blocks[:width])) for it in items],
+                          device=self.device)
+        self.cache.batch = StepBatch(ids.view(rows, t), pos.view(rows, t), blk, off, [], [], [], [], gather=True,
+                                     gather_idx=gi, kv_len=kv_len)
+        try:
+            out = self.model(input_ids=ids.view(rows, t), position_ids=pos.view(rows, t),
+                             attention_mask=self._masks(pos.view(rows, t), kv_len), use_cache=True,
+                             logits_to_keep=0 if items[0].logits == "all" else 1, **{self._cache_kw: self.cache})
+        finally:
+            self.cache.batch = None
+        lg = out.logits
+        return lg[0] if items[0].logits == "all" else lg[:, -1]
 
     # ---- device facts ------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:

@@ -1,8 +1,9 @@
 """Iteration-level continuous batching. No torch.
 
-Each step: every running sequence decodes one token in one batched forward; then waiting
-sequences are admitted first-come-first-served while a slot and their KV blocks are free (and
-the step's prefill-token budget lasts), and are prefilled. A sequence that does not fit waits;
+Each step: every running sequence decodes one token, or feeds the next chunk of its prompt
+(chunked prefill: at most `max_prefill_tokens` prompt tokens a step in all); then waiting
+sequences are admitted first-come-first-served while a slot, their KV blocks and the step's
+prompt-token budget last. All of it runs in one forward. A sequence that does not fit waits;
 the waiting queue itself is bounded.
 
 KV blocks ("reserve" or "lazy", see blocks.py): reserved for prompt + max_tokens at admission,
@@ -24,8 +25,11 @@ from keyacc_ray.engine.request import Sequence, SeqStatus
 @dataclass
 class SchedulerOutput:
     decode: list[Sequence] = field(default_factory=list)  # one pending token each, batched
-    admitted: list[Sequence] = field(default_factory=list)  # prefill / extend, one by one
+    # prompt chunks: (sequence, tokens this step), running ones first, then the admitted
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # new this step (in decode or prefill)
     preempted: list[Sequence] = field(default_factory=list)  # lazy KV: lost their blocks, queued again
+    preempted_tables: dict[str, list[int]] = field(default_factory=dict)  # their blocks (KV intact this step)
 
 
 class Scheduler:
@@ -50,40 +54,62 @@ class Scheduler:
     def fits_ever(self, seq: Sequence) -> bool:
         return self.blocks.can_ever_allocate(seq.max_total_tokens)
 
+    @staticmethod
+    def _chunk(seq: Sequence, budget: int) -> int:
+        n = min(seq.num_pending, budget)
+        return min(n, seq.max_chunk) if seq.max_chunk else n
+
     def schedule(self) -> SchedulerOutput:
+        """Running sequences first (oldest first): a decode row each, or the next chunk of a
+        prompt within the step's prefill-token budget; then waiting ones, first come first
+        served, while a slot, blocks and budget last (a prompt longer than what is left of the
+        budget starts with a chunk of it)."""
         out = SchedulerOutput()
-        if self.lazy:
-            self._grow_running(out)
-        out.decode = list(self.running)
         budget = self.max_prefill_tokens
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            decode = seq.num_pending == 1 and seq.num_cached > 0
+            n = 1 if decode else self._chunk(seq, budget)
+            if n == 0:  # the budget is spent: this prompt goes on next step
+                i += 1
+                continue
+            if self.lazy and not self.blocks.grow(seq.request_id, seq.num_cached + n):
+                self._preempt_newest(out)  # possibly seq itself; then the loop ends here
+                continue
+            if decode:
+                out.decode.append(seq)
+            else:
+                out.prefill.append((seq, n))
+                budget -= n
+            i += 1
         while self.waiting and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
-            if out.admitted and seq.num_pending > budget:
+            decode = seq.num_pending == 1 and seq.num_cached > 0  # came with its KV (a hand-off)
+            n = 1 if decode else self._chunk(seq, budget)
+            if n == 0:
                 break
-            if not self.blocks.allocate(seq.request_id, seq.num_tokens if self.lazy else seq.max_total_tokens):
+            if not self.blocks.allocate(seq.request_id, seq.num_cached + n if self.lazy else seq.max_total_tokens):
                 break  # FCFS: the head waits for blocks; nothing overtakes it
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.admitted.append(seq)
-            budget -= seq.num_pending
+            if decode:
+                out.decode.append(seq)
+            else:
+                out.prefill.append((seq, n))
+                budget -= n
         return out
 
-    def _grow_running(self, out: SchedulerOutput) -> None:
-        """Blocks for every running sequence's next token, oldest first; where none are left, the
-        newest running sequence is preempted (possibly the one that needed them)."""
-        i = 0
-        while i < len(self.running):
-            seq = self.running[i]
-            if self.blocks.grow(seq.request_id, seq.num_tokens):
-                i += 1
-                continue
-            victim = self.running.pop()
-            self.blocks.free(victim.request_id)
-            victim.status = SeqStatus.WAITING
-            self.waiting.appendleft(victim)
-            out.preempted.append(victim)
-            self.num_preemptions += 1
+    def _preempt_newest(self, out: SchedulerOutput) -> None:
+        victim = self.running.pop()
+        out.preempted_tables[victim.request_id] = self.blocks.block_table(victim.request_id)
+        self.blocks.free(victim.request_id)
+        victim.status = SeqStatus.WAITING
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+        self.num_preemptions += 1
 
     def finish(self, seq: Sequence, status: SeqStatus) -> None:
         assert status.finished, status

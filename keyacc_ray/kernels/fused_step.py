@@ -89,9 +89,11 @@ class FusedDecodeStep:
         return out
 
     @torch.inference_mode()
-    def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, masks, kbufs, vbufs, kv_len: int):
-        """token_ids, positions: [B] (rows are slots 0..B-1); masks: [B, 1, 1, kv_len] additive or a
-        dict of them by layer type. Returns logits [B, vocab]."""
+    def __call__(self, token_ids, positions, blk, off, tables, ctx, kpools, vpools, windows):
+        """Decode rows over the paged pool: token_ids, positions [B]; blk, off [B] where each row's
+        new K/V goes (block, row in block); tables [B, max_blocks] int32; ctx [B] int64 (keys to
+        attend over, the new one included); kpools / vpools per layer [num_blocks, Hkv, bs, D];
+        windows per layer (0: full attention). Returns logits [B, vocab]."""
         K = self.k
         B = token_ids.shape[0]
         h = self.embed(token_ids)  # [B, hidden]
@@ -101,10 +103,9 @@ class FusedDecodeStep:
         x = K.rms_norm(res, self.layers[0].ln1.weight, self.layers[0].ln1.eps)
         n = len(self.layers)
         for j, L in enumerate(self.layers):
-            mask = masks[L.kind] if isinstance(masks, dict) else masks
-            kb, vb = kbufs[L.idx], vbufs[L.idx]
-            q = K.rope_kv_write(L.q(x), L.k(x), L.v(x), L.qn, L.kn, L.qk_eps, cos, sin, kb, vb, positions)
-            a = K.decode_attention(q, kb[:B, :, :kv_len], vb[:B, :, :kv_len], mask, L.scale)
+            kb, vb = kpools[L.idx], vpools[L.idx]
+            q = K.rope_kv_write(L.q(x), L.k(x), L.v(x), L.qn, L.kn, L.qk_eps, cos, sin, kb, vb, off, blk)
+            a = K.paged_decode_attention(q, kb, vb, tables, ctx, int(windows[L.idx]), L.scale)
             x = K.add_rms_norm(L.o(a.view(B, -1)), res, L.ln2.weight, L.ln2.eps)
             m = L.down(K.silu_mul(L.gate_up(x)))
             nxt = self.layers[j + 1].ln1 if j + 1 < n else self.norm

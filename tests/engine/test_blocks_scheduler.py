@@ -8,6 +8,16 @@ def seq(rid, n_prompt, max_tokens):
     return Sequence(rid, list(range(n_prompt)), n_prompt, SamplingParams(max_tokens=max_tokens))
 
 
+def ran(out):
+    """What the engine does after the step's forward: the fed tokens are cached; a sequence
+    whose prompt is all in gets a sampled token."""
+    for s, n in [(s, 1) for s in out.decode] + out.prefill:
+        s.num_cached += n
+        if s.num_cached == s.num_tokens:
+            s.token_ids.append(1)
+    return out
+
+
 def test_block_manager_reserves_and_frees():
     bm = BlockManager(num_blocks=4, block_size=16)
     assert bm.blocks_for(1) == 1 and bm.blocks_for(16) == 1 and bm.blocks_for(17) == 2
@@ -27,9 +37,9 @@ def test_scheduler_admits_fcfs_within_blocks_and_slots():
     a, b, c = seq("a", 4, 4), seq("b", 4, 4), seq("c", 2, 2)  # 2, 2, 1 blocks
     assert sch.add(a) and sch.add(b) and sch.add(c)
     assert not sch.add(seq("d", 1, 1))  # waiting queue bounded
-    out = sch.schedule()
+    out = ran(sch.schedule())
     assert [s.request_id for s in out.admitted] == ["a", "b"]  # slot limit 2
-    assert out.decode == []
+    assert out.decode == [] and out.prefill == [(a, 4), (b, 4)]
     out = sch.schedule()
     assert out.admitted == [] and [s.request_id for s in out.decode] == ["a", "b"]
     sch.finish(a, SeqStatus.FINISHED_LENGTH)
@@ -53,13 +63,31 @@ def test_head_of_line_waits_for_blocks():
     assert not sch.fits_ever(big) and sch.fits_ever(small)
 
 
-def test_prefill_budget_limits_admissions_per_step():
+def test_prefill_budget_chunks_prompts_beside_decodes():
     bm = BlockManager(num_blocks=100, block_size=4)
-    sch = Scheduler(bm, max_num_seqs=8, max_waiting=8, max_prefill_tokens=10)
-    for i in range(4):
-        sch.add(seq(f"s{i}", 6, 2))
-    assert len(sch.schedule().admitted) == 1  # the first always goes; the second would pass the budget
-    assert len(sch.schedule().admitted) == 1
+    sch = Scheduler(bm, max_num_seqs=8, max_waiting=8, max_prefill_tokens=10, lazy=True)
+    s = [seq(f"s{i}", 6, 2) for i in range(4)]
+    for x in s:
+        sch.add(x)
+    out = ran(sch.schedule())  # 6 + the first 4 of the next prompt: 10 prompt tokens a step
+    assert out.prefill == [(s[0], 6), (s[1], 4)] and out.admitted == s[:2] and len(bm.block_table("s1")) == 1
+    out = ran(sch.schedule())  # s1 goes on from token 4 first, then s2; s0 decodes beside them
+    assert out.decode == [s[0]] and out.prefill == [(s[1], 2), (s[2], 6), (s[3], 2)] and out.admitted == s[2:]
+    assert len(bm.block_table("s1")) == 2 and len(bm.block_table("s3")) == 1
+    out = ran(sch.schedule())
+    assert out.decode == [s[0], s[1], s[2]] and out.prefill == [(s[3], 4)]
+
+
+def test_a_sequence_with_a_chunk_limit_feeds_no_more_a_step():
+    bm = BlockManager(num_blocks=100, block_size=4)
+    sch = Scheduler(bm, max_num_seqs=8, max_waiting=8, max_prefill_tokens=100, lazy=True)
+    a = seq("a", 25, 2)
+    a.max_chunk = 10
+    sch.add(a)
+    assert [n for _, n in ran(sch.schedule()).prefill] == [10]
+    assert [n for _, n in ran(sch.schedule()).prefill] == [10]
+    assert [n for _, n in ran(sch.schedule()).prefill] == [5]
+    assert sch.schedule().decode == [a]
 
 
 def test_status_order():
@@ -73,13 +101,12 @@ def test_lazy_blocks_grow_and_the_newest_is_preempted():
     a, b, c = seq("a", 4, 8), seq("b", 4, 8), seq("c", 5, 8)  # 1, 1, 2 blocks for their prompts
     for s in (a, b, c):
         sch.add(s)
-    out = sch.schedule()
+    out = ran(sch.schedule())  # prefilled, one token sampled each: a and b now need a 2nd block
     assert out.admitted == [a, b, c] and bm.num_free_blocks == 1  # reserving, only a would fit
-    for s in (a, b, c):  # prefilled, one token sampled each: a and b now need a 2nd block
-        s.num_cached = s.num_tokens
-        s.token_ids.append(1)
     out = sch.schedule()  # a grows into the last free block; b cannot: c (newest) is preempted
     assert out.preempted == [c] and out.decode == [a, b] and out.admitted == []
+    assert len(out.preempted_tables["c"]) == 2  # where its KV still is this step (a move on preemption)
+    c.num_cached = 0  # the engine: its KV is gone
     assert sch.waiting[0] is c and c.status == SeqStatus.WAITING
     assert len(bm.block_table("a")) == 2 and len(bm.block_table("b")) == 2 and bm.num_free_blocks == 1
     assert sch.num_preemptions == 1

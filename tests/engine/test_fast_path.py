@@ -49,7 +49,8 @@ def test_float32_fast_path_is_token_identical(arch):
     path = tiny_model(arch)
     fast = engine(path, "on")
     assert fast.runner.fused_step is not None, "the fused step should check out for a Llama-family model"
-    assert fast.runner.fast_path.norm > 0 and fast.runner.fast_path.mlp > 0 and fast.runner.fast_path.attention
+    assert fast.runner.fast_path.norm > 0 and fast.runner.fast_path.mlp > 0
+    assert fast.runner.paged and fast.runner.attn.kernels is not None  # the paged kernel in mixed steps
     assert mixed_batch(fast) == mixed_batch(engine(path, "off"))
 
 
@@ -106,7 +107,7 @@ def test_check_refuses_a_step_that_does_not_reproduce_the_model(qwen3_path):
     assert eng.runner._check_fused_step(step)
     step.layers[1].scale *= 1.5  # a model whose attention scales differently
     assert not eng.runner._check_fused_step(step)
-    assert eng.runner.num_used_slots == 0  # the probe left no slot behind
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks  # the probe holds no block
 
 
 def test_without_kernels_auto_falls_back_and_on_fails(qwen3_path, monkeypatch):
@@ -120,7 +121,8 @@ def test_without_kernels_auto_falls_back_and_on_fails(qwen3_path, monkeypatch):
 
 def test_off_is_plain_transformers(qwen3_path):
     eng = engine(qwen3_path, "off")
-    assert eng.runner.fast_path is None and eng.runner.model.config._attn_implementation == "sdpa"
+    assert eng.runner.fast_path is None and eng.runner.fused_step is None
+    assert eng.runner.model.config._attn_implementation == "keyacc_paged"  # torch's SDPA over the block pool
 
 
 def _random_model(tmp_path, cls: str, **kw) -> str:

@@ -293,8 +293,21 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 inline float sum_squares(const float* a, int64_t n) { return dot(a, a, n); }
 
+// Where key / value row j of one sequence and KV head lives: base + j * sl in a slot buffer, or
+// in the paged pool at block table[j / bs] (block stride bstride), row j % bs of it.
+template <typename T> struct Rows {
+  const T* base;
+  int64_t sl;
+  const int32_t* table = nullptr;
+  int64_t bs = 1, bstride = 0;
+  inline const T* at(int64_t j) const {
+    return table ? base + static_cast<int64_t>(table[j / bs]) * bstride + (j % bs) * sl : base + j * sl;
+  }
+};
+
+// Keys before j0 (a sliding window's start) are skipped like masked ones.
 template <typename T>
-CLONES void attn_one(const T* q, int64_t qsh, const T* k, const T* v, int64_t ksl, int64_t vsl, const T* mask,
+CLONES void attn_one(const T* q, int64_t qsh, Rows<T> k, Rows<T> v, const T* mask, int64_t j0,
                      int64_t L, int64_t G, int64_t D, float scale, T* out, int64_t osh, float* buf) {
   float* qf = buf;            // [G, D]
   float* acc = qf + G * D;    // [G, D]
@@ -304,11 +317,11 @@ CLONES void attn_one(const T* q, int64_t qsh, const T* k, const T* v, int64_t ks
     for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f<T>(q[g * qsh + d]) * scale;
   for (int64_t j = 0; j < L; ++j) {
     const float mj = mask ? to_f<T>(mask[j]) : 0.f;
-    if (mj < -1e30f) {
+    if (mj < -1e30f || j < j0) {
       for (int64_t g = 0; g < G; ++g) s[g * L + j] = -INFINITY;
       continue;
     }
-    const T* kr = k + j * ksl;
+    const T* kr = k.at(j);
     for (int64_t d = 0; d < D; ++d) row[d] = to_f<T>(kr[d]);
     for (int64_t g = 0; g < G; ++g) s[g * L + j] = dot(qf + g * D, row, D) + mj;
   }
@@ -334,7 +347,7 @@ CLONES void attn_one(const T* q, int64_t qsh, const T* k, const T* v, int64_t ks
     bool any = false;
     for (int64_t g = 0; g < G; ++g) any |= s[g * L + j] != 0.f;
     if (!any) continue;
-    const T* vr = v + j * vsl;
+    const T* vr = v.at(j);
     for (int64_t d = 0; d < D; ++d) row[d] = to_f<T>(vr[d]);
     for (int64_t g = 0; g < G; ++g) {
       const float p = s[g * L + j];
@@ -382,7 +395,7 @@ AVX512 inline __m512 vexp16(__m512 x) {  // vexp() lane-wise, same constants
 
 // Requires D % 16 == 0. Same contract as attn_one.
 template <typename T>
-AVX512 void attn_one_avx512(const T* q, int64_t qsh, const T* k, const T* v, int64_t ksl, int64_t vsl, const T* mask,
+AVX512 void attn_one_avx512(const T* q, int64_t qsh, Rows<T> k, Rows<T> v, const T* mask, int64_t j0,
                             int64_t L, int64_t G, int64_t D, float scale, T* out, int64_t osh, float* buf) {
   float* qf = buf;
   float* acc = qf + G * D;
@@ -392,11 +405,11 @@ AVX512 void attn_one_avx512(const T* q, int64_t qsh, const T* k, const T* v, int
     for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(qf + g * D + d, _mm512_mul_ps(load16(q + g * qsh + d), vs));
   for (int64_t j = 0; j < L; ++j) {
     const float mj = mask ? to_f<T>(mask[j]) : 0.f;
-    if (mj < -1e30f) {
+    if (mj < -1e30f || j < j0) {
       for (int64_t g = 0; g < G; ++g) s[g * L + j] = -INFINITY;
       continue;
     }
-    const T* kr = k + j * ksl;
+    const T* kr = k.at(j);
     for (int64_t g = 0; g < G; ++g) {
       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
       int64_t d = 0;
@@ -443,7 +456,7 @@ AVX512 void attn_one_avx512(const T* q, int64_t qsh, const T* k, const T* v, int
     bool any = false;
     for (int64_t g = 0; g < G; ++g) any |= s[g * L + j] != 0.f;
     if (!any) continue;
-    const T* vr = v + j * vsl;
+    const T* vr = v.at(j);
     for (int64_t d = 0; d < D; d += 16) {
       const __m512 vv = load16(vr + d);
       for (int64_t g = 0; g < G; ++g) {
@@ -527,15 +540,85 @@ void attn_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tens
       T* oh = op + (b * H + h * G) * D;
 #if KEYACC_X86
       if (wide) {
-        attn_one_avx512<T>(qh, q.stride(1), kh, vh, k.stride(2), v.stride(2), mrp, L, G, D, static_cast<float>(scale),
-                           oh, D, buf.data());
+        attn_one_avx512<T>(qh, q.stride(1), Rows<T>{kh, k.stride(2)}, Rows<T>{vh, v.stride(2)}, mrp, 0, L, G, D,
+                           static_cast<float>(scale), oh, D, buf.data());
         continue;
       }
 #endif
-      attn_one<T>(qh, q.stride(1), kh, vh, k.stride(2), v.stride(2), mrp, L, G, D, static_cast<float>(scale), oh, D,
-                  buf.data());
+      attn_one<T>(qh, q.stride(1), Rows<T>{kh, k.stride(2)}, Rows<T>{vh, v.stride(2)}, mrp, 0, L, G, D,
+                  static_cast<float>(scale), oh, D, buf.data());
     }
   });
+}
+
+template <typename T>
+void paged_attn_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const int32_t* tables,
+                     int64_t tstride, const int64_t* ctx, int64_t window, double scale, torch::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = k.size(1), bs = k.size(2);
+  const int64_t G = H / Hkv;
+  int64_t Lmax = 0;
+  for (int64_t b = 0; b < B; ++b) Lmax = ctx[b] > Lmax ? ctx[b] : Lmax;
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kp = reinterpret_cast<const T*>(k.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v.data_ptr());
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  const bool wide = have_avx512() && D % 16 == 0;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf(2 * G * D + D + G * Lmax);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / Hkv, h = i % Hkv, L = ctx[b];
+      const int64_t j0 = window > 0 && L > window ? L - window : 0;
+      const T* qh = qp + b * q.stride(0) + h * G * q.stride(1);
+      Rows<T> kr{kp + h * k.stride(1), k.stride(2), tables + b * tstride, bs, k.stride(0)};
+      Rows<T> vr{vp + h * v.stride(1), v.stride(2), tables + b * tstride, bs, v.stride(0)};
+      T* oh = op + (b * H + h * G) * D;
+#if KEYACC_X86
+      if (wide) {
+        attn_one_avx512<T>(qh, q.stride(1), kr, vr, nullptr, j0, L, G, D, static_cast<float>(scale), oh, D, buf.data());
+        continue;
+      }
+#endif
+      attn_one<T>(qh, q.stride(1), kr, vr, nullptr, j0, L, G, D, static_cast<float>(scale), oh, D, buf.data());
+    }
+  });
+}
+
+// q [B, H, 1, D]; k, v one layer's block pool [num_blocks, Hkv, block_size, D]; block_tables
+// [B, max_blocks] int32 (row b's blocks in order); context_lens [B] int64 (keys 0..len-1, the
+// query's own included); window > 0: only the last `window` keys (sliding-window layers).
+// Returns [B, 1, H, D]: rows of mixed lengths, nothing padded, K/V never repeated per head.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, int64_t window, double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "paged_decode_attention: one query token per sequence");
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(0) == v.size(0) && k.size(1) == v.size(1) &&
+                  k.size(2) == v.size(2) && k.size(3) == q.size(3) && v.size(3) == q.size(3),
+              "paged_decode_attention: pool shape");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, "paged_decode_attention: heads not a multiple of KV heads");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "paged_decode_attention: dtypes");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "paged_decode_attention: pool rows must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.dim() == 2 &&
+                  block_tables.size(0) == q.size(0) && block_tables.stride(1) == 1,
+              "paged_decode_attention: block tables");
+  TORCH_CHECK(context_lens.scalar_type() == torch::kInt64 && context_lens.numel() == q.size(0),
+              "paged_decode_attention: context lengths");
+  if (q.stride(3) != 1) q = q.contiguous();
+  context_lens = context_lens.contiguous();
+  const int64_t* ctx = context_lens.data_ptr<int64_t>();
+  const int32_t* tp = block_tables.data_ptr<int32_t>();
+  const int64_t bs = k.size(2), nb = k.size(0);
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    TORCH_CHECK(ctx[b] >= 1 && ctx[b] <= block_tables.size(1) * bs, "paged_decode_attention: context length out of range");
+    for (int64_t j = 0; j < (ctx[b] + bs - 1) / bs; ++j)
+      TORCH_CHECK(tp[b * block_tables.stride(0) + j] >= 0 && tp[b * block_tables.stride(0) + j] < nb,
+                  "paged_decode_attention: block id out of range");
+  }
+  auto out = torch::empty({q.size(0), 1, q.size(1), q.size(3)}, q.options());
+  if (q.scalar_type() == torch::kFloat32)
+    paged_attn_impl<float>(q, k, v, tp, block_tables.stride(0), ctx, window, scale, out);
+  else if (q.scalar_type() == torch::kBFloat16)
+    paged_attn_impl<bf16_t>(q, k, v, tp, block_tables.stride(0), ctx, window, scale, out);
+  else TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16");
+  return out;
 }
 
 // q [B, H, 1, D]; k, v [B, Hkv, L, D]; mask [B or 1, 1, 1, L] additive or none. Returns [B, 1, H, D].
@@ -705,7 +788,8 @@ void head_norm_rope(const T* x, T* out, const T* nw, float eps, const T* cos, co
 template <typename T>
 void rope_cache_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const T* qn, const T* kn,
                      float eps, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& kbuf,
-                     torch::Tensor& vbuf, const int64_t* pos, torch::Tensor& qo, int64_t H, int64_t Hkv, int64_t D) {
+                     torch::Tensor& vbuf, const int64_t* pos, const int64_t* rows, torch::Tensor& qo, int64_t H,
+                     int64_t Hkv, int64_t D) {
   const int64_t B = q.size(0), R = cos.size(-1);
   const T* qp = reinterpret_cast<const T*>(q.data_ptr());
   const T* kp = reinterpret_cast<const T*>(k.data_ptr());
@@ -725,8 +809,9 @@ void rope_cache_impl(const torch::Tensor& q, const torch::Tensor& k, const torch
         head_norm_rope<T>(qp + b * q.stride(0) + h * D, op + (b * H + h) * D, qn, eps, c, sn, R, D, row.data());
       } else {
         const int64_t hk = h - H;
-        T* kd = kb + b * kbuf.stride(0) + hk * kbuf.stride(1) + pos[b] * kbuf.stride(2);
-        T* vd = vb + b * vbuf.stride(0) + hk * vbuf.stride(1) + pos[b] * vbuf.stride(2);
+        const int64_t r = rows ? rows[b] : b;
+        T* kd = kb + r * kbuf.stride(0) + hk * kbuf.stride(1) + pos[b] * kbuf.stride(2);
+        T* vd = vb + r * vbuf.stride(0) + hk * vbuf.stride(1) + pos[b] * vbuf.stride(2);
         head_norm_rope<T>(kp + b * k.stride(0) + hk * D, kd, kn, eps, c, sn, R, D, row.data());
         std::memcpy(vd, vp + b * v.stride(0) + hk * D, D * sizeof(T));
       }
@@ -735,17 +820,19 @@ void rope_cache_impl(const torch::Tensor& q, const torch::Tensor& k, const torch
 }
 
 // q [B, H*D], k and v [B, Hkv*D] (rows contiguous); cos, sin [B, R]; kbuf, vbuf one layer's slot
-// buffers [S, Hkv, max_len, D]; pos [B] int64. Writes k (normed, rotated) and v at each row's
-// position in slot b; returns q normed and rotated as [B, H, 1, D].
+// buffers [S, Hkv, max_len, D] (or its block pool [num_blocks, Hkv, block_size, D]); pos [B] int64;
+// rows [B] int64 or none. Writes k (normed, rotated) and v at each row's position in slot (or
+// block) rows[b] (b without rows); returns q normed and rotated as [B, H, 1, D].
 torch::Tensor rope_kv_write(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> q_norm,
                             c10::optional<torch::Tensor> k_norm, double eps, torch::Tensor cos, torch::Tensor sin,
-                            torch::Tensor kbuf, torch::Tensor vbuf, torch::Tensor pos) {
+                            torch::Tensor kbuf, torch::Tensor vbuf, torch::Tensor pos, c10::optional<torch::Tensor> rows) {
   const int64_t B = q.size(0), D = kbuf.size(3), Hkv = kbuf.size(1), H = q.size(1) / D;
   TORCH_CHECK(q.dim() == 2 && k.dim() == 2 && v.dim() == 2 && k.size(1) == Hkv * D && v.size(1) == Hkv * D &&
                   q.size(1) == H * D && k.size(0) == B && v.size(0) == B,
               "rope_kv_write: q/k/v shapes");
   TORCH_CHECK(q.stride(1) == 1 && k.stride(1) == 1 && v.stride(1) == 1, "rope_kv_write: rows must be contiguous");
-  TORCH_CHECK(kbuf.dim() == 4 && kbuf.stride(3) == 1 && vbuf.stride(3) == 1 && kbuf.size(0) >= B, "rope_kv_write: buffers");
+  TORCH_CHECK(kbuf.dim() == 4 && kbuf.stride(3) == 1 && vbuf.stride(3) == 1 &&
+                  (kbuf.size(0) >= B || (rows.has_value() && rows->defined())), "rope_kv_write: buffers");
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == B && cos.size(1) <= D && cos.size(1) % 2 == 0 && cos.stride(1) == 1 &&
                   sin.sizes() == cos.sizes() && sin.stride(1) == 1,
               "rope_kv_write: cos/sin");
@@ -753,6 +840,14 @@ torch::Tensor rope_kv_write(torch::Tensor q, torch::Tensor k, torch::Tensor v, c
   pos = pos.contiguous();
   const int64_t* pp = pos.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(pp[b] >= 0 && pp[b] < kbuf.size(2), "rope_kv_write: position out of range");
+  torch::Tensor rt;
+  const int64_t* rp = nullptr;
+  if (rows.has_value() && rows->defined()) {
+    TORCH_CHECK(rows->scalar_type() == torch::kInt64 && rows->numel() == B, "rope_kv_write: rows");
+    rt = rows->contiguous();
+    rp = rt.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) TORCH_CHECK(rp[b] >= 0 && rp[b] < kbuf.size(0), "rope_kv_write: row out of range");
+  }
   auto st = q.scalar_type();
   TORCH_CHECK(k.scalar_type() == st && v.scalar_type() == st && kbuf.scalar_type() == st && cos.scalar_type() == st,
               "rope_kv_write: dtypes");
@@ -762,10 +857,10 @@ torch::Tensor rope_kv_write(torch::Tensor q, torch::Tensor k, torch::Tensor v, c
   };
   if (st == torch::kFloat32)
     rope_cache_impl<float>(q, k, v, (const float*)nptr(q_norm), (const float*)nptr(k_norm), static_cast<float>(eps), cos,
-                           sin, kbuf, vbuf, pp, qo, H, Hkv, D);
+                           sin, kbuf, vbuf, pp, rp, qo, H, Hkv, D);
   else if (st == torch::kBFloat16)
     rope_cache_impl<bf16_t>(q, k, v, (const bf16_t*)nptr(q_norm), (const bf16_t*)nptr(k_norm), static_cast<float>(eps),
-                            cos, sin, kbuf, vbuf, pp, qo, H, Hkv, D);
+                            cos, sin, kbuf, vbuf, pp, rp, qo, H, Hkv, D);
   else TORCH_CHECK(false, "rope_kv_write: float32 or bfloat16");
   return qo;
 }
@@ -783,6 +878,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "Llama-family RMSNorm");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up over a fused gate|up tensor");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; return RMSNorm(residual)");
-  m.def("rope_kv_write", &rope_kv_write, "per-head norm + rotary for q and k, k/v written into the slot cache");
+  m.def("rope_kv_write", &rope_kv_write, "per-head norm + rotary for q and k, k/v written into the slot cache",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("cos"),
+        py::arg("sin"), py::arg("kbuf"), py::arg("vbuf"), py::arg("pos"), py::arg("rows") = py::none());
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "one-token attention over a paged KV block pool through block tables, GQA without repeat, mixed lengths");
   m.def("isa", &isa, "the linear kernel variant this CPU runs");
 }

@@ -1,0 +1,80 @@
+"""Paged KV and chunked prefill: a step's prompts (whole or in chunks) and decode rows run as one
+packed forward over the block pool, with the same tokens as transformers' generate() for each
+prompt alone, on every architecture, sliding windows included."""
+import pytest
+
+from keyacc_ray.config import EngineConfig
+from keyacc_ray.engine.llm_engine import LLMEngine
+from keyacc_ray.engine.request import SamplingParams
+from tests.engine.test_fast_path import _random_model
+from tests.helpers import hf_greedy
+
+
+def _run(path: str, prompts: list[list[int]], n: int, **cfg):
+    """Outputs, and per forward the (number of new tokens, cached before) of each item."""
+    cfg = {"max_num_seqs": 16, "dtype": "float32", **cfg}
+    eng = LLMEngine(EngineConfig(model=path, **cfg))
+    calls = []
+    real = eng.runner.forward
+    eng.runner.forward = lambda items: calls.append([(len(i.tokens), i.start) for i in items]) or real(items)
+    outs = eng.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    return eng, outs, calls
+
+
+@pytest.mark.parametrize("arch_fixture", ["qwen3_path", "llama_path", "qwen2_path", "mistral_path"])
+def test_prompts_prefill_in_one_packed_forward(arch_fixture, request):
+    path = request.getfixturevalue(arch_fixture)
+    prompts = [[(31 * i + 7 * k) % 400 + 10 for k in range(17 + i)] for i in range(8)]
+    eng, outs, calls = _run(path, prompts, 12)
+    assert eng.runner.paged  # the load probe found the paged attention agrees with the model's own
+    assert calls[0] == [(17 + i, 0) for i in range(8)]  # all eight prompts, unpadded, one forward
+    for p, out in zip(prompts, outs):
+        assert out == hf_greedy(path, p, 12)
+
+
+@pytest.mark.parametrize("arch_fixture", ["qwen3_path", "llama_path"])
+@pytest.mark.parametrize("kernels", ["off", "auto"])
+def test_chunked_prefill_mixes_with_decodes_like_generate(arch_fixture, kernels, request):
+    path = request.getfixturevalue(arch_fixture)
+    # a 7-token budget: the 40-token prompt goes in chunks of what is left beside the others,
+    # chunk boundaries falling inside and across 4-token blocks
+    prompts = [[(13 * k + 5) % 300 + 3 for k in range(40)], [9, 8, 7], [(5 * k) % 200 + 1 for k in range(11)]]
+    eng, outs, calls = _run(path, prompts, 10, max_prefill_tokens=7, kv_block_size=4, cpu_kernels=kernels)
+    assert calls[0] == [(7, 0)]
+    assert any(any(n == 1 and start > 0 for n, start in c) and any(n > 1 and start > 0 for n, start in c)
+               for c in calls)  # a chunk that attends over cached blocks, beside decode rows
+    assert max(sum(n for n, start in c if not (n == 1 and start > 0)) for c in calls) <= 7
+    for p, out in zip(prompts, outs):
+        assert out == hf_greedy(path, p, 10)
+
+
+@pytest.mark.parametrize("cls,kw", [
+    # a sliding window shorter than the prompts, on alternate layers (layer_types)
+    ("Qwen3Config", {"head_dim": 16, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8,
+                     "use_sliding_window": True}),
+    ("MistralConfig", {"head_dim": 16, "sliding_window": 6}),
+    ("GemmaConfig", {"head_dim": 16}),
+])
+@pytest.mark.parametrize("chunk", [4096, 5])
+def test_paged_and_chunked_other_architectures(tmp_path, cls, kw, chunk):
+    path = _random_model(tmp_path, cls, **kw)
+    prompts = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((14, 12, 13, 11))]
+    eng, outs, calls = _run(path, prompts, 16, max_prefill_tokens=chunk, kv_block_size=4)
+    assert eng.runner.paged
+    for p, out in zip(prompts, outs):
+        assert out == hf_greedy(path, p, 16)
+
+
+def test_off_prefills_one_forward_each(qwen3_path):
+    prompts = [[10 + k for k in range(20)], [20 + k for k in range(19)]]
+    eng, outs, calls = _run(qwen3_path, prompts, 6, batched_prefill=False)
+    assert calls[:2] == [[(20, 0)], [(19, 0)]]
+    assert outs == [hf_greedy(qwen3_path, p, 6) for p in prompts]
+
+
+def test_gathered_fallback_decodes_like_generate(qwen3_path):
+    """paged_attention off: the model's own attention over KV gathered from the blocks."""
+    prompts = [[(7 * k) % 250 + 2 for k in range(30)], [4, 5, 6, 7]]
+    eng, outs, calls = _run(qwen3_path, prompts, 8, paged_attention="off", max_prefill_tokens=9, kv_block_size=4)
+    assert not eng.runner.paged
+    assert outs == [hf_greedy(qwen3_path, p, 8) for p in prompts]
