@@ -227,7 +227,8 @@ class LLMEngine:
     def _sample(self, logits, seqs: list[Sequence]) -> list[tuple[int, tuple | None]]:
         """One token per row, with its logprobs where the request asked for them."""
         ids = self.sampler.sample(logits, [s.request_id for s in seqs], [s.params for s in seqs],
-                                  lambda i: (seqs[i].token_ids, seqs[i].num_prompt_tokens, self.eos_ids))
+                                  lambda i: (seqs[i].token_ids, seqs[i].num_prompt_tokens, self.eos_ids),
+                                  positions=[s.num_tokens for s in seqs])
         lps: list = [None] * len(seqs)
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if want:

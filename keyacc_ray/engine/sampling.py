@@ -1,6 +1,19 @@
-"""Token sampling. Greedy rows take a batched argmax; sampled rows each use their own CPU
-generator, so a seeded request draws the same tokens whatever else is in the batch and on
-whichever device its logits were computed; the generator state travels in a KV package."""
+"""Token sampling, the whole batch at once.
+
+Greedy rows take one batched argmax. Sampled rows go through a few batched tensor ops on the
+logits' device: temperature; top-k (ties with the k-th value kept, as vLLM) on the candidates of
+one batched top-k; min-p; top-p on the candidates in descending order (rows with top-p and no
+top-k take the 256 likeliest tokens, and widen only where those hold less than top-p); then one
+uniform draw per row inverted through the cumulative distribution of the candidates in token-id
+order. One device-to-host copy of the sampled ids per step. Rows with penalties, a logit bias or
+min_tokens have their logits processed row by row first (opt-in features).
+
+The draw (the rule since the paged engine): the uniform number for a token is a hash of the
+request's seed and the token's position in the sequence (splitmix64), not the state of a
+generator. So a seeded request draws the same tokens whatever else is in the batch, on any
+device, after any hand-off or recomputation: nothing but the seed travels in a KV package.
+Unseeded requests get a random seed when they arrive.
+"""
 from __future__ import annotations
 
 import random
@@ -10,26 +23,47 @@ import torch
 
 from keyacc_ray.engine.request import SamplingParams
 
+CANDIDATES = 256  # tokens taken for a top-p row without top-k before widening
+
+_M1, _M2, _GOLD = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer over uint64 arrays (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = x + _GOLD
+        x = (x ^ (x >> np.uint64(30))) * _M1
+        x = (x ^ (x >> np.uint64(27))) * _M2
+        return x ^ (x >> np.uint64(31))
+
+
+def uniforms(seeds: list[int], positions: list[int]) -> np.ndarray:
+    """One uniform number in [0, 1) per (seed, position): the draw for that token."""
+    s = np.array([x % 2**64 for x in seeds], dtype=np.uint64)
+    p = np.array(positions, dtype=np.uint64)
+    return (_mix(_mix(s) ^ p) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
 
 class Sampler:
     def __init__(self):
-        self._gens: dict[str, torch.Generator] = {}
+        self._seeds: dict[str, int] = {}
+        self._drawn: dict[str, int] = {}  # draws so far, for callers that give no positions
         # request id -> (history length covered, its distinct token ids, them as a tensor): kept up
         # to date as the history grows, for the repetition penalty (rebuilt from the whole
         # history every step, it cost about 0.6 ms a row at 1000 tokens)
         self._seen: dict[str, tuple[int, set, torch.Tensor]] = {}
 
     def add(self, request_id: str, params: SamplingParams, state: np.ndarray | None = None) -> None:
-        g = torch.Generator(device="cpu")
-        if state is not None:
-            g.set_state(torch.tensor(np.asarray(state, dtype=np.uint8)))  # a copy: object-store views are read-only
+        if state is not None:  # from a KV package: the seed the request has drawn with so far
+            seed = int(np.asarray(state, dtype=np.uint64).reshape(-1)[0])
         else:
             seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(63)
-            g.manual_seed(seed % 2**64)
-        self._gens[request_id] = g
+        self._seeds[request_id] = seed % 2**64
+        self._drawn[request_id] = 0
 
     def remove(self, request_id: str) -> None:
-        self._gens.pop(request_id, None)
+        self._seeds.pop(request_id, None)
+        self._drawn.pop(request_id, None)
         self._seen.pop(request_id, None)
 
     def _distinct(self, request_id: str, tokens: list[int], device) -> torch.Tensor:
@@ -45,25 +79,34 @@ class Sampler:
         return t
 
     def state(self, request_id: str) -> np.ndarray:
-        return self._gens[request_id].get_state().numpy().copy()
+        return np.array([self._seeds[request_id]], dtype=np.uint64)
 
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
-               history=None) -> list[int]:
+               history=None, positions: list[int] | None = None) -> list[int]:
         """logits: [B, vocab] on any device; returns one token id per row. `history(row)` gives a
         row's (token ids so far, number of prompt tokens, end-of-sequence ids), read only for rows
-        whose logits are processed (penalties, logit bias, min_tokens)."""
-        out = logits.argmax(dim=-1).tolist()
-        for i, p in enumerate(params):
-            row = logits[i]
-            if p.processes_logits:
+        whose logits are processed (penalties, logit bias, min_tokens). `positions`: each row's
+        new token's position in its sequence (what its draw is keyed by); without them, the
+        number of draws the request has made here."""
+        proc = [i for i, p in enumerate(params) if p.processes_logits]
+        if proc:
+            logits = logits.clone() if logits.dtype == torch.float32 else logits.float()
+            for i in proc:
                 tokens, num_prompt, eos_ids = history(i)
-                seen = self._distinct(request_ids[i], tokens, row.device) if p.repetition_penalty != 1.0 else None
-                row = process_logits(row.float(), tokens, num_prompt, p, eos_ids, seen)
-                if p.greedy:
-                    out[i] = int(row.argmax())
-            if not p.greedy:
-                out[i] = self._sample_row(row.float(), p, self._gens[request_ids[i]])
-        return out
+                p = params[i]
+                seen = self._distinct(request_ids[i], tokens, logits.device) if p.repetition_penalty != 1.0 else None
+                logits[i] = process_logits(logits[i].float(), tokens, num_prompt, p, eos_ids, seen)
+        out = logits.argmax(dim=-1)
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            if positions is None:
+                positions = [self._drawn[r] for r in request_ids]
+            u = uniforms([self._seeds[request_ids[i]] for i in rows], [positions[i] for i in rows])
+            out[torch.tensor(rows, device=out.device)] = sample_rows(logits[rows].float(), [params[i] for i in rows], u)
+        for r in request_ids:
+            if r in self._drawn:
+                self._drawn[r] += 1
+        return out.tolist()
 
     @staticmethod
     def logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int], ranks: bool = False) -> list[tuple]:
@@ -81,45 +124,94 @@ class Sampler:
             out = [(*e, rank[r]) for r, e in enumerate(out)]
         return out
 
-    @staticmethod
-    def _sample_row(row: torch.Tensor, p: SamplingParams, g: torch.Generator) -> int:
-        """One token from a row of logits (any device): temperature, top-k, min-p, top-p, then one
-        uniform draw from the request's own generator on CPU, inverted through the cumulative
-        distribution (torch.multinomial and a full sort each cost tens of milliseconds on a
-        150k-token vocabulary on CPU; this costs well under one). Only candidates are carried:
-        with top-k, the tokens scoring at least the k-th (ties kept, in token-id order, so the
-        draw is the same on any device); with top-p, the most likely tokens up to its mass."""
-        ids = None  # token id of each candidate; None: every token, in order
-        if p.top_k and 0 < p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            ids = torch.nonzero(row >= kth).flatten()
-            row, ids = row[ids], ids.cpu()
-        probs = torch.softmax(row.cpu() / p.temperature, dim=-1)
-        if p.min_p > 0.0:  # relative to the most likely token, after temperature and top-k (as vLLM)
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-            probs = probs / probs.sum()
-        if p.top_p < 1.0:
-            top, order = _top_mass(probs, p.top_p)
-            keep = torch.cumsum(top, dim=-1) - top < p.top_p
-            keep[0] = True
-            probs, order = top[keep], order[keep]
-            ids = order if ids is None else ids[order]
-        cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
-        u = torch.rand((), generator=g, dtype=torch.float64) * cdf[-1]
-        choice = min(int(torch.searchsorted(cdf, u, right=True)), probs.numel() - 1)
-        return choice if ids is None else int(ids[choice])
 
 
-def _top_mass(probs: torch.Tensor, mass: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The most likely entries of `probs`, in descending order (values, indices), enough of them
-    to hold at least `mass` (all of them if need be): a top-k that widens, instead of sorting a
-    whole vocabulary for the few hundred tokens that usually hold the mass."""
-    k = min(probs.numel(), 256)
-    while True:
-        top, order = torch.topk(probs, k)
-        if k == probs.numel() or float(top.sum()) >= mass:
-            return top, order
-        k = min(probs.numel(), k * 8)
+def sample_rows(x: torch.Tensor, params: list[SamplingParams], u: np.ndarray) -> torch.Tensor:
+    """Sampled token ids [rows] (on x's device) for float logits x [rows, vocab], one uniform
+    draw per row, in vLLM's order: temperature, top-k, min-p, top-p. Batched: no per-row host
+    work but for the rare row whose candidates must widen to the whole vocabulary."""
+    dev, (n, vocab) = x.device, x.shape
+    x = x / torch.tensor([p.temperature for p in params], dtype=x.dtype, device=dev)[:, None]
+    out = torch.empty(n, dtype=torch.long, device=dev)
+    plain = [i for i, p in enumerate(params) if not _top_k(p, vocab) and p.top_p >= 1.0]
+    if plain:  # no filter but min-p: the whole vocabulary, in token-id order
+        probs = _min_p(torch.softmax(x[plain], dim=-1), [params[i].min_p for i in plain])
+        out[plain] = _draw(probs, None, u[plain])
+    part = [i for i in range(n) if i not in set(plain)]
+    if part:
+        probs, ids = _candidates(x[part], [params[i] for i in part])
+        tp = torch.tensor([params[i].top_p for i in part], dtype=probs.dtype, device=dev)
+        keep = torch.cumsum(probs, dim=-1) - probs < tp[:, None]  # candidates in descending order
+        keep[:, 0] = True
+        ids, order = torch.sort(ids, dim=-1)  # the draw walks them in token-id order
+        out[part] = _draw((probs * keep).gather(1, order), ids, u[part])
+    return out
+
+
+def _top_k(p: SamplingParams, vocab: int) -> int:
+    return p.top_k if p.top_k and 0 < p.top_k < vocab else 0
+
+
+def _min_p(probs: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Tokens less likely than min_p x the row's most likely one ruled out (not renormalised)."""
+    if not any(min_p):
+        return probs
+    mp = torch.tensor(min_p, dtype=probs.dtype, device=probs.device)
+    return probs.masked_fill(probs < mp[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+
+
+def _normalised(probs: torch.Tensor) -> torch.Tensor:
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _draw(probs: torch.Tensor, ids: torch.Tensor | None, u: np.ndarray) -> torch.Tensor:
+    """Inverse CDF: the first candidate whose cumulative mass passes u x the row's total (never
+    one of probability 0: the CDF does not rise there)."""
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    target = torch.from_numpy(np.ascontiguousarray(u)).to(probs.device)[:, None] * cdf[:, -1:]
+    choice = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
+    return choice[:, 0] if ids is None else ids.gather(1, choice)[:, 0]
+
+
+def _candidates(x: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row the tokens that may be drawn, likeliest first, with their probabilities after
+    min-p: [rows, C] each (a row's unused places have probability 0). Top-k rows: the k best
+    (ties with the k-th kept), renormalised among themselves (vLLM's order); top-p rows without
+    top-k: the likeliest tokens of the whole distribution, enough to hold the mass (256 first,
+    the whole vocabulary where those hold less)."""
+    n, vocab = x.shape
+    dev = x.device
+    kr = [i for i, p in enumerate(params) if _top_k(p, vocab)]
+    pr = [i for i, p in enumerate(params) if not _top_k(p, vocab)]
+    parts = []
+    if kr:
+        kt = torch.tensor([_top_k(params[i], vocab) for i in kr], device=dev)
+        xk = x[kr]
+        width = min(vocab, int(kt.max()) + 8)
+        vals, ids = torch.topk(xk, width, dim=-1)
+        kth = vals.gather(1, (kt - 1)[:, None])
+        if width < vocab and bool((vals[:, -1:] >= kth).any()):  # ties with the k-th past those taken
+            vals, ids = torch.sort(xk, dim=-1, descending=True)
+        probs = torch.softmax(vals.masked_fill(vals < kth, float("-inf")), dim=-1)
+        parts.append((kr, _normalised(_min_p(probs, [params[i].min_p for i in kr])), ids))
+    if pr:
+        full = _min_p(torch.softmax(x[pr], dim=-1), [params[i].min_p for i in pr])
+        full = _normalised(full)
+        probs, ids = torch.topk(full, min(vocab, CANDIDATES), dim=-1)
+        need = torch.tensor([params[i].top_p for i in pr], dtype=probs.dtype, device=dev)
+        if probs.shape[1] < vocab and bool((probs.sum(dim=-1) < need).any()):
+            probs, ids = torch.sort(full, dim=-1, descending=True)
+        parts.append((pr, probs, ids))
+    if len(parts) == 1:
+        return parts[0][1], parts[0][2]
+    width = max(p[1].shape[1] for p in parts)
+    probs = torch.zeros((n, width), dtype=x.dtype, device=dev)
+    ids = torch.zeros((n, width), dtype=torch.long, device=dev)
+    for rows, p, i in parts:
+        r = torch.tensor(rows, device=dev)
+        probs[r, :p.shape[1]] = p
+        ids[r, :i.shape[1]] = i
+    return probs, ids
 
 
 def process_logits(row: torch.Tensor, token_ids: list[int], num_prompt: int, p: SamplingParams,

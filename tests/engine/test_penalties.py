@@ -215,3 +215,40 @@ def test_distinct_ids_follow_a_growing_history():
     assert sorted(s._distinct("r", [7, 7], "cpu").tolist()) == [7]  # shorter: another history
     s.remove("r")
     assert "r" not in s._seen
+
+
+def test_a_batch_of_mixed_filters_draws_what_each_row_draws_alone():
+    """The batched sampler: rows with top-k, top-p, min-p, several at once, none, and greedy, in one
+    call, draw the same tokens as each row sampled alone; the draw is keyed by (seed, position)."""
+    from keyacc_ray.engine.sampling import Sampler, uniforms
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 3000, generator=g) * 3
+    kws = [dict(top_k=5), dict(top_p=0.9), dict(min_p=0.05), dict(top_k=40, top_p=0.8, min_p=0.01), {},
+           dict(temperature=0.0), dict(top_p=0.999999)]  # the last widens past 256 candidates
+    params = [SamplingParams(**{"temperature": 0.7, "seed": 11 + i, **kw}).validate() for i, kw in enumerate(kws)]
+    s = Sampler()
+    for i, p in enumerate(params):
+        s.add(f"r{i}", p)
+    positions = [40 + i for i in range(7)]
+    batch = s.sample(logits, [f"r{i}" for i in range(7)], params, positions=positions)
+    alone = [s.sample(logits[i:i + 1], [f"r{i}"], [params[i]], positions=[positions[i]])[0] for i in range(7)]
+    assert batch == alone and batch[5] == int(logits[5].argmax())
+    again = s.sample(logits, [f"r{i}" for i in range(7)], params, positions=[p + 1 for p in positions])
+    assert again != batch  # the next position draws again
+    assert uniforms([11], [40]) == uniforms([11], [40]) and uniforms([11], [40]) != uniforms([12], [40])
+    assert s.state("r0").tolist() == [11]  # all a KV package carries of the sampler
+
+
+def test_a_seeded_request_draws_the_same_tokens_after_recomputation(qwen3_path):
+    """Preempted (lazy KV, recomputed later) or not, a seeded sampled request gets the same tokens:
+    draws are keyed by position, not by a generator's state."""
+    from keyacc_ray.config import EngineConfig
+    from keyacc_ray.engine.llm_engine import LLMEngine
+
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=21, ignore_eos=True)
+    ref = LLMEngine(EngineConfig(model=qwen3_path)).generate([list(range(3, 23))], params)[0]
+    tight = LLMEngine(EngineConfig(model=qwen3_path, kv_block_size=4, num_kv_blocks=14, max_num_seqs=4))
+    outs = tight.generate([list(range(3, 23))] + [list(range(50, 60))] * 2, params)
+    assert tight.scheduler.num_preemptions > 0
+    assert outs[0] == ref

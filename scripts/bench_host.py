@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""The engine's host work per decode step, and how many long sequences the paged KV holds.
+
+- `host_ms_b{1,64,256}_{greedy,qwen3,topp}`: per decode step, everything but the model forward
+  (scheduling, inputs, sampling, postprocessing, detokenization), at batch 1, 64 and 256 on the
+  tiny model: greedy; Qwen3's default sampling (temperature 0.6, top-k 20, top-p 0.95); top-p
+  0.95 alone. The forward is timed by wrapping the runner's forward methods (whatever this
+  version of the engine has: `forward`, or the older `decode` / `extend` / `prefill`), so the
+  same script measures an older commit too. Median over the measured steps.
+- `paged_seqs_ratio`: max_model_len 32768 and a KV budget of 65,536 tokens; sequences of 2,000
+  tokens (1,990-token prompts, 10 new tokens); the most running at once while each holds at
+  least 1,990 tokens, over 32 (what the budget holds for the tokens in use).
+
+    python scripts/bench_host.py --model models/tiny-qwen3      # prints a table, then one JSON line
+bench_engine.py runs the same functions and adds the keys to its JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from keyacc_ray.config import EngineConfig  # noqa: E402
+from keyacc_ray.engine.llm_engine import LLMEngine  # noqa: E402
+from keyacc_ray.engine.request import SamplingParams  # noqa: E402
+
+MODES = {
+    "greedy": dict(temperature=0.0),
+    "qwen3": dict(temperature=0.6, top_k=20, top_p=0.95),
+    "topp": dict(temperature=1.0, top_p=0.95),
+}
+FORWARDS = ("forward", "decode", "extend", "prefill")
+
+
+def _time_forwards(runner) -> list[float]:
+    """Wrap the runner's forward methods; returns the list their durations (s) are added to."""
+    spent = [0.0]
+    for name in FORWARDS:
+        fn = getattr(runner, name, None)
+        if fn is None:
+            continue
+
+        def timed(*a, _fn=fn, **k):
+            t = time.perf_counter()
+            out = _fn(*a, **k)
+            if isinstance(out, torch.Tensor) and out.is_cuda:
+                torch.cuda.synchronize()
+            spent[0] += time.perf_counter() - t
+            return out
+
+        setattr(runner, name, timed)
+    return spent
+
+
+def host_ms(engine: LLMEngine, batch: int, mode: str, steps: int, rng: random.Random) -> float:
+    vocab = engine.runner.vocab_size
+    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, seed=1, **MODES[mode])
+    for i in range(batch):
+        engine.add_request(f"h{mode}{batch}-{i}", [rng.randrange(vocab) for _ in range(32)], params)
+    spent = _time_forwards(engine.runner)
+    while engine.scheduler.num_waiting or any(s.num_cached == 0 for s in engine.seqs.values()):
+        engine.step()  # prefill every prompt first
+    host = []
+    for _ in range(steps):
+        spent[0] = 0.0
+        t = time.perf_counter()
+        engine.step()
+        host.append((time.perf_counter() - t - spent[0]) * 1e3)
+    for rid in list(engine.seqs):
+        engine.abort(rid)
+    for name in FORWARDS:  # unwrap
+        engine.runner.__dict__.pop(name, None)
+    return statistics.median(host)
+
+
+def bench_host(model: str, steps: int = 20, dtype: str = "float32") -> dict:
+    rng = random.Random(0)
+    eng = LLMEngine(EngineConfig(model=model, dtype=dtype, max_num_seqs=256, max_model_len=256,
+                                 num_kv_blocks=256 * 64 // 16, cpu_kernels="off"))
+    res = {}
+    for b in (1, 64, 256):
+        for mode in MODES:
+            res[f"host_ms_b{b}_{mode}"] = round(host_ms(eng, b, mode, steps, rng), 3)
+    return res
+
+
+def paged_seqs_ratio(model: str, dtype: str = "float32") -> dict:
+    """See the module docstring. A copy of the model's config with a 32k context (the tiny models
+    have 1024 positions; only the context limit changes)."""
+    tmp = tempfile.mkdtemp(prefix="keyacc-paged-")
+    try:
+        for f in os.listdir(model):
+            shutil.copy(os.path.join(model, f), tmp)
+        cfg = json.load(open(os.path.join(tmp, "config.json")))
+        cfg["max_position_embeddings"] = 32768
+        json.dump(cfg, open(os.path.join(tmp, "config.json"), "w"))
+        eng = LLMEngine(EngineConfig(model=tmp, dtype=dtype, max_num_seqs=64, max_model_len=32768,
+                                     num_kv_blocks=65536 // 16, cpu_kernels="off"))
+        rng = random.Random(1)
+        vocab = eng.runner.vocab_size
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        for i in range(40):
+            eng.add_request(f"p{i}", [rng.randrange(vocab) for _ in range(1990)], params)
+        most = 0
+        while eng.has_unfinished():
+            eng.step()
+            full = sum(1 for s in eng.scheduler.running if s.num_cached >= 1990)
+            most = max(most, full)
+        return {"paged_seqs_at_once": most, "paged_seqs_ratio": round(most / 32, 3)}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="models/tiny-qwen3")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip-paged", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    res = bench_host(args.model, args.steps)
+    if not args.skip_paged:
+        res.update(paged_seqs_ratio(args.model))
+    width = max(map(len, res))
+    for k, v in res.items():
+        print(f"{k:<{width}}  {v}")
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
