@@ -12,7 +12,7 @@ from keyacc_ray.policies.stage_offload import decode_placement
 DEFAULTS = {
     "gpu_queue_high": 2, "gpu_queue_safe": 1, "gpu_queue_overflow": 24, "prefill_queue_high": 2, "prefill_queue_safe": 1,
     "cpu_queue_high": 4, "cpu_queue_safe": 1, "trigger_window_s": 0.5, "return_window_s": 2.0,
-    "decode_period_tokens": 16, "min_gpu_free_bytes": 1 << 30,
+    "decode_period_tokens": 16,
     # requests queued on the CPU pool start over on the GPU when it has places first (off: on this
     # box's closed-loop bench it raised full_offload's p99 TTFT at 40 clients, docs/benchmarks.md)
     "recall_queued": False,

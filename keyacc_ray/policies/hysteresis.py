@@ -69,12 +69,12 @@ def gate(options: dict, prefix: str) -> PoolGate:
                     options["trigger_window_s"], options["return_window_s"])
 
 
-def fits(req: RequestView, pool: PoolLoad, load: LoadView, min_gpu_free_bytes: int) -> bool:
-    """The memory check before work moves onto a GPU replica: free KV blocks for the request's
-    prompt plus all it may still generate, and (where pynvml sees a GPU) free device memory."""
-    if not pool.known or pool.free_blocks < pool.blocks_for(req.total_tokens):
-        return False
-    return load.gpu_mem_free_bytes is None or load.gpu_mem_free_bytes >= min_gpu_free_bytes
+def fits(req: RequestView, pool: PoolLoad) -> bool:
+    """The memory check before work moves onto a GPU replica: its engine's free KV blocks (the
+    block pool is the memory: a paged engine preallocates it, so device free memory from pynvml
+    does not move with load and says nothing here) hold the request's prompt plus all it may
+    still generate."""
+    return pool.known and pool.free_blocks >= pool.blocks_for(req.total_tokens)
 
 
 def return_decision(policy: Policy, gate: PoolGate, req: RequestView, load: LoadView) -> str:
@@ -83,7 +83,7 @@ def return_decision(policy: Policy, gate: PoolGate, req: RequestView, load: Load
     policy.observe(load)
     if gate.overloaded:
         return "cpu"
-    if not fits(req, load.gpu_decode, load, policy.options["min_gpu_free_bytes"]):
+    if not fits(req, load.gpu_decode):
         policy.count("moves_refused_memory")
         return "cpu"
     return "gpu"
@@ -122,7 +122,7 @@ def gpu_places(policy: Policy, req: RequestView, load: LoadView) -> int:
     if batch is None or load.gpu_queue > 0:
         return 0
     places = batch - load.gpu_prefill.inflight - load.gpu_decode.inflight
-    if places <= 0 or not fits(req, load.gpu_decode, load, policy.options["min_gpu_free_bytes"]):
+    if places <= 0 or not fits(req, load.gpu_decode):
         return 0
     return places
 

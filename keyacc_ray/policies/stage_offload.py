@@ -17,7 +17,7 @@ def decode_placement(policy: Policy, gate: PoolGate, req: RequestView, load: Loa
     if gate.overloaded:
         policy.count("decode_offloaded_load")
         return "cpu"
-    if load.gpu_decode.known and not fits(req, load.gpu_decode, load, policy.options["min_gpu_free_bytes"]):
+    if load.gpu_decode.known and not fits(req, load.gpu_decode):
         policy.count("decode_offloaded_memory")
         return "cpu"
     return "gpu"
@@ -25,7 +25,7 @@ def decode_placement(policy: Policy, gate: PoolGate, req: RequestView, load: Loa
 
 DEFAULTS = {
     "gpu_queue_high": 1, "gpu_queue_safe": 1, "trigger_window_s": 0.5, "return_window_s": 2.0,
-    "decode_period_tokens": 16, "min_gpu_free_bytes": 1 << 30, "cpu_queue_high": 4,
+    "decode_period_tokens": 16, "cpu_queue_high": 4,
 }
 
 
