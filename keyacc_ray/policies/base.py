@@ -89,11 +89,12 @@ class LoadView:
     gpu_prefill: PoolLoad = field(default_factory=PoolLoad)
     gpu_decode: PoolLoad = field(default_factory=PoolLoad)
     cpu: PoolLoad = field(default_factory=PoolLoad)
-    gpu_mem_free_bytes: int | None = None  # pynvml, where a GPU exists
+    gpu_mem_free_bytes: int | None = None  # pynvml, where a GPU exists (a monitor figure)
+    colocated: bool = False  # one GPU engine serves both phases: gpu_prefill is gpu_decode's load
 
     @property
     def gpu_queue(self) -> int:
-        return self.gpu_prefill.queue + self.gpu_decode.queue
+        return self.gpu_decode.queue if self.colocated else self.gpu_prefill.queue + self.gpu_decode.queue
 
 
 class Policy:
@@ -128,6 +129,11 @@ class Policy:
     def after_prefill(self, req: RequestView, load: LoadView) -> str:
         """After a GPU prefill (of a request routed "gpu"): where its decode runs, "gpu" or "cpu"."""
         return "gpu"
+
+    def decides_after_prefill(self) -> bool:
+        """Whether `after_prefill` may answer anything but "gpu": where one GPU engine serves both
+        phases it is then asked once, after the first token; otherwise the request decodes on."""
+        return type(self).after_prefill is not Policy.after_prefill
 
     def decode_period_tokens(self) -> int | None:
         """Tokens per CPU decode period (None: no periods, the decode never moves back)."""

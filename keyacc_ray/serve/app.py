@@ -86,7 +86,7 @@ class PoolConfig:
     kv_allocation: str = "lazy"  # KV blocks as sequences grow (preempting the newest), or "reserve" up front
     num_threads: int | None = 1
     num_cpus: float = 0.5
-    num_gpus: float | None = None  # None: 0.5 per GPU replica when the cluster has GPUs
+    num_gpus: float | None = None  # None: a whole GPU per GPU engine replica when the cluster has GPUs
     # Queue bounds: past them a fast 503. Sized so that a queued request still starts within
     # seconds, not minutes (a bound that only caps memory lets clients time out instead).
     max_ongoing_requests: int = 128
@@ -98,7 +98,9 @@ class PoolConfig:
     batched_prefill: bool = True
     emulate_if_no_cuda: bool = True
     cpu_affinity: list[int] | None = None  # pin every thread of the pool's replicas to these CPUs
-    kv_memory_fraction: float = 0.85  # CUDA: share of free device memory each replica takes for KV
+    kv_memory_fraction: float = 0.85  # CPU: share of the available RAM an engine's KV block pool may take
+    # CUDA: share of the whole device an engine takes for weights, activations and its KV block pool
+    gpu_memory_utilization: float = 0.9
     resources: dict = field(default_factory=dict)  # custom Ray resources each replica needs (node kind)
     numa: str = "off"  # CPU pool: "auto" = one deployment per NUMA node (from the cluster or this host)
     cpu_kernels: str = "auto"  # engines on CPU: the fast-path kernels (auto / on / off)
@@ -126,6 +128,11 @@ class AppConfig:
     trust_remote_code: bool = False  # run the model repository's own Python code (as vLLM's --trust-remote-code)
     policy: str = "gpu_only"
     policy_options: dict = field(default_factory=dict)
+    # "colocated": one GPU engine (the GpuDecode deployment) serves both phases of a GPU request,
+    # one copy of the weights per GPU, no KV hand-off for a request that stays there; GpuPrefill
+    # stays in the graph with no replica. "disaggregated": GpuPrefill replicas on GPUs of their own,
+    # the prefilled KV to GpuDecode through the object store (vLLM's disaggregated prefill).
+    gpu_prefill: str = "colocated"
     allow_route_pinning: bool | str = True  # True, False, or "operators" (operator keys only)
     max_body_bytes: int = 1 << 20
     gpu: PoolConfig = field(default_factory=lambda: PoolConfig(device="auto", max_num_seqs=8, num_kv_blocks=48))
@@ -156,6 +163,8 @@ class AppConfig:
             raise ConfigError(f"allow_route_pinning must be true, false or \"operators\", got {self.allow_route_pinning!r}")
         if self.generation_config not in ("auto", "vllm"):
             raise ConfigError(f"generation_config must be \"auto\" or \"vllm\", got {self.generation_config!r}")
+        if self.gpu_prefill not in ("colocated", "disaggregated"):
+            raise ConfigError(f"gpu_prefill must be \"colocated\" or \"disaggregated\", got {self.gpu_prefill!r}")
         if self.access_log not in ACCESS_LOG:
             raise ConfigError(f"access_log must be one of {sorted(ACCESS_LOG)}, got {self.access_log!r}")
 
@@ -185,7 +194,8 @@ class AppConfig:
                                    max_waiting=pool.max_waiting, max_prefill_tokens=pool.max_prefill_tokens,
                                    batched_prefill=pool.batched_prefill,
                                    num_threads=pool.num_threads,
-                                   kv_memory_fraction=pool.kv_memory_fraction, cpu_kernels=pool.cpu_kernels,
+                                   kv_memory_fraction=pool.kv_memory_fraction,
+                                   gpu_memory_utilization=pool.gpu_memory_utilization, cpu_kernels=pool.cpu_kernels,
                                    cpu_weight_quant=pool.cpu_weight_quant, trust_remote_code=self.trust_remote_code))
 
 
@@ -243,13 +253,14 @@ def build_app(args: dict | None = None):
     cfg = AppConfig.from_dict(args)
     max_len = _max_model_len(cfg)
     has_gpu = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
-    gpu_gpus = cfg.gpu.num_gpus if cfg.gpu.num_gpus is not None else (0.5 if has_gpu else 0)
+    gpu_gpus = cfg.gpu.num_gpus if cfg.gpu.num_gpus is not None else (1 if has_gpu else 0)
+    colocated = cfg.gpu_prefill == "colocated"
     if not has_gpu:
         log.warning("keyacc: no GPU in the cluster: the GPU pools run on CPU cores with an emulated "
                     "KV budget (%s blocks)", cfg.gpu.num_kv_blocks)
 
-    def pool(cls, name: str, p: PoolConfig, num_gpus: float, numa_node: int | None = None):
-        opts = {"num_replicas": p.replicas, "max_ongoing_requests": p.max_ongoing_requests,
+    def pool(cls, name: str, p: PoolConfig, num_gpus: float, numa_node: int | None = None, replicas: dict | None = None):
+        opts = {**(replicas or {"num_replicas": p.replicas}), "max_ongoing_requests": p.max_ongoing_requests,
                 "max_queued_requests": p.max_queued_requests, "health_check_period_s": 5, **logs("internal")}
         resources = dict(p.resources)
         if numa_node is not None and f"keyacc_numa_{numa_node}" in cluster:
@@ -267,7 +278,9 @@ def build_app(args: dict | None = None):
 
     cluster = ray.cluster_resources() if ray.is_initialized() else {}
     env = {"runtime_env": {"env_vars": {k: str(v) for k, v in cfg.replica_env.items()}}} if cfg.replica_env else {}
-    gpu_prefill = pool(GpuPrefill, "GpuPrefill", cfg.gpu, gpu_gpus)
+    # colocated: GpuPrefill has no replica (no GPU of its own) and nothing routes to it
+    none = {"autoscaling_config": {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}}
+    gpu_prefill = pool(GpuPrefill, "GpuPrefill", cfg.gpu, gpu_gpus, replicas=none if colocated else None)
     gpu_decode = pool(GpuDecode, "GpuDecode", cfg.gpu, gpu_gpus)
     numa = cpu_numa_nodes(cfg.cpu, cluster)
     if len(numa) > 1:
@@ -281,9 +294,11 @@ def build_app(args: dict | None = None):
         max_ongoing_requests=4096, **logs("internal"),
         ray_actor_options={"num_cpus": cfg.router_num_cpus, "resources": dict(cfg.control_resources), **env},
         user_config={"policy": cfg.policy, "policy_options": cfg.policy_options},
-    ).bind(cpu_deployments=cpu_names, allow_route_pinning=cfg.allow_route_pinning)
+    ).bind(cpu_deployments=cpu_names, allow_route_pinning=cfg.allow_route_pinning, colocated_gpu=colocated)
     cpu_list = cpu_decode if isinstance(cpu_decode, list) else [cpu_decode]
     pools = dict(zip(hop_keys(len(cpu_list)), [gpu_prefill, gpu_decode, *cpu_list]))
+    if colocated:  # the ingress's drivers never call it (their fallback starts on GpuDecode)
+        pools.pop("gpu_prefill")
     return serve.deployment(Ingress, name="Ingress").options(
         max_ongoing_requests=4096, max_queued_requests=cfg.max_queued_requests, **logs("ingress"),
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus, "resources": dict(cfg.control_resources), **env},

@@ -65,19 +65,22 @@ class RemoteRouter:
             log.warning("router finish for %s failed (%s)", t.request_id, e.__class__.__name__)
 
 
-def fallback(t: Ticket, end: HopEnd | None) -> Ticket:
-    """The driver's own decision when the router does not answer: no policy, no moves by load."""
-    t = dataclasses.replace(t, error=None, move_on_preempt=False)  # no router to send a preempted decode on
+def fallback(t: Ticket, end: HopEnd | None, colocated: bool = False) -> Ticket:
+    """The driver's own decision when the router does not answer: no policy, no moves by load.
+    `colocated`: one GPU engine serves both phases (there is no GpuPrefill hop to go to)."""
+    # no router to send a preempted decode on, nor to ask after a prefill
+    t = dataclasses.replace(t, error=None, move_on_preempt=False, prefill_check=False)
+    gpu_start = ("gpu_decode", None) if colocated else ("gpu_prefill", 1)
     if end is None:  # start: a pinned CPU request on the CPU pool, everything else on the GPU pools
         t.route = t.pinned_route or "gpu"
-        t.hop, t.export_after = ("cpu_decode/0", None) if t.route == "cpu" else ("gpu_prefill", 1)
+        t.hop, t.export_after = ("cpu_decode/0", None) if t.route == "cpu" else gpu_start
         return t
     kind = t.hop.split("/")[0]
     if end.outcome == "handoff":  # finish where the request is
         t.hop = t.hop if kind == "cpu_decode" else "gpu_decode"
         t.export_after = None
     elif end.outcome == "withdrawn":  # recalled unstarted: start over on the GPU pools
-        t.hop, t.export_after = "gpu_prefill", 1
+        t.hop, t.export_after = gpu_start
     elif end.outcome == "failed" and t.recoveries < MAX_RECOVERIES:
         t.recoveries += 1
         t.hop = "cpu_decode/0" if FAILOVER[kind] == "cpu_decode" else FAILOVER[kind]
@@ -105,7 +108,7 @@ class RequestDriver:
             raise
         except Exception as e:  # noqa: BLE001 - router restarting or gone: decide here
             log.warning("router unavailable for %s (%s); deciding locally", t.request_id, e.__class__.__name__)
-            return fallback(t, end)
+            return fallback(t, end, colocated="gpu_prefill" not in self.hops)
 
     def _finish(self, t: Ticket, end: HopEnd) -> None:
         """Bookkeeping only: the client does not wait for it. It runs as a task held here until
@@ -136,7 +139,8 @@ class RequestDriver:
             # Policy periods on the CPU: the pool checks with the router itself (a move lands a few
             # tokens after the period, when the answer comes). A pinned `migrate_back_after` moves
             # after exactly that many tokens: the old way, a hand-off at the period's end.
-            in_periods = ({"ticket": t} if t.hop.startswith("cpu_decode") and t.export_after
+            # The same for the decision after a colocated GPU engine's prefill (`prefill_check`).
+            in_periods = ({"ticket": t} if (t.hop.startswith("cpu_decode") or t.prefill_check) and t.export_after
                           and t.pinned_route is None else {})
             try:
                 if t.move_on_preempt:
@@ -149,7 +153,7 @@ class RequestDriver:
                         if isinstance(it, TicketUpdate):
                             if it.ticket.hop == t.hop:  # the next period, where it is
                                 t = it.ticket
-                                if trace.segments:
+                                if trace.segments and t.hop.startswith("cpu_decode"):
                                     trace.segments[-1]["periods"] += 1
                             else:
                                 decided = it.ticket

@@ -117,6 +117,12 @@ class AsyncEngine:
         self._inbox.put(("export", request_id))
         self._wake.set()
 
+    def stop_checks(self, request_id: str) -> None:
+        """No more `Checkpoint`s in this sequence's stream (it stays here to the end)."""
+        s = self._streams.get(request_id)
+        if s is not None:
+            s.check_every = None
+
     def withdraw(self, request_id: str) -> None:
         """If the sequence is still waiting, never run, it leaves and its stream ends with
         `Withdrawn`; once it has run, nothing happens (its tokens keep coming)."""

@@ -139,6 +139,9 @@ class Ticket:
     hop: str | None = None  # where to go now: "gpu_prefill", "gpu_decode", "cpu_decode/<i>"; None: stop
     export_after: int | None = None  # hand the sequence off after this many tokens there
     move_on_preempt: bool = False  # preempted there (lazy KV), hand it off rather than recompute it
+    # a colocated GPU engine prefills it on its decode hop: its first hand-off or check is the
+    # after-prefill decision (stay and decode there, or move the decode to the CPU pool)
+    prefill_check: bool = False
     last_cpu: str | None = None  # the CPU deployment of the last CPU period (stay there if possible)
     recoveries: int = 0
     backpressured: bool = False

@@ -118,7 +118,8 @@ class EnginePool:
         if handoff is not None:
             phase = "decode"
         else:
-            phase = "prefill" if export_after == 1 and self.role == "prefill" else "whole"
+            # handed off after its first token: a prefill; else it started here from the prompt
+            phase = "prefill" if export_after == 1 and ticket is None else "whole"
         try:
             params = SamplingParams(**req.params)
             package = await self._receive(handoff) if handoff is not None else None
@@ -148,7 +149,7 @@ class EnginePool:
         state = {"ticket": ticket, "started": time.monotonic(), "moving": False}
         updates: list[TicketUpdate] = []
         check: asyncio.Task | None = None
-        if package is None:  # a whole request: while it waits for a slot here, the GPU may free up first
+        if package is None and self.pool == "cpu":  # a whole request: while it waits here, the GPU may free up first
             self._unstarted[rid] = (ticket, time.monotonic())
             if self._recaller is None or self._recaller.done():
                 self._recaller = asyncio.ensure_future(self._recall_loop())
@@ -217,6 +218,8 @@ class EnginePool:
         if nt.hop != here:  # move: the stream ends with the hand-off (or the request finished first)
             state["moving"] = True
             self.loop.export(rid)
+        elif not nt.export_after:  # it stays for good (a colocated GPU prefill's decode): no more checks
+            self.loop.stop_checks(rid)
 
     def _router(self):
         if self._router_handle is None:

@@ -55,9 +55,13 @@ def hop_keys(num_cpu_deployments: int) -> list[str]:
 
 class Router:
     def __init__(self, cpu_deployments: list[str] | None = None, policy: str = "gpu_only",
-                 policy_options: dict | None = None, allow_route_pinning: bool = True, monitor=None):
+                 policy_options: dict | None = None, allow_route_pinning: bool = True, monitor=None,
+                 colocated_gpu: bool = False):
         """cpu_deployments: the CPU decode deployments' names (one per NUMA node where there are
-        several): each is separate capacity and the router balances across them."""
+        several): each is separate capacity and the router balances across them. colocated_gpu:
+        one GPU engine (GpuDecode) serves both phases of a GPU request, prefill included, and
+        GpuPrefill gets nothing (README "One copy of the weights per GPU")."""
+        self.colocated = colocated_gpu
         cpu_names = cpu_deployments or ["CpuDecode"]
         self.cpu_keys = hop_keys(len(cpu_names))[2:]
         self.deployment_of = {"gpu_prefill": "GpuPrefill", "gpu_decode": "GpuDecode",
@@ -151,8 +155,9 @@ class Router:
             now = time.monotonic()
             self._recalled = {r: t for r, t in self._recalled.items() if now - t < RECALL_HOLD_S}
         loads = {}
+        first_gpu = "gpu_decode" if self.colocated else "gpu_prefill"
         for hop, dep in self.deployment_of.items():
-            inflight = self.inflight[hop] + (len(self._recalled) if hop == "gpu_prefill" else 0)
+            inflight = self.inflight[hop] + (len(self._recalled) if hop == first_gpu else 0)
             v = views.get(dep)
             if v is None:
                 loads[hop] = PoolLoad(queue=inflight, inflight=inflight, known=False)
@@ -175,6 +180,8 @@ class Router:
                        block_size=cpus[0].block_size, known=any(c.known for c in cpus),
                        tokens_per_s=sum(c.tokens_per_s for c in cpus))
         self._cpu_loads = cpus
+        if self.colocated:  # the GPU engine's queue is its prefill queue too
+            return LoadView(loads["gpu_decode"], loads["gpu_decode"], cpu, free, colocated=True)
         return LoadView(loads["gpu_prefill"], loads["gpu_decode"], cpu, free)
 
     def _pick_cpu(self, prefer: str | None = None) -> str:
@@ -265,7 +272,14 @@ class Router:
     def _enter_first_hop(self, t: Ticket) -> Ticket:
         if t.route == "cpu":
             return self._enter(t, "cpu_decode", self._cpu_period(t))
-        return self._enter(t, "gpu_prefill", 1)
+        if not self.colocated:  # prefill on GpuPrefill, the KV handed to a decode hop
+            return self._enter(t, "gpu_prefill", 1)
+        # one GPU engine for both phases: the decision after prefill is a check after the first
+        # token there (the sequence decodes on meanwhile; only a move exports it), or none at all
+        decide = t.route == "stage" or (t.pinned_route is None and self.policy.decides_after_prefill())
+        t = self._enter(t, "gpu_decode", 1 if decide else None)
+        t.prefill_check = decide
+        return t
 
     async def _hold(self, t: Ticket) -> Ticket:
         """Wait here until `_release_held` admits the request (a place freed on either pool, or
@@ -313,6 +327,7 @@ class Router:
     async def _advance(self, t: Ticket, end: HopEnd) -> Ticket:
         self._leave(t, end)
         kind = t.hop.split("/")[0]
+        after_prefill, t.prefill_check = t.prefill_check and kind == "gpu_decode", False
         if end.outcome == "backpressure":  # the pool's bounded queue is full: not a fault
             self._count(f"rejected_total|hop={kind}")
             if kind == "gpu_decode" and t.pinned_route is None and end.has_handoff and not t.backpressured:
@@ -343,8 +358,8 @@ class Router:
             return self._enter_first_hop(t)
         # a hand-off: the policy says where the sequence goes on
         view = self._view(t, end.num_output_tokens)
-        nxt, export_after = self._next_hop(t, kind, view)
-        if nxt == "gpu_decode":
+        nxt, export_after = self._next_hop(t, "gpu_prefill" if after_prefill else kind, view)
+        if nxt == "gpu_decode" and not after_prefill:  # (after a colocated prefill it holds its blocks there)
             self._pending_blocks[nxt] += self.load_view().gpu_decode.blocks_for(view.total_tokens)
         src, dst = ("cpu" if kind == "cpu_decode" else "gpu"), ("cpu" if nxt == "cpu_decode" else "gpu")
         if src != dst:

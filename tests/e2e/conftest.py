@@ -43,8 +43,10 @@ def start_app(args: dict, port: int):
     return base
 
 
-def wait_for_monitor(base: str, timeout_s: float = 120, headers: dict | None = None) -> None:
-    """Until the app answers and every pool has reported to the load monitor."""
+def wait_for_monitor(base: str, timeout_s: float = 120, headers: dict | None = None,
+                     deployments=("GpuDecode", "CpuDecode")) -> None:
+    """Until the app answers and every pool has reported to the load monitor (GpuPrefill has no
+    replica in the default, colocated app: one GPU engine serves both phases)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -52,7 +54,7 @@ def wait_for_monitor(base: str, timeout_s: float = 120, headers: dict | None = N
         except httpx.HTTPError:
             time.sleep(0.5)
             continue
-        if all(f'deployment="{d}"' in text for d in ("GpuPrefill", "GpuDecode", "CpuDecode")):
+        if all(f'deployment="{d}"' in text for d in deployments):
             return
         time.sleep(0.3)
     raise TimeoutError("pools did not report to the load monitor")

@@ -66,7 +66,9 @@ def test_completion_matches_generate(client):
     assert choice.finish_reason == "length"
     assert r.usage.completion_tokens == 20 and r.usage.prompt_tokens == len(tok(PROMPTS[3])["input_ids"])
     segs = r.model_extra["keyacc"]["segments"]
-    assert [(s["pool"], s["phase"]) for s in segs] == [("gpu", "prefill"), ("gpu", "decode")]
+    # one GPU engine for both phases (colocated, the default): no KV hand-off, no second copy of the weights
+    assert [(s["pool"], s["phase"], s["deployment"]) for s in segs] == [("gpu", "whole", "GpuDecode")]
+    assert "kv" not in segs[0] and r.model_extra["keyacc"]["moves"] == 0
     assert sum(s["tokens"] for s in segs) == 20
 
 
@@ -331,7 +333,7 @@ def test_tokenizer_endpoints_as_vllm_serves_them(app_url):
 
 
 @pytest.mark.parametrize("route, expect", [
-    ("gpu", [("gpu", "prefill"), ("gpu", "decode")]),
+    ("gpu", [("gpu", "whole")]),
     ("cpu", [("cpu", "whole")]),
     ("stage", [("gpu", "prefill"), ("cpu", "decode")]),
 ])

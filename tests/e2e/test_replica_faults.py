@@ -85,7 +85,7 @@ def test_load_monitor_killed_router_keeps_routing_and_monitor_returns(app_url):
         age = [float(line.split()[-1]) for line in text.splitlines()
                if line.startswith("keyacc_monitor_snapshot_age_seconds")]
         return bool(age) and age[0] < 1.0 and all(f'deployment="{d}"' in text
-                                                 for d in ("GpuPrefill", "GpuDecode", "CpuDecode"))
+                                                 for d in ("GpuDecode", "CpuDecode"))
 
     # A snapshot younger than 1 s, taken more than 8 s after the kill (older reports are dropped
     # after 5 s), can only come from a monitor that is back and hears from every pool again.
@@ -127,9 +127,11 @@ def test_client_disconnect_frees_sequence_and_blocks(app_url, n):
         raise AssertionError(f"sequence not freed after disconnect: {_gpu_decode_busy(app_url)}")
 
 
-def test_prefill_replica_killed_request_still_served(app_url):
+def test_gpu_engine_replica_killed_request_still_served(app_url):
+    """The GPU engine (colocated: prefill and decode) killed before a request arrives: it is
+    served all the same (elsewhere while Serve replaces the replica)."""
     _, tok = hf_model(tiny_model("qwen3"))
-    ray.kill(replica_actor("GpuPrefill"), no_restart=True)
+    ray.kill(replica_actor("GpuDecode"), no_restart=True)
     r = httpx.post(f"{app_url}/v1/completions", timeout=120, json={
         "model": MODEL, "prompt": PROMPTS[2], "max_tokens": 20, "temperature": 0, "ignore_eos": True,
         "return_token_ids": True, "keyacc": {"route": "gpu"}})

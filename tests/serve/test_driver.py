@@ -98,8 +98,9 @@ class CheckingPool(FakePool):
     after every period and hands off only when the answer is another hop."""
 
     router: Router
+    checks = 0
 
-    def remote(self, req, handoff, export_after, ticket=None):
+    def remote(self, req, handoff, export_after, ticket=None, movable=False):
         if ticket is None:
             return super().remote(req, handoff, export_after)
         self.calls.append((None if handoff is None else len(handoff.token_ids), export_after))
@@ -115,21 +116,27 @@ class CheckingPool(FakePool):
             tok, done, here = 100 + done, done + 1, here + 1
             last = done == req.params["max_tokens"]
             yield [TokenChunk([tok], f"<{tok}>", "length" if last else None, len(PROMPT), done)]
-            if not last and here % period == 0:
+            if not last and period and here % period == 0:
                 nt = await self.router.advance(copy.deepcopy(t), HopEnd("handoff", 0.0, done, True))  # as over gRPC
+                self.checks += 1
                 if nt.hop != t.hop:
                     yield [TicketUpdate(nt), Handoff(req.request_id, None, [], list(req.prompt_token_ids) +
                                                      [100 + i for i in range(done)], len(req.prompt_token_ids),
                                                      req.params, None, 0)]
                     return
                 t = nt
+                period = nt.export_after  # None: it stays for good, no more checks (as the real pool)
                 yield [TicketUpdate(nt)]
 
 
-def make(policy="gpu_only", options=None, allow_pinning=True, router=None):
+def make(policy="gpu_only", options=None, allow_pinning=True, router=None, colocated=False):
     pools = dict(zip(hop_keys(1), [FakePool("GpuPrefill", "gpu", "prefill"), FakePool("GpuDecode", "gpu", "whole"),
                                    FakePool("CpuDecode", "cpu", "whole")]))
-    r = router or Router(["CpuDecode"], policy, options, allow_route_pinning=allow_pinning, monitor=_Unreachable())
+    r = router or Router(["CpuDecode"], policy, options, allow_route_pinning=allow_pinning, monitor=_Unreachable(),
+                         colocated_gpu=colocated)
+    if colocated:  # as build_app: the ingress has no GpuPrefill handle
+        gp = pools.pop("gpu_prefill")
+        return RequestDriver(r, pools), r, {**pools, "gpu_prefill": gp}
     return RequestDriver(r, pools), r, pools
 
 
@@ -163,6 +170,59 @@ def test_gpu_path_prefill_then_decode():
     assert pools["gpu_prefill"].calls == [(None, 1)] and pools["gpu_decode"].calls == [(len(PROMPT) + 1, None)]
     assert settled(router)
     assert router._counters["requests_started_total|route=gpu,reason=policy"] == 1
+
+
+def test_colocated_gpu_engine_serves_both_phases_with_no_hand_off():
+    """One GPU engine per GPU (the app's default): a GPU request under gpu_only is one call to
+    GpuDecode, prompt in, every token out; GpuPrefill is never called."""
+    driver, router, pools = make(colocated=True)
+    tokens, errors, trace = asyncio.run(collect(driver, request(8)))
+    assert tokens == [100 + i for i in range(8)] and not errors
+    assert [(s["deployment"], s["tokens"]) for s in trace["segments"]] == [("GpuDecode", 8)]
+    assert pools["gpu_decode"].calls == [(None, None)] and pools["gpu_prefill"].calls == []
+    assert settled(router)
+
+
+def test_colocated_stage_hands_off_after_the_first_token():
+    driver, router, pools = make(colocated=True)
+    tokens, errors, trace = asyncio.run(collect(driver, request(10, route="stage")))
+    assert tokens == [100 + i for i in range(10)] and not errors
+    assert [(s["deployment"], s["tokens"]) for s in trace["segments"]] == [("GpuDecode", 1), ("CpuDecode", 9)]
+    assert pools["gpu_decode"].calls == [(None, 1)] and pools["cpu_decode/0"].calls == [(len(PROMPT) + 1, None)]
+    assert router._counters["moves_total|from=gpu,to=cpu,reason=pinned"] == 1
+    assert settled(router)
+
+
+@pytest.mark.parametrize("overloaded", [False, True])
+def test_colocated_decision_after_prefill_is_one_check_and_a_move_only_if_it_moves(overloaded):
+    """A policy that places the decode after prefill (stage_offload): the GPU engine checks once
+    after the first token, decoding on; staying costs that one call and no hand-off, moving hands
+    the sequence to the CPU pool from where it is."""
+    driver, router, pools = make("stage_offload", {"decode_period_tokens": 100}, colocated=True)
+    gpu = CheckingPool("GpuDecode", "gpu", "whole")
+    gpu.router = router
+    driver.hops["gpu_decode"] = pools["gpu_decode"] = gpu
+    if overloaded:
+        router.policy.after_prefill = lambda req, load: "cpu"
+    tokens, errors, trace = asyncio.run(collect(driver, request(12)))
+    assert tokens == [100 + i for i in range(12)] and not errors
+    assert gpu.calls == [(None, 1)] and gpu.checks == 1
+    if overloaded:
+        assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == [("gpu", 1), ("cpu", 11)]
+        assert pools["cpu_decode/0"].calls == [(len(PROMPT) + 1, 100)]
+    else:
+        assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == [("gpu", 12)]
+        assert pools["cpu_decode/0"].calls == []
+    assert settled(router)
+
+
+def test_colocated_without_a_router_starts_on_the_gpu_engine():
+    from keyacc_ray.serve.driver import fallback
+
+    t = fallback(Ticket("r", 4, 8), None, colocated=True)
+    assert (t.hop, t.export_after) == ("gpu_decode", None)
+    t = fallback(Ticket("r", 4, 8), None)
+    assert (t.hop, t.export_after) == ("gpu_prefill", 1)
 
 
 def test_pinned_stage_goes_to_cpu_and_back():
