@@ -29,7 +29,7 @@ test: install model
 run: install model
 	$(BIN)/python -m keyacc_ray.serve.app $(BIN)/serve run deployments/app.yaml   # with CLUSTER_ENV (keyacc_ray/serve/app.py)
 
-bench-engine: install
+bench-engine: install model
 	@test -f models/bench-qwen3/config.json || $(BIN)/python scripts/make_tiny_model.py --arch qwen3 --size bench --dtype bfloat16 --out models/bench-qwen3
 	$(BIN)/python scripts/bench_engine.py --model models/bench-qwen3
 

@@ -2,8 +2,11 @@
 """Engine benchmark on this machine's CPU, in one run: the plain torch path (transformers'
 forward over the slot cache) and the CPU fast path (keyacc_ray/kernels), bf16 and weight-only
 int8: prefill of 512 tokens, decode at batch 1, 8 and 32, the batch-1 read-bandwidth roofline,
-greedy agreement between the paths, and continuous batching against transformers' generate().
-Prints a table and, as its last line, one JSON object.
+greedy agreement between the paths, and continuous batching against transformers' generate();
+then on the tiny model the engine's host time per decode step at batch 1 / 64 / 256
+(`host_ms_b*`) and how many 2,000-token sequences a 65,536-token KV budget runs at once
+(`paged_seqs_ratio`), from scripts/bench_host.py. Prints a table and, as its last line, one
+JSON object.
 
     make bench-engine            # builds models/bench-qwen3 (bf16, ~0.4B) if missing
     python scripts/bench_engine.py --model models/bench-qwen3 --threads 2
@@ -53,8 +56,8 @@ def bench_decode(engine, batch: int, prompt_len: int, steps: int, rng) -> float:
     params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"d{batch}-{i}", rand_prompt(rng, prompt_len, engine.runner.vocab_size), params)
-    while engine.scheduler.num_waiting:
-        engine.step()  # admission + prefill, not timed
+    while engine.scheduler.num_waiting or any(s.num_output_tokens == 0 for s in engine.seqs.values()):
+        engine.step()  # admission + (chunked) prefill, not timed
     t = time.perf_counter()
     n = 0
     for _ in range(steps):
@@ -129,6 +132,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-hf", action="store_true", help="skip the transformers generate() comparisons")
+    ap.add_argument("--tiny-model", default="models/tiny-qwen3", help="for the host-time and paged-KV figures")
     args = ap.parse_args()
 
     from keyacc_ray.engine.request import SamplingParams
@@ -189,6 +193,11 @@ def main() -> None:
     same, prefix = agreement(fast_out, q8_out)
     res["int8_vs_bf16_greedy_identical"] = round(same, 3)
     res["int8_vs_bf16_greedy_prefix"] = round(prefix, 3)
+
+    from bench_host import bench_host, paged_seqs_ratio
+
+    res.update(bench_host(args.tiny_model))
+    res.update(paged_seqs_ratio(args.tiny_model))
 
     width = max(map(len, res))
     for k, v in res.items():

@@ -4,9 +4,8 @@
 - `host_ms_b{1,64,256}_{greedy,qwen3,topp}`: per decode step, everything but the model forward
   (scheduling, inputs, sampling, postprocessing, detokenization), at batch 1, 64 and 256 on the
   tiny model: greedy; Qwen3's default sampling (temperature 0.6, top-k 20, top-p 0.95); top-p
-  0.95 alone. The forward is timed by wrapping the runner's forward methods (whatever this
-  version of the engine has: `forward`, or the older `decode` / `extend` / `prefill`), so the
-  same script measures an older commit too. Median over the measured steps.
+  0.95 alone. The model's own forward is timed by wrapping it (every version of the engine calls
+  it), so the same script measures an older commit too. Median over the measured steps.
 - `paged_seqs_ratio`: max_model_len 32768 and a KV budget of 65,536 tokens; sequences of 2,000
   tokens (1,990-token prompts, 10 new tokens); the most running at once while each holds at
   least 1,990 tokens, over 32 (what the budget holds for the tokens in use).
@@ -39,26 +38,28 @@ MODES = {
     "qwen3": dict(temperature=0.6, top_k=20, top_p=0.95),
     "topp": dict(temperature=1.0, top_p=0.95),
 }
-FORWARDS = ("forward", "decode", "extend", "prefill")
 
 
 def _time_forwards(runner) -> list[float]:
-    """Wrap the runner's forward methods; returns the list their durations (s) are added to."""
+    """Time the model's own forward (the module call every version of the engine makes) and, where
+    the CPU kernels' fused decode step replaces it, that step; returns the list their durations
+    (s) are added to. Everything else in a step is host work: scheduling, building the inputs
+    (ids, positions, block tables, masks), sampling, postprocessing, detokenization."""
     spent = [0.0]
-    for name in FORWARDS:
-        fn = getattr(runner, name, None)
-        if fn is None:
-            continue
 
-        def timed(*a, _fn=fn, **k):
+    def wrap(fn):
+        def timed(*a, **k):
             t = time.perf_counter()
-            out = _fn(*a, **k)
-            if isinstance(out, torch.Tensor) and out.is_cuda:
+            out = fn(*a, **k)
+            if torch.cuda.is_available():
                 torch.cuda.synchronize()
             spent[0] += time.perf_counter() - t
             return out
+        return timed
 
-        setattr(runner, name, timed)
+    runner.model.forward = wrap(runner.model.forward)
+    if getattr(runner, "fused_step", None) is not None:
+        runner.fused_step = wrap(runner.fused_step)
     return spent
 
 
@@ -78,8 +79,7 @@ def host_ms(engine: LLMEngine, batch: int, mode: str, steps: int, rng: random.Ra
         host.append((time.perf_counter() - t - spent[0]) * 1e3)
     for rid in list(engine.seqs):
         engine.abort(rid)
-    for name in FORWARDS:  # unwrap
-        engine.runner.__dict__.pop(name, None)
+    engine.runner.model.__dict__.pop("forward", None)  # unwrap
     return statistics.median(host)
 
 
