@@ -6,7 +6,60 @@ held back while a stop string could still be completing, so a stop string never 
 """
 from __future__ import annotations
 
+import random
+
 CONTEXT_TOKENS = 6
+_BATCHED: dict[int, bool] = {}  # id(tokenizer) -> its Rust backend decodes exactly as tokenizer.decode
+
+
+def _backend_agrees(tokenizer) -> bool:
+    """Whether one call into the Rust tokenizer's decode_batch gives `tokenizer.decode`'s text:
+    checked once per tokenizer on windows of random and special token ids (a tokenizer without a
+    Rust backend, or one whose decode post-processes the text, is decoded row by row)."""
+    key = id(tokenizer)
+    if key not in _BATCHED:
+        backend = getattr(tokenizer, "_tokenizer", None)
+        ok = backend is not None and hasattr(backend, "decode_batch")
+        if ok:
+            rng = random.Random(0)
+            n = len(tokenizer)
+            special = list(getattr(tokenizer, "all_special_ids", []))[:8]
+            probes = [[rng.randrange(n) for _ in range(rng.randint(1, 8))] for _ in range(64)]
+            probes += [[*p[:2], s, *p[2:]] for p, s in zip(probes, special)]
+            try:
+                for skip in (True, False):
+                    got = backend.decode_batch(probes, skip_special_tokens=skip)
+                    ok = ok and got == [tokenizer.decode(p, skip_special_tokens=skip) for p in probes]
+            except Exception:  # noqa: BLE001 - any mismatch in kind: row by row
+                ok = False
+        _BATCHED[key] = ok
+    return _BATCHED[key]
+
+
+def decode_many(tokenizer, seqs: list[list[int]], skip_special_tokens: bool) -> list[str]:
+    """`tokenizer.decode` of each list: one call into the Rust tokenizer where it agrees."""
+    if seqs and _backend_agrees(tokenizer):
+        return tokenizer._tokenizer.decode_batch(seqs, skip_special_tokens=skip_special_tokens)
+    return [tokenizer.decode(s, skip_special_tokens=skip_special_tokens) for s in seqs]
+
+
+def step_all(detoks: list["IncrementalDetokenizer"], tokens: list[int]) -> list[bool]:
+    """`d.step(t)` for every (detokenizer, token) pair, the decoding done in a few batched calls
+    (by skip_special_tokens); returns which ones hit a stop string."""
+    groups: dict[bool, list[int]] = {}
+    for i, (d, t) in enumerate(zip(detoks, tokens)):
+        d.ids.append(t)
+        groups.setdefault(d.skip_special_tokens, []).append(i)
+    texts: list = [None] * len(detoks)
+    for skip, rows in groups.items():
+        wins = []
+        for i in rows:
+            d = detoks[i]
+            wins += (d.ids[d.prefix_offset:d.read_offset], d.ids[d.prefix_offset:])
+        out = decode_many(detoks[rows[0]].tokenizer, wins, skip)
+        for j, i in enumerate(rows):
+            texts[i] = (out[2 * j], out[2 * j + 1])
+    return [d._advance(*texts[i]) for i, d in enumerate(detoks)]
 
 
 class IncrementalDetokenizer:
@@ -33,8 +86,11 @@ class IncrementalDetokenizer:
 
     def _append(self, token_id: int) -> None:
         self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        self._emit(self._decode(self.ids[self.prefix_offset:self.read_offset]),
+                   self._decode(self.ids[self.prefix_offset:]))
+
+    def _emit(self, prefix: str, full: str) -> None:
+        """The newest token's text, from the decoded context window without and with it."""
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.text += full[len(prefix):]
             self.prefix_offset = self.read_offset
@@ -43,8 +99,14 @@ class IncrementalDetokenizer:
     def step(self, token_id: int) -> bool:
         """Add a token; True if a stop string appeared (the text is cut before it, or after it
         with `include_stop`)."""
+        self.ids.append(token_id)
+        return self._advance(self._decode(self.ids[self.prefix_offset:self.read_offset]),
+                             self._decode(self.ids[self.prefix_offset:]))
+
+    def _advance(self, prefix: str, full: str) -> bool:
+        """After the token was appended to `ids`: its text in, the stop strings checked."""
         before = len(self.text)
-        self._append(token_id)
+        self._emit(prefix, full)
         if self.stop and len(self.text) > before:
             start = max(0, before - self.holdback)
             hits = [(i, len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]

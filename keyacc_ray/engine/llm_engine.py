@@ -11,7 +11,7 @@ import torch
 
 from keyacc_ray.config import EngineConfig
 from keyacc_ray.engine.blocks import BlockManager
-from keyacc_ray.engine.detok import IncrementalDetokenizer
+from keyacc_ray.engine.detok import IncrementalDetokenizer, step_all
 from keyacc_ray.engine.kv_package import KVMeta, KVPackage, dtype_name, to_engine_tensors, to_wire
 from keyacc_ray.engine.request import SamplingParams, Sequence, SeqStatus
 from keyacc_ray.engine.runner import ModelRunner, StepItem
@@ -202,18 +202,20 @@ class LLMEngine:
             logits = torch.cat(parts)
         rows, seqs, at = [], [], 0
         for s, it in zip([*sched.decode, *(p[0] for p in sched.prefill)], items):
-            got = logits[at:at + it.num_logits]
-            at += it.num_logits
+            n = it.num_logits
             if it.logits == "all":
-                self._score_chunk(s, it, got)
+                self._score_chunk(s, it, logits[at:at + n])
+            at += n
             s.num_cached += len(it.tokens)
             if s.num_cached == s.num_tokens:
                 rows.append(at - 1)
                 seqs.append(s)
         if not seqs:
             return []
-        sampled = self._sample(logits[torch.tensor(rows, device=logits.device)], seqs)
-        return [self._postprocess(s, t) for s, t in zip(seqs, sampled)]
+        if len(rows) < logits.shape[0]:  # (every row's logits, in order, is the common decode step)
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        sampled = self._sample(logits, seqs)
+        return self._postprocess(seqs, sampled)
 
     def _score_chunk(self, s: Sequence, it: StepItem, logits) -> None:
         """Prompt logprobs of a chunk: each position's logits score the token after it."""
@@ -237,28 +239,40 @@ class LLMEngine:
                 lps[i] = lp
         return list(zip(ids, lps))
 
-    def _postprocess(self, seq: Sequence, sampled: tuple[int, tuple | None]) -> RequestOutput:
-        token, lp = sampled
-        seq.token_ids.append(token)
-        self.tokens_generated += 1
-        p = seq.params
-        status = None
-        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            status = SeqStatus.FINISHED_STOPPED
-            if p.include_stop_str_in_output:  # the stop token's own text, as vLLM
-                self.detok[seq.request_id].step(token)
-        elif self.detok[seq.request_id].step(token):
-            status = SeqStatus.FINISHED_STOPPED
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            status = SeqStatus.FINISHED_LENGTH
-        text = self.detok[seq.request_id].take(final=status is not None)
-        out = RequestOutput(seq.request_id, [token], text, status is not None,
-                            status.finish_reason if status else None,
-                            seq.num_prompt_tokens, seq.num_output_tokens, None if lp is None else [lp],
-                            self._prompt_scores.pop(seq.request_id, None))
-        if status is not None:
-            self._finish(seq, status)
-        return out
+    def _postprocess(self, seqs: list[Sequence], sampled: list[tuple[int, tuple | None]]) -> list[RequestOutput]:
+        """Every row's new token: end of sequence or a stop token id, then the text (detokenized
+        for the whole batch in a few calls) and its stop strings, then the length limit."""
+        status: list = []
+        det = []  # rows whose token's text is wanted
+        for i, (seq, (token, _)) in enumerate(zip(seqs, sampled)):
+            seq.token_ids.append(token)
+            p = seq.params
+            if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                status.append(SeqStatus.FINISHED_STOPPED)
+                if p.include_stop_str_in_output:  # the stop token's own text, as vLLM
+                    det.append(i)
+            else:
+                status.append(None)
+                det.append(i)
+        self.tokens_generated += len(seqs)
+        detok = self.detok
+        if det:
+            hits = step_all([detok[seqs[i].request_id] for i in det], [sampled[i][0] for i in det])
+            for i, hit in zip(det, hits):
+                if hit and status[i] is None:
+                    status[i] = SeqStatus.FINISHED_STOPPED
+        outs = []
+        for seq, (token, lp), st in zip(seqs, sampled, status):
+            rid = seq.request_id
+            if st is None and (seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len):
+                st = SeqStatus.FINISHED_LENGTH
+            outs.append(RequestOutput(rid, [token], detok[rid].take(final=st is not None), st is not None,
+                                      st.finish_reason if st else None, seq.num_prompt_tokens, seq.num_output_tokens,
+                                      None if lp is None else [lp],
+                                      self._prompt_scores.pop(rid, None) if self._prompt_scores else None))
+            if st is not None:
+                self._finish(seq, st)
+        return outs
 
     def _finish(self, seq: Sequence, status: SeqStatus) -> None:
         self.move_on_preempt.discard(seq.request_id)

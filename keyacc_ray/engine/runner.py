@@ -17,10 +17,12 @@ decode rows alone runs the fused decode step over the pool.
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from keyacc_ray.engine.paged_attention import ATTN_NAME, PagedAttention, PagedKVCache, StepBatch, active, gather, register
@@ -428,6 +430,11 @@ class ModelRunner:
         """Token ids, positions and (block, row) of every new token, in item order (host lists,
         one copy each to the device)."""
         bs = self.block_size
+        if all(len(it.tokens) == 1 for it in items):  # decode rows: one token each (the common step)
+            pos = [it.start for it in items]
+            t = torch.tensor([[it.tokens[0] for it in items], pos, [it.blocks[p // bs] for it, p in zip(items, pos)],
+                              [p % bs for p in pos]], device=self.device)
+            return t[0], t[1], t[2], t[3]
         ids, pos, blk, off = [], [], [], []
         for it in items:
             ids += it.tokens
@@ -438,14 +445,19 @@ class ModelRunner:
         t = torch.tensor([ids, pos, blk, off], device=self.device)
         return t[0], t[1], t[2], t[3]
 
+    def _tables(self, items: list[StepItem], dtype=torch.long) -> torch.Tensor:
+        """Block tables [rows, widest] (unused places 0), through numpy: one copy to the device."""
+        width = max(len(it.blocks) for it in items)
+        arr = np.zeros((len(items), width), dtype=np.int64)
+        for r, it in enumerate(items):
+            arr[r, :len(it.blocks)] = it.blocks
+        return torch.from_numpy(arr).to(self.device, dtype)
+
     def _decode_rows(self, items: list[StepItem]):
         """Decode rows for the fused step and the kernels: ids, positions, blocks, rows-in-block,
         block tables [rows, max_blocks] int32, context lengths [rows] int64."""
         ids, pos, blk, off = self._slots(items)
-        width = max(len(it.blocks) for it in items)
-        tables = torch.tensor([it.blocks + [0] * (width - len(it.blocks)) for it in items], dtype=torch.int32,
-                              device=self.device)
-        return ids, pos, blk, off, tables, pos + 1
+        return ids, pos, blk, off, self._tables(items, torch.int32), pos + 1
 
     @torch.inference_mode()
     def forward(self, items: list[StepItem]) -> torch.Tensor:
@@ -477,6 +489,8 @@ class ModelRunner:
         return torch.cat(rows)
 
     def _keep(self, items: list[StepItem]) -> torch.Tensor:
+        if all(len(it.tokens) == 1 and it.logits == "last" for it in items):
+            return torch.arange(len(items), device=self.device)
         keep, at = [], 0
         for it in items:
             n = len(it.tokens)
@@ -486,23 +500,27 @@ class ModelRunner:
 
     def _forward_packed(self, items: list[StepItem]) -> torch.Tensor:
         ids, pos, blk, off = self._slots(items)
-        q_starts, at = [], 0
-        for it in items:
-            q_starts.append(at)
-            at += len(it.tokens)
-        dec_i = [i for i, it in enumerate(items) if it.is_decode]
-        b = StepBatch(ids[None], pos[None], blk, off, q_starts, [len(it.tokens) for it in items],
-                      [it.start for it in items],
-                      [torch.tensor(it.blocks, device=self.device) if not it.is_decode and it.start else None
-                       for it in items],
-                      chunks=[i for i, it in enumerate(items) if not it.is_decode])
-        if dec_i:
-            width = max(len(items[i].blocks) for i in dec_i)
-            tl = torch.tensor([items[i].blocks + [0] * (width - len(items[i].blocks)) for i in dec_i],
-                              device=self.device)
-            b.dec = torch.tensor([q_starts[i] for i in dec_i], device=self.device)
-            b.dec_tables_long, b.dec_tables = tl, tl.to(torch.int32)
-            b.dec_ctx = torch.tensor([items[i].start + 1 for i in dec_i], device=self.device)
+        lens = [len(it.tokens) for it in items]
+        decode = [n == 1 and it.start > 0 for n, it in zip(lens, items)]
+        q_starts = list(itertools.accumulate(lens, initial=0))[:-1]
+        chunks = [i for i, d in enumerate(decode) if not d]
+        tables: list = [None] * len(items)
+        for i in chunks:
+            if items[i].start:
+                tables[i] = torch.tensor(items[i].blocks, device=self.device)
+        b = StepBatch(ids[None], pos[None], blk, off, q_starts, lens, [it.start for it in items], tables,
+                      chunks=chunks)
+        if not chunks:  # decode rows alone: packed index i is row i
+            b.dec = torch.arange(len(items), device=self.device)
+            b.dec_tables_long = self._tables(items)
+            b.dec_ctx = pos + 1
+        elif len(chunks) < len(items):
+            dec = [it for it, d in zip(items, decode) if d]
+            b.dec = torch.tensor([q for q, d in zip(q_starts, decode) if d], device=self.device)
+            b.dec_tables_long = self._tables(dec)
+            b.dec_ctx = torch.tensor([it.start + 1 for it in dec], device=self.device)
+        if b.dec is not None:
+            b.dec_tables = b.dec_tables_long.to(torch.int32)
         self.cache.batch = b
         try:
             with active(self.attn):

@@ -96,13 +96,22 @@ class Sampler:
                 p = params[i]
                 seen = self._distinct(request_ids[i], tokens, logits.device) if p.repetition_penalty != 1.0 else None
                 logits[i] = process_logits(logits[i].float(), tokens, num_prompt, p, eos_ids, seen)
-        out = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
+        if len(rows) < len(params):
+            greedy = [i for i, p in enumerate(params) if p.greedy]
+            out = _take(logits, greedy).argmax(dim=-1)
+            if rows:
+                out = torch.empty(len(params), dtype=torch.long, device=logits.device).index_copy_(
+                    0, torch.tensor(greedy, device=logits.device), out)
         if rows:
             if positions is None:
                 positions = [self._drawn[r] for r in request_ids]
             u = uniforms([self._seeds[request_ids[i]] for i in rows], [positions[i] for i in rows])
-            out[torch.tensor(rows, device=out.device)] = sample_rows(logits[rows].float(), [params[i] for i in rows], u)
+            got = sample_rows(_take(logits, rows), [params[i] for i in rows], u)
+            if len(rows) == len(params):
+                out = got
+            else:
+                out[torch.tensor(rows, device=logits.device)] = got
         for r in request_ids:
             if r in self._drawn:
                 self._drawn[r] += 1
@@ -126,25 +135,37 @@ class Sampler:
 
 
 
+def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x's rows `rows` (x itself when they are all of them: a vocabulary-wide copy saved)."""
+    return x if len(rows) == x.shape[0] else x[rows]
+
+
 def sample_rows(x: torch.Tensor, params: list[SamplingParams], u: np.ndarray) -> torch.Tensor:
-    """Sampled token ids [rows] (on x's device) for float logits x [rows, vocab], one uniform
-    draw per row, in vLLM's order: temperature, top-k, min-p, top-p. Batched: no per-row host
-    work but for the rare row whose candidates must widen to the whole vocabulary."""
+    """Sampled token ids [rows] (on x's device) for logits x [rows, vocab], one uniform draw per
+    row, in vLLM's order: temperature, top-k, min-p, top-p. Batched: no per-row host work but
+    for the rare rows whose candidates must widen. Vocabulary-wide work only where the filters
+    need it: a top-k row is reduced to its candidates before anything else (temperature does not
+    change which tokens are the k best)."""
     dev, (n, vocab) = x.device, x.shape
-    x = x / torch.tensor([p.temperature for p in params], dtype=x.dtype, device=dev)[:, None]
     out = torch.empty(n, dtype=torch.long, device=dev)
     plain = [i for i, p in enumerate(params) if not _top_k(p, vocab) and p.top_p >= 1.0]
     if plain:  # no filter but min-p: the whole vocabulary, in token-id order
-        probs = _min_p(torch.softmax(x[plain], dim=-1), [params[i].min_p for i in plain])
-        out[plain] = _draw(probs, None, u[plain])
+        temp = torch.tensor([params[i].temperature for i in plain], device=dev)[:, None]
+        probs = _min_p(torch.softmax(_take(x, plain).float() / temp, dim=-1), [params[i].min_p for i in plain])
+        got = _draw(probs, None, u[plain])
+        if len(plain) == n:
+            return got
+        out[plain] = got
     part = [i for i in range(n) if i not in set(plain)]
-    if part:
-        probs, ids = _candidates(x[part], [params[i] for i in part])
-        tp = torch.tensor([params[i].top_p for i in part], dtype=probs.dtype, device=dev)
-        keep = torch.cumsum(probs, dim=-1) - probs < tp[:, None]  # candidates in descending order
-        keep[:, 0] = True
-        ids, order = torch.sort(ids, dim=-1)  # the draw walks them in token-id order
-        out[part] = _draw((probs * keep).gather(1, order), ids, u[part])
+    probs, ids = _candidates(_take(x, part), [params[i] for i in part])
+    tp = torch.tensor([params[i].top_p for i in part], dtype=probs.dtype, device=dev)
+    keep = torch.cumsum(probs, dim=-1) - probs < tp[:, None]  # candidates in descending order
+    keep[:, 0] = True
+    ids, order = torch.sort(ids, dim=-1)  # the draw walks them in token-id order
+    got = _draw((probs * keep).gather(1, order), ids, u[part])
+    if len(part) == n:
+        return got
+    out[part] = got
     return out
 
 
@@ -175,10 +196,10 @@ def _draw(probs: torch.Tensor, ids: torch.Tensor | None, u: np.ndarray) -> torch
 
 def _candidates(x: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row the tokens that may be drawn, likeliest first, with their probabilities after
-    min-p: [rows, C] each (a row's unused places have probability 0). Top-k rows: the k best
-    (ties with the k-th kept), renormalised among themselves (vLLM's order); top-p rows without
-    top-k: the likeliest tokens of the whole distribution, enough to hold the mass (256 first,
-    the whole vocabulary where those hold less)."""
+    temperature and min-p: [rows, C] each (a row's unused places have probability 0). Top-k rows:
+    the k best (ties with the k-th kept), renormalised among themselves (vLLM's order); top-p rows
+    without top-k: the likeliest tokens of the whole distribution, enough to hold the mass (256
+    first, widened 8x at a time for the rows whose candidates hold less)."""
     n, vocab = x.shape
     dev = x.device
     kr = [i for i, p in enumerate(params) if _top_k(p, vocab)]
@@ -186,26 +207,37 @@ def _candidates(x: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Te
     parts = []
     if kr:
         kt = torch.tensor([_top_k(params[i], vocab) for i in kr], device=dev)
-        xk = x[kr]
+        xk = _take(x, kr)
         width = min(vocab, int(kt.max()) + 8)
         vals, ids = torch.topk(xk, width, dim=-1)
         kth = vals.gather(1, (kt - 1)[:, None])
         if width < vocab and bool((vals[:, -1:] >= kth).any()):  # ties with the k-th past those taken
             vals, ids = torch.sort(xk, dim=-1, descending=True)
-        probs = torch.softmax(vals.masked_fill(vals < kth, float("-inf")), dim=-1)
-        parts.append((kr, _normalised(_min_p(probs, [params[i].min_p for i in kr])), ids))
+        temp = torch.tensor([params[i].temperature for i in kr], device=dev)[:, None]
+        lg = (vals.float() / temp).masked_fill(vals < kth, float("-inf"))
+        parts.append((kr, _normalised(_min_p(torch.softmax(lg, dim=-1), [params[i].min_p for i in kr])), ids))
     if pr:
-        full = _min_p(torch.softmax(x[pr], dim=-1), [params[i].min_p for i in pr])
-        full = _normalised(full)
+        temp = torch.tensor([params[i].temperature for i in pr], device=dev)[:, None]
+        full = _min_p(torch.softmax(_take(x, pr).float() / temp, dim=-1), [params[i].min_p for i in pr])
+        if any(params[i].min_p for i in pr):
+            full = _normalised(full)
+        need = torch.tensor([params[i].top_p for i in pr], dtype=full.dtype, device=dev)
         probs, ids = torch.topk(full, min(vocab, CANDIDATES), dim=-1)
-        need = torch.tensor([params[i].top_p for i in pr], dtype=probs.dtype, device=dev)
-        if probs.shape[1] < vocab and bool((probs.sum(dim=-1) < need).any()):
-            probs, ids = torch.sort(full, dim=-1, descending=True)
+        short = torch.nonzero(probs.sum(dim=-1) < need).flatten().tolist() if probs.shape[1] < vocab else []
+        while short:  # the rare flat distribution: those rows' candidates widen
+            width = min(vocab, probs.shape[1] * 8)
+            wp, wi = torch.topk(full[short], width, dim=-1)
+            grow = width - probs.shape[1]
+            probs = torch.cat([probs, probs.new_zeros((len(pr), grow))], dim=1)
+            ids = torch.cat([ids, ids.new_zeros((len(pr), grow))], dim=1)
+            r = torch.tensor(short, device=dev)
+            probs[r], ids[r] = wp, wi
+            short = [] if width == vocab else [i for i in short if float(probs[i].sum()) < float(need[i])]
         parts.append((pr, probs, ids))
     if len(parts) == 1:
         return parts[0][1], parts[0][2]
     width = max(p[1].shape[1] for p in parts)
-    probs = torch.zeros((n, width), dtype=x.dtype, device=dev)
+    probs = torch.zeros((n, width), dtype=torch.float32, device=dev)
     ids = torch.zeros((n, width), dtype=torch.long, device=dev)
     for rows, p, i in parts:
         r = torch.tensor(rows, device=dev)

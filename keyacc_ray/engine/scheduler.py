@@ -89,7 +89,10 @@ class Scheduler:
             n = 1 if decode else self._chunk(seq, budget)
             if n == 0:
                 break
-            if not self.blocks.allocate(seq.request_id, seq.num_cached + n if self.lazy else seq.max_total_tokens):
+            # lazy: blocks for every token it holds (a prompt's later chunks included, so that
+            # prompts admitted together never preempt each other halfway through their prefill);
+            # reserve: for all it may generate too
+            if not self.blocks.allocate(seq.request_id, seq.num_tokens if self.lazy else seq.max_total_tokens):
                 break  # FCFS: the head waits for blocks; nothing overtakes it
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
