@@ -47,12 +47,13 @@ def app_config(args, model: Path) -> dict:
     return cfg
 
 
-def _gpu_host(args, model: Path) -> dict:  # both GPU pools on GPU 0, the CPU pool on the remaining cores
+def _gpu_host(args, model: Path) -> dict:  # one GPU engine on GPU 0 (colocated), the CPU pool on the remaining cores
     cpu_threads = max(1, (os.cpu_count() or 4) - 4)
     return {
         "model": str(model), "dtype": "bfloat16", "max_model_len": 2048, "policy": "gpu_only",
-        "gpu": {"device": "cuda", "max_num_seqs": args.gpu_seqs, "num_kv_blocks": None, "num_gpus": 0.45,
-                "num_cpus": 1, "num_threads": 1, "kv_memory_fraction": 0.3, "stream_interval_ms": args.stream_interval_ms},
+        "gpu": {"device": "cuda", "max_num_seqs": args.gpu_seqs, "num_kv_blocks": None, "num_gpus": 1,
+                "num_cpus": 1, "num_threads": 1, "gpu_memory_utilization": 0.85,
+                "stream_interval_ms": args.stream_interval_ms},
         "cpu": {"device": "cpu", "max_num_seqs": 16, "num_threads": cpu_threads, "num_cpus": cpu_threads,
                 "stream_interval_ms": args.stream_interval_ms},
     }

@@ -53,7 +53,9 @@ def main() -> None:
     gpu = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device="auto", max_num_seqs=8, max_model_len=2048))
     res["gpu_load_s"] = round(time.time() - t, 1)
     res["gpu_device"] = gpu.runner.device_label()
-    res["gpu_kv_slots"] = gpu.runner.num_slots
+    res["gpu_kv_blocks"] = gpu.runner.num_blocks  # the paged pool gpu_memory_utilization left room for
+    res["gpu_kv_tokens"] = gpu.runner.num_blocks * gpu.runner.block_size
+    res["gpu_paged_attention"] = gpu.runner.paged
     t = time.time()
     cpu = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device="cpu", max_num_seqs=4, max_model_len=2048,
                                  num_threads=max(1, (os.cpu_count() or 2) - 2)))

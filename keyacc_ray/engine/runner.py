@@ -160,16 +160,16 @@ class ModelRunner:
         self._min = torch.finfo(torch_dtype).min
         self.kv_shape = self._probe_kv_shape()
         self.block_size = block_size
+        self.fast_path = None  # what keyacc_ray.kernels swapped in (FastPathReport)
+        self.fused_step = None  # FusedDecodeStep once it reproduced the model's own logits
+        self._kernels = None
+        self.paged = False  # until the probe below shows the paged attention agrees with the model's
         self.num_blocks = self._fit_blocks(num_kv_blocks, kv_memory_fraction, gpu_memory_utilization,
                                            max_num_batched_tokens)
         s = self.kv_shape
         self.cache = PagedKVCache(s.num_layers, self.num_blocks, s.num_kv_heads, block_size, s.head_dim, s.v_dim,
                                   self.dtype, self.device)
         self.windows = [self._window(i) for i in range(s.num_layers)]
-        self.fast_path = None  # what keyacc_ray.kernels swapped in (FastPathReport)
-        self.fused_step = None  # FusedDecodeStep once it reproduced the model's own logits
-        self._kernels = None
-        self.paged = False  # until the probe below shows the paged attention agrees with the model's
         if self.device.type == "cpu" and cpu_kernels != "off":
             self._enable_cpu_kernels(required=cpu_kernels == "on",
                                      quant=None if cpu_weight_quant == "none" else cpu_weight_quant)
@@ -361,26 +361,30 @@ class ModelRunner:
                         self.block_size, wanted)
         return min(fit, wanted) if wanted is not None else fit
 
-    @torch.inference_mode()
     def _profile_peak(self, tokens: int) -> int:
-        """CUDA: the memory peak of a forward of `tokens` prompt tokens (weights included), run
-        through a temporary pool just big enough for it."""
+        """CUDA: the memory peak of the largest step (weights included)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_forward(tokens)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        return peak
+
+    @torch.inference_mode()
+    def _profile_forward(self, tokens: int) -> torch.Tensor:
+        """A forward of `tokens` prompt tokens (the step budget, at most the context) through a
+        temporary block pool just big enough for it, before the real pool exists; its logits."""
         tokens = max(2, min(tokens, self.max_model_len))
         s = self.kv_shape
         nb = -(-tokens // self.block_size)
         saved = getattr(self, "cache", None)
         self.cache = PagedKVCache(s.num_layers, nb, s.num_kv_heads, self.block_size, s.head_dim, s.v_dim,
                                   self.dtype, self.device)
-        self.paged = False
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
         try:
-            self.forward([StepItem([1] * tokens, 0, list(range(nb)))])
-            torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_allocated(self.device)
+            return self.forward([StepItem([1] * tokens, 0, list(range(nb)))])
         finally:
             self.cache = saved
-            torch.cuda.empty_cache()
 
     # ---- KV of one sequence ------------------------------------------------------------
     def read_kv(self, blocks: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

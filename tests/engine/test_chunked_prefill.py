@@ -78,3 +78,22 @@ def test_gathered_fallback_decodes_like_generate(qwen3_path):
     eng, outs, calls = _run(qwen3_path, prompts, 8, paged_attention="off", max_prefill_tokens=9, kv_block_size=4)
     assert not eng.runner.paged
     assert outs == [hf_greedy(qwen3_path, p, 8) for p in prompts]
+
+
+def test_the_memory_profile_forward_runs_before_the_pool_exists(qwen3_path, monkeypatch):
+    """The CUDA sizing step (a forward of the step budget through a temporary pool, then the real
+    pool from what is left) on CPU through the same function: it runs at load order (no fused
+    step, no paged attention yet), leaves the engine's pool untouched, and a later engine serves."""
+    from keyacc_ray.engine import runner as runner_mod
+
+    seen = []
+    real = runner_mod.ModelRunner._fit_blocks
+
+    def fit(self, wanted, fraction, gpu_util, max_batched):
+        seen.append(self._profile_forward(max_batched).shape)  # what _profile_peak runs on CUDA
+        return real(self, wanted, fraction, gpu_util, max_batched)
+
+    monkeypatch.setattr(runner_mod.ModelRunner, "_fit_blocks", fit)
+    eng = LLMEngine(EngineConfig(model=qwen3_path, dtype="float32", max_prefill_tokens=300, num_kv_blocks=64))
+    assert seen == [(1, eng.runner.vocab_size)] and eng.runner.num_blocks == 64
+    assert eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0)) == [hf_greedy(qwen3_path, [5, 6, 7], 4)]
