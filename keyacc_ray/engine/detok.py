@@ -10,6 +10,7 @@ import random
 
 CONTEXT_TOKENS = 6
 _BATCHED: dict[int, bool] = {}  # id(tokenizer) -> its Rust backend decodes exactly as tokenizer.decode
+_ONE: dict[tuple[int, bool], dict[int, str]] = {}  # (id(tokenizer), skip) -> token id -> decode([id])
 
 
 def _backend_agrees(tokenizer) -> bool:
@@ -52,13 +53,27 @@ def step_all(detoks: list["IncrementalDetokenizer"], tokens: list[int]) -> list[
         groups.setdefault(d.skip_special_tokens, []).append(i)
     texts: list = [None] * len(detoks)
     for skip, rows in groups.items():
-        wins = []
+        tok = detoks[rows[0]].tokenizer
+        one = _ONE.setdefault((id(tok), skip), {})  # a one-token window (the usual prefix): decoded once
+        wins, where = [], []
         for i in rows:
             d = detoks[i]
-            wins += (d.ids[d.prefix_offset:d.read_offset], d.ids[d.prefix_offset:])
-        out = decode_many(detoks[rows[0]].tokenizer, wins, skip)
-        for j, i in enumerate(rows):
-            texts[i] = (out[2 * j], out[2 * j + 1])
+            prefix = d.ids[d.prefix_offset:d.read_offset]
+            if len(prefix) == 1 and prefix[0] in one:
+                p = one[prefix[0]]
+            else:
+                p = len(wins)
+                wins.append(prefix)
+            where.append((i, p, len(wins)))
+            wins.append(d.ids[d.prefix_offset:])
+        out = decode_many(tok, wins, skip)
+        for i, p, f in where:
+            if not isinstance(p, str):
+                ids = wins[p]
+                p = out[p]
+                if len(ids) == 1 and len(one) < 1 << 20:
+                    one[ids[0]] = p
+            texts[i] = (p, out[f])
     return [d._advance(*texts[i]) for i, d in enumerate(detoks)]
 
 

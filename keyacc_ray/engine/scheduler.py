@@ -66,6 +66,7 @@ class Scheduler:
         budget starts with a chunk of it)."""
         out = SchedulerOutput()
         budget = self.max_prefill_tokens
+        tables, bs = self.blocks._tables, self.blocks.block_size
         i = 0
         while i < len(self.running):
             seq = self.running[i]
@@ -74,7 +75,8 @@ class Scheduler:
             if n == 0:  # the budget is spent: this prompt goes on next step
                 i += 1
                 continue
-            if self.lazy and not self.blocks.grow(seq.request_id, seq.num_cached + n):
+            if (self.lazy and seq.num_cached + n > len(tables[seq.request_id]) * bs
+                    and not self.blocks.grow(seq.request_id, seq.num_cached + n)):
                 self._preempt_newest(out)  # possibly seq itself; then the loop ends here
                 continue
             if decode:
