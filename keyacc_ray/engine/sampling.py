@@ -149,9 +149,8 @@ def sample_rows(x: torch.Tensor, params: list[SamplingParams], u: np.ndarray) ->
     dev, (n, vocab) = x.device, x.shape
     out = torch.empty(n, dtype=torch.long, device=dev)
     plain = [i for i, p in enumerate(params) if not _top_k(p, vocab) and p.top_p >= 1.0]
-    if plain:  # no filter but min-p: the whole vocabulary, in token-id order
-        temp = torch.tensor([params[i].temperature for i in plain], device=dev)[:, None]
-        probs = _min_p(torch.softmax(_take(x, plain).float() / temp, dim=-1), [params[i].min_p for i in plain])
+    if plain:  # no filter but min-p: the whole vocabulary, in token-id order (the draw needs no normalising)
+        probs = _min_p(_exp(_take(x, plain), [params[i].temperature for i in plain]), [params[i].min_p for i in plain])
         got = _draw(probs, None, u[plain])
         if len(plain) == n:
             return got
@@ -174,23 +173,58 @@ def _top_k(p: SamplingParams, vocab: int) -> int:
 
 
 def _min_p(probs: torch.Tensor, min_p: list[float]) -> torch.Tensor:
-    """Tokens less likely than min_p x the row's most likely one ruled out (not renormalised)."""
+    """Tokens less likely than min_p x the row's most likely one ruled out, in place (not
+    renormalised; `probs` is this sampler's own tensor)."""
     if not any(min_p):
         return probs
     mp = torch.tensor(min_p, dtype=probs.dtype, device=probs.device)
-    return probs.masked_fill(probs < mp[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs.masked_fill_(probs < mp[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+
+
+def _exp(x: torch.Tensor, temperature: list[float]) -> torch.Tensor:
+    """exp((x - max) / T) per row, float32, unnormalised: softmax's numerator, made in place in
+    one new tensor (a vocabulary-wide row costs memory bandwidth per pass)."""
+    t = torch.tensor(temperature, dtype=torch.float32, device=x.device)[:, None]
+    y = x.float() / t  # a new tensor: the logits stay as they were
+    return y.sub_(y.max(dim=-1, keepdim=True).values).exp_()
 
 
 def _normalised(probs: torch.Tensor) -> torch.Tensor:
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
+DRAW_CHUNK = 1024  # rows wider than 8 of these are inverted in two levels (chunk sums, then one chunk)
+
+
 def _draw(probs: torch.Tensor, ids: torch.Tensor | None, u: np.ndarray) -> torch.Tensor:
     """Inverse CDF: the first candidate whose cumulative mass passes u x the row's total (never
-    one of probability 0: the CDF does not rise there)."""
-    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
-    target = torch.from_numpy(np.ascontiguousarray(u)).to(probs.device)[:, None] * cdf[:, -1:]
-    choice = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
+    one of probability 0: the CDF does not rise there). A row over a whole vocabulary is walked
+    in two levels, the chunk whose running sum passes the target and then inside that chunk, so
+    no vocabulary-wide float64 cumulative sum is made (the result is the same candidate)."""
+    n, width = probs.shape
+    target = torch.from_numpy(np.ascontiguousarray(u)).to(probs.device)[:, None]
+    if width <= 8 * DRAW_CHUNK:
+        cdf = torch.cumsum(probs.double(), dim=-1)  # (cumsum's own dtype= is 3x slower on CPU)
+        choice = torch.searchsorted(cdf, target * cdf[:, -1:], right=True).clamp_(max=width - 1)
+        return choice[:, 0] if ids is None else ids.gather(1, choice)[:, 0]
+    B = DRAW_CHUNK
+    whole = width - width % B
+    sums = probs[:, :whole].reshape(n, -1, B).sum(dim=-1)
+    if whole < width:
+        sums = torch.cat([sums, probs[:, whole:].sum(dim=-1, keepdim=True)], dim=1)
+    ccdf = torch.cumsum(sums.double(), dim=-1)
+    goal = target * ccdf[:, -1:]
+    chunk = torch.searchsorted(ccdf, goal, right=True).clamp_(max=ccdf.shape[1] - 1)  # [n, 1]
+    before = torch.where(chunk > 0, ccdf.gather(1, (chunk - 1).clamp(min=0)), torch.zeros_like(goal))
+    cols = chunk * B + torch.arange(B, device=probs.device)[None]  # that chunk's candidates
+    inside = cols < width
+    part = probs.gather(1, cols.clamp(max=width - 1)) * inside
+    cdf = torch.cumsum(part.double(), dim=-1)
+    j = torch.searchsorted(cdf, (goal - before).clamp(min=0), right=True)
+    # rounding at the chunk's end: the last candidate of it with mass
+    last = (part > 0).long().cumsum(dim=-1).argmax(dim=-1, keepdim=True)
+    j = torch.minimum(j, last)
+    choice = cols.gather(1, j)
     return choice[:, 0] if ids is None else ids.gather(1, choice)[:, 0]
 
 
@@ -217,16 +251,14 @@ def _candidates(x: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Te
         lg = (vals.float() / temp).masked_fill(vals < kth, float("-inf"))
         parts.append((kr, _normalised(_min_p(torch.softmax(lg, dim=-1), [params[i].min_p for i in kr])), ids))
     if pr:
-        temp = torch.tensor([params[i].temperature for i in pr], device=dev)[:, None]
-        full = _min_p(torch.softmax(_take(x, pr).float() / temp, dim=-1), [params[i].min_p for i in pr])
-        if any(params[i].min_p for i in pr):
-            full = _normalised(full)
+        full = _min_p(_exp(_take(x, pr), [params[i].temperature for i in pr]), [params[i].min_p for i in pr])
+        full = full.div_(full.sum(dim=-1, keepdim=True))
         need = torch.tensor([params[i].top_p for i in pr], dtype=full.dtype, device=dev)
         probs, ids = torch.topk(full, min(vocab, CANDIDATES), dim=-1)
         short = torch.nonzero(probs.sum(dim=-1) < need).flatten().tolist() if probs.shape[1] < vocab else []
         while short:  # the rare flat distribution: those rows' candidates widen
             width = min(vocab, probs.shape[1] * 8)
-            wp, wi = torch.topk(full[short], width, dim=-1)
+            wp, wi = torch.topk(_take(full, short), width, dim=-1)
             grow = width - probs.shape[1]
             probs = torch.cat([probs, probs.new_zeros((len(pr), grow))], dim=1)
             ids = torch.cat([ids, ids.new_zeros((len(pr), grow))], dim=1)
