@@ -139,10 +139,10 @@ class EnginePool:
                                                   package=package, export_after=export_after, movable=movable):
                 yield items
             return
-        async for items in self._periods(rid, req, params, package, export_after, ticket):
+        async for items in self._periods(rid, req, params, package, export_after, ticket, movable):
             yield items
 
-    async def _periods(self, rid, req, params, package, period: int, ticket: Ticket):
+    async def _periods(self, rid, req, params, package, period: int, ticket: Ticket, movable: bool = False):
         """Decode in periods: after every `period` tokens the router decides (in a task: the
         sequence keeps decoding meanwhile); its ticket goes to the driver, and if it names another
         hop the sequence is exported at the next step and the stream ends with the hand-off."""
@@ -154,8 +154,10 @@ class EnginePool:
             if self._recaller is None or self._recaller.done():
                 self._recaller = asyncio.ensure_future(self._recall_loop())
         try:
+            # movable: a colocated GPU engine's request, preempted there, leaves with its KV (as a
+            # decode hop's would) instead of being recomputed in place before the router's answer
             async for items in self.loop.generate(rid, prompt_ids=req.prompt_token_ids, params=params,
-                                                  package=package, check_every=period):
+                                                  package=package, check_every=period, movable=movable):
                 self._unstarted.pop(rid, None)
                 out = []
                 for it in items:
