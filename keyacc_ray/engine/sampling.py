@@ -37,8 +37,21 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
+_MASK = 2**64 - 1
+
+
+def _mix_int(x: int) -> int:
+    """_mix for one Python int (a few rows: cheaper than numpy's per-call overhead)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
 def uniforms(seeds: list[int], positions: list[int]) -> np.ndarray:
     """One uniform number in [0, 1) per (seed, position): the draw for that token."""
+    if len(seeds) <= 16:
+        return np.array([(_mix_int(_mix_int(s % 2**64) ^ p) >> 11) * 2.0 ** -53 for s, p in zip(seeds, positions)])
     s = np.array([x % 2**64 for x in seeds], dtype=np.uint64)
     p = np.array(positions, dtype=np.uint64)
     return (_mix(_mix(s) ^ p) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53

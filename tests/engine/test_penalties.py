@@ -237,6 +237,8 @@ def test_a_batch_of_mixed_filters_draws_what_each_row_draws_alone():
     again = s.sample(logits, [f"r{i}" for i in range(7)], params, positions=[p + 1 for p in positions])
     assert again != batch  # the next position draws again
     assert uniforms([11], [40]) == uniforms([11], [40]) and uniforms([11], [40]) != uniforms([12], [40])
+    seeds, pos = [2**63 + 7 * i for i in range(40)], [3 * i for i in range(40)]  # the numpy and the few-rows paths
+    assert uniforms(seeds, pos).tolist() == [uniforms([a], [b])[0] for a, b in zip(seeds, pos)]
     assert s.state("r0").tolist() == [11]  # all a KV package carries of the sampler
 
 
