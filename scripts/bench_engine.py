@@ -14,7 +14,6 @@ JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 
@@ -194,15 +193,11 @@ def main() -> None:
     res["int8_vs_bf16_greedy_identical"] = round(same, 3)
     res["int8_vs_bf16_greedy_prefix"] = round(prefix, 3)
 
-    from bench_host import bench_host, paged_seqs_ratio
+    from bench_host import bench_host, paged_seqs_ratio, report
 
     res.update(bench_host(args.tiny_model))
     res.update(paged_seqs_ratio(args.tiny_model))
-
-    width = max(map(len, res))
-    for k, v in res.items():
-        print(f"{k:<{width}}  {v}")
-    print(json.dumps(res))
+    report(res)
 
 
 if __name__ == "__main__":

@@ -124,6 +124,14 @@ def paged_seqs_ratio(model: str, dtype: str = "float32") -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def report(res: dict) -> None:
+    """A table, then the same figures as one JSON line (the line scripts read)."""
+    width = max(map(len, res))
+    for k, v in res.items():
+        print(f"{k:<{width}}  {v}")
+    print(json.dumps(res))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/tiny-qwen3")
@@ -135,10 +143,7 @@ def main() -> None:
     res = bench_host(args.model, args.steps)
     if not args.skip_paged:
         res.update(paged_seqs_ratio(args.model))
-    width = max(map(len, res))
-    for k, v in res.items():
-        print(f"{k:<{width}}  {v}")
-    print(json.dumps(res))
+    report(res)
 
 
 if __name__ == "__main__":
