@@ -14,7 +14,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._tables: dict[str, list[int]] = {}
+        self.tables: dict[str, list[int]] = {}  # sequence id -> its blocks, in order (read, never change)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -32,17 +32,17 @@ class BlockManager:
 
     def allocate(self, seq_id: str, num_tokens: int) -> bool:
         """Reserve blocks for `num_tokens`; False (and nothing changed) if they do not fit."""
-        assert seq_id not in self._tables, f"{seq_id} already holds blocks"
+        assert seq_id not in self.tables, f"{seq_id} already holds blocks"
         n = self.blocks_for(num_tokens)
         if n > len(self._free):
             return False
-        self._tables[seq_id] = [self._free.pop() for _ in range(n)]
+        self.tables[seq_id] = [self._free.pop() for _ in range(n)]
         return True
 
     def grow(self, seq_id: str, num_tokens: int) -> bool:
         """Extend a sequence's blocks to hold `num_tokens`; False (nothing changed) if the free
         blocks do not suffice."""
-        table = self._tables[seq_id]
+        table = self.tables[seq_id]
         need = self.blocks_for(num_tokens) - len(table)
         if need > len(self._free):
             return False
@@ -50,11 +50,11 @@ class BlockManager:
         return True
 
     def free(self, seq_id: str) -> None:
-        self._free.extend(reversed(self._tables.pop(seq_id, [])))
+        self._free.extend(reversed(self.tables.pop(seq_id, [])))
 
     def block_table(self, seq_id: str) -> list[int]:
-        return list(self._tables.get(seq_id, []))
+        return list(self.tables.get(seq_id, []))
 
     def table_ref(self, seq_id: str) -> list[int]:
         """The sequence's block table itself (not a copy): read it, do not change it."""
-        return self._tables[seq_id]
+        return self.tables[seq_id]

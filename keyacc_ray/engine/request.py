@@ -175,5 +175,10 @@ class Sequence:
         return self.num_prompt_tokens + self.params.max_tokens
 
     @property
+    def decoding(self) -> bool:
+        """One token to feed and KV for the rest: a decode row (not a prompt, or a prompt's chunk)."""
+        return self.num_cached > 0 and len(self.token_ids) - self.num_cached == 1
+
+    @property
     def num_pending(self) -> int:
         return len(self.token_ids) - self.num_cached

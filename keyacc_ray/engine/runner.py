@@ -120,7 +120,7 @@ class StepItem:
 
     @property
     def num_logits(self) -> int:
-        return {"last": 1, "all": len(self.tokens), "none": 0}[self.logits]
+        return 1 if self.logits == "last" else (len(self.tokens) if self.logits == "all" else 0)
 
 
 class ModelRunner:
@@ -302,7 +302,7 @@ class ModelRunner:
         from keyacc_ray.kernels.fused_step import FusedDecodeStep
 
         self._kernels = mod
-        self.fast_path = fastpath.apply(self.model, mod, attention=False, quant=quant)
+        self.fast_path = fastpath.apply(self.model, mod, quant=quant)
         try:
             step = FusedDecodeStep.build(self.model, mod)
         except Exception as e:  # noqa: BLE001 - an unusual model: transformers' forward it is
@@ -430,7 +430,7 @@ class ModelRunner:
             return to_mask(allowed & (dist < self.sliding_window))
         return full
 
-    def _slots(self, items: list[StepItem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _slots(self, items: list[StepItem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Token ids, positions and (block, row) of every new token, in item order (host lists,
         one copy each to the device)."""
         bs = self.block_size
@@ -470,27 +470,19 @@ class ModelRunner:
             return self.fused_step(*self._decode_rows(items), self.cache.k, self.cache.v, self.windows)
         if self.paged:
             return self._forward_packed(items)
-        outs = []
+        # the model's own attention: decode rows in one batch, each prompt chunk alone; item order kept
         dec = [it for it in items if it.is_decode]
-        if dec:
-            outs.append(self._forward_gather(dec))
-        for it in items:
-            if not it.is_decode and it.num_logits:
-                outs.append(self._forward_gather([it]))
-            elif not it.is_decode:
-                self._forward_gather([it])
-        # back in item order
-        if not dec or all(it.is_decode for it in items):
-            return torch.cat(outs) if outs else torch.empty((0, self.vocab_size), device=self.device)
-        rows, di, ci = [], 0, 1
+        dec_logits = self._forward_gather(dec) if dec else None
+        rows, di = [], 0
         for it in items:
             if it.is_decode:
-                rows.append(outs[0][di:di + 1])
+                rows.append(dec_logits[di:di + 1])
                 di += 1
-            elif it.num_logits:
-                rows.append(outs[ci])
-                ci += 1
-        return torch.cat(rows)
+            else:
+                logits = self._forward_gather([it])
+                if it.num_logits:
+                    rows.append(logits)
+        return torch.cat(rows) if rows else torch.empty((0, self.vocab_size), device=self.device)
 
     def _keep(self, items: list[StepItem]) -> torch.Tensor:
         if all(len(it.tokens) == 1 and it.logits == "last" for it in items):
@@ -505,7 +497,7 @@ class ModelRunner:
     def _forward_packed(self, items: list[StepItem]) -> torch.Tensor:
         ids, pos, blk, off = self._slots(items)
         lens = [len(it.tokens) for it in items]
-        decode = [n == 1 and it.start > 0 for n, it in zip(lens, items)]
+        decode = [it.is_decode for it in items]
         q_starts = list(itertools.accumulate(lens, initial=0))[:-1]
         chunks = [i for i, d in enumerate(decode) if not d]
         tables: list = [None] * len(items)
@@ -541,9 +533,7 @@ class ModelRunner:
         rows = len(items)
         t = len(items[0].tokens)
         kv_len = max(it.start + len(it.tokens) for it in items)
-        width = -(-kv_len // self.block_size)
-        gi = torch.tensor([it.blocks[:width] + [0] * (width - len(it.blocks[:width])) for it in items],
-                          device=self.device)
+        gi = self._tables(items)[:, :-(-kv_len // self.block_size)]
         self.cache.batch = StepBatch(ids.view(rows, t), pos.view(rows, t), blk, off, [], [], [], [], gather=True,
                                      gather_idx=gi, kv_len=kv_len)
         try:

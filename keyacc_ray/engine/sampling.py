@@ -116,18 +116,17 @@ class Sampler:
             if rows:
                 out = torch.empty(len(params), dtype=torch.long, device=logits.device).index_copy_(
                     0, torch.tensor(greedy, device=logits.device), out)
+        if positions is None:  # callers that keep no positions: the draws made here
+            positions = [self._drawn[r] for r in request_ids]
+            for r in request_ids:
+                self._drawn[r] += 1
         if rows:
-            if positions is None:
-                positions = [self._drawn[r] for r in request_ids]
             u = uniforms([self._seeds[request_ids[i]] for i in rows], [positions[i] for i in rows])
             got = sample_rows(_take(logits, rows), [params[i] for i in rows], u)
             if len(rows) == len(params):
                 out = got
             else:
                 out[torch.tensor(rows, device=logits.device)] = got
-        for r in request_ids:
-            if r in self._drawn:
-                self._drawn[r] += 1
         return out.tolist()
 
     @staticmethod
@@ -168,7 +167,8 @@ def sample_rows(x: torch.Tensor, params: list[SamplingParams], u: np.ndarray) ->
         if len(plain) == n:
             return got
         out[plain] = got
-    part = [i for i in range(n) if i not in set(plain)]
+    plain_rows = set(plain)
+    part = [i for i in range(n) if i not in plain_rows]
     probs, ids = _candidates(_take(x, part), [params[i] for i in part])
     tp = torch.tensor([params[i].top_p for i in part], dtype=probs.dtype, device=dev)
     keep = torch.cumsum(probs, dim=-1) - probs < tp[:, None]  # candidates in descending order

@@ -66,11 +66,11 @@ class Scheduler:
         budget starts with a chunk of it)."""
         out = SchedulerOutput()
         budget = self.max_prefill_tokens
-        tables, bs = self.blocks._tables, self.blocks.block_size
+        tables, bs = self.blocks.tables, self.blocks.block_size
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            decode = seq.num_pending == 1 and seq.num_cached > 0
+            decode = seq.decoding
             n = 1 if decode else self._chunk(seq, budget)
             if n == 0:  # the budget is spent: this prompt goes on next step
                 i += 1
@@ -87,7 +87,7 @@ class Scheduler:
             i += 1
         while self.waiting and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
-            decode = seq.num_pending == 1 and seq.num_cached > 0  # came with its KV (a hand-off)
+            decode = seq.decoding  # came with its KV (a hand-off)
             n = 1 if decode else self._chunk(seq, budget)
             if n == 0:
                 break

@@ -7,9 +7,8 @@ What is swapped:
 - `nn.Linear` with bf16 weights -> `PackedLinear` (weights prepacked once, AVX512-BF16 kernel)
 - an MLP of `gate_proj`/`up_proj`/`down_proj` + SiLU -> one gate|up product + fused SiLU-multiply
 - RMSNorm-like modules (`weight` + `variance_epsilon`/`eps`) -> fused RMSNorm
-- attention of one query token per sequence -> `decode_attention` over the slot KV buffers (GQA
-  without repeating K/V), registered as transformers attention implementation "keyacc_cpu";
-  prefill and anything unusual (soft-capping, sinks, no mask) falls through to SDPA.
+Attention is not swapped here: the engine's paged attention (`engine/paged_attention.py`)
+calls the kernels' `paged_decode_attention` for decode rows itself.
 """
 from __future__ import annotations
 
@@ -21,9 +20,6 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-ATTN_NAME = "keyacc_cpu"
-
-
 @dataclass
 class FastPathReport:
     isa: str = "none"
@@ -31,12 +27,11 @@ class FastPathReport:
     linear: int = 0
     mlp: int = 0
     norm: int = 0
-    attention: bool = False
     kept: list[str] = field(default_factory=list)  # modules whose check failed
 
     def summary(self) -> str:
         return (f"isa={self.isa} quant={self.quant or 'none'} linear={self.linear} mlp={self.mlp} norm={self.norm} "
-                f"attention={self.attention} kept={len(self.kept)}")
+                f"kept={len(self.kept)}")
 
 
 class PackedLinear(nn.Module):
@@ -153,7 +148,7 @@ def _is_silu_mlp(m: nn.Module) -> bool:
 
 
 @torch.inference_mode()
-def apply(model: nn.Module, kernels, attention: bool = True, quant: str | None = None) -> FastPathReport:
+def apply(model: nn.Module, kernels, quant: str | None = None) -> FastPathReport:
     """Swap in the kernels where each one checks out. Returns what was swapped. With
     quant="int8", bf16 linear layers other than the output head are stored as int8."""
     if quant not in (None, "int8"):
@@ -161,8 +156,6 @@ def apply(model: nn.Module, kernels, attention: bool = True, quant: str | None =
     rep = FastPathReport(isa=kernels.isa(), quant=quant)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     _walk(kernels, model, "", rep, quant, head)
-    if attention:
-        rep.attention = _enable_attention(model, kernels)
     return rep
 
 
@@ -208,35 +201,3 @@ def _swap(kernels, child: nn.Module, full: str, rep: FastPathReport, quant: str 
             return new
         rep.kept.append(full)
     return None
-
-
-def _enable_attention(model: nn.Module, kernels) -> bool:
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
-        # a model on its eager attention (soft-capping, ALiBi, ...): the fallback below is SDPA's
-        log.info("attention kernel not enabled for %s: it runs %s attention", type(model).__name__,
-                 getattr(model.config, "_attn_implementation", None))
-        return False
-
-    def keyacc_cpu_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        if (query.shape[2] == 1 and query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16)
-                and key.dtype == query.dtype and dropout == 0.0 and isinstance(attention_mask, torch.Tensor)
-                and attention_mask.dtype == query.dtype and attention_mask.dim() == 4
-                and attention_mask.shape[-1] == key.shape[2] and attention_mask.shape[-2] == 1
-                and kwargs.get("s_aux") is None and getattr(module, "sinks", None) is None
-                and not getattr(module, "attn_logit_softcapping", None)
-                and query.shape[1] % key.shape[1] == 0 and value.shape[-1] == query.shape[-1]):
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            return kernels.decode_attention(query, key, value, attention_mask, float(scale)), None
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-
-    AttentionInterface.register(ATTN_NAME, keyacc_cpu_attention)
-    try:
-        model.set_attn_implementation(ATTN_NAME)
-    except Exception as e:  # noqa: BLE001 - a model without the attention interface keeps its own
-        log.warning("attention kernel not enabled for %s: %s", type(model).__name__, e)
-        return False
-    return model.config._attn_implementation == ATTN_NAME
