@@ -11,6 +11,44 @@ import random
 CONTEXT_TOKENS = 6
 _BATCHED: dict[int, bool] = {}  # id(tokenizer) -> its Rust backend decodes exactly as tokenizer.decode
 _ONE: dict[tuple[int, bool], dict[int, str]] = {}  # (id(tokenizer), skip) -> token id -> decode([id])
+_ADDITIVE: dict[int, bool] = {}  # id(tokenizer) -> decoding concatenates each token's own text
+_SOLO: dict[tuple[int, bool], dict[int, str | None]] = {}  # (id(tokenizer), skip) -> id -> its own whole text
+
+
+def _additive(tokenizer) -> bool:
+    """Whether decoding a sequence concatenates its tokens' own texts wherever each token's bytes
+    are whole characters: a byte-level BPE decoder (GPT-2, Llama 3, Qwen, ...) and nothing after
+    it (no clean-up of spaces), checked once per tokenizer on random windows as well. Then a token
+    whose own text is whole characters, after a context that decoded completely, adds exactly its
+    own text: no window to decode. A SentencePiece decoder (a leading space dropped at the start
+    of a text) is not additive."""
+    key = id(tokenizer)
+    if key not in _ADDITIVE:
+        ok = (type(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)).__name__ == "ByteLevel"
+              and not getattr(tokenizer, "clean_up_tokenization_spaces", False) and _backend_agrees(tokenizer))
+        if ok:
+            rng = random.Random(1)
+            n = len(tokenizer)
+            for _ in range(64):
+                a, b = [rng.randrange(n) for _ in range(rng.randint(1, 6))], [rng.randrange(n)]
+                for skip in (True, False):
+                    ta, tb = tokenizer.decode(a, skip_special_tokens=skip), tokenizer.decode(b, skip_special_tokens=skip)
+                    if "\ufffd" not in ta + tb and tokenizer.decode(a + b, skip_special_tokens=skip) != ta + tb:
+                        ok = False
+        _ADDITIVE[key] = ok
+    return _ADDITIVE[key]
+
+
+def _solo(tokenizer, skip: bool, token: int) -> str | None:
+    """decode([token]) where it is whole characters (None where it is not, or is empty)."""
+    table = _SOLO.setdefault((id(tokenizer), skip), {})
+    got = table.get(token, False)
+    if got is False:
+        text = tokenizer.decode([token], skip_special_tokens=skip)
+        got = text if text and "\ufffd" not in text else None
+        if len(table) < 1 << 20:
+            table[token] = got
+    return got
 
 
 def _backend_agrees(tokenizer) -> bool:
@@ -48,7 +86,14 @@ def step_all(detoks: list["IncrementalDetokenizer"], tokens: list[int]) -> list[
     """`d.step(t)` for every (detokenizer, token) pair, the decoding done in a few batched calls
     (by skip_special_tokens); returns which ones hit a stop string."""
     groups: dict[bool, list[int]] = {}
+    hits: list = [None] * len(detoks)
     for i, (d, t) in enumerate(zip(detoks, tokens)):
+        if d.additive and d.read_offset == len(d.ids):  # the context decoded completely
+            text = _solo(d.tokenizer, d.skip_special_tokens, t)
+            if text is not None:  # the common token: its own text, nothing to decode
+                d.ids.append(t)
+                hits[i] = d._add_text(text)
+                continue
         d.ids.append(t)
         groups.setdefault(d.skip_special_tokens, []).append(i)
     texts: list = [None] * len(detoks)
@@ -74,7 +119,9 @@ def step_all(detoks: list["IncrementalDetokenizer"], tokens: list[int]) -> list[
                 if len(ids) == 1 and len(one) < 1 << 20:
                     one[ids[0]] = p
             texts[i] = (p, out[f])
-    return [d._advance(*texts[i]) for i, d in enumerate(detoks)]
+        for i in rows:
+            hits[i] = detoks[i]._advance(*texts[i])
+    return hits
 
 
 class IncrementalDetokenizer:
@@ -92,6 +139,7 @@ class IncrementalDetokenizer:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.additive = _additive(tokenizer)  # a whole-character token adds its own text (step_all)
         for t in output_ids:  # rebuild the state of a sequence imported mid-decode
             self._append(t)
         self.emitted = emitted_chars
@@ -118,11 +166,24 @@ class IncrementalDetokenizer:
         return self._advance(self._decode(self.ids[self.prefix_offset:self.read_offset]),
                              self._decode(self.ids[self.prefix_offset:]))
 
+    def _add_text(self, text: str) -> bool:
+        """The newest token (appended to `ids`) adds `text`, whole characters, to a context that
+        decoded completely: what _advance does when the window's texts differ by `text`."""
+        before = len(self.text)
+        self.text += text
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return self._check_stop(before) if self.stop else False
+
     def _advance(self, prefix: str, full: str) -> bool:
         """After the token was appended to `ids`: its text in, the stop strings checked."""
         before = len(self.text)
         self._emit(prefix, full)
-        if self.stop and len(self.text) > before:
+        return self._check_stop(before) if self.stop else False
+
+    def _check_stop(self, before: int) -> bool:
+        """Whether a stop string appeared in the text added after `before` (the text is cut)."""
+        if len(self.text) > before:
             start = max(0, before - self.holdback)
             hits = [(i, len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
             if hits:

@@ -78,7 +78,9 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         # The KV budget in blocks is the runner's block pool: the accounting is the memory.
         num_blocks = self.runner.num_blocks
-        self.blocks = BlockManager(num_blocks, config.kv_block_size)
+        self.blocks = BlockManager(num_blocks, config.kv_block_size, config.max_num_seqs,
+                                   min(num_blocks, -(-self.max_model_len // config.kv_block_size)))
+        self.runner.block_array = self.blocks.array
         # The longest sequence this engine can ever hold is its KV budget (reserved at admission,
         # or grown to by a sequence running alone): the context it serves is no longer than that
         # (a client that leaves max_tokens out gets the rest of this context, which then fits).
@@ -90,7 +92,7 @@ class LLMEngine:
             self.max_model_len = budget
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_waiting,
                                    config.max_prefill_tokens, lazy=config.kv_allocation == "lazy")
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.runner.kernels)  # the CPU kernels sample too, where built
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
         eos = self.runner.hf_config.eos_token_id
@@ -185,8 +187,9 @@ class LLMEngine:
         for s in sched.admitted:
             if s.imported is not None:
                 self._write_imported(s)
-        table = self.blocks.table_ref
-        items = [StepItem([s.token_ids[-1]], s.num_cached, table(s.request_id)) for s in sched.decode]
+        table, row = self.blocks.table_ref, self.blocks.row.get
+        items = [StepItem([s.token_ids[-1]], s.num_cached, table(s.request_id), "last", row(s.request_id, -1))
+                 for s in sched.decode]
         for s, n in sched.prefill:
             logits = "all" if self._scoring(s) else ("last" if s.num_cached + n == s.num_tokens else "none")
             items.append(StepItem(s.token_ids[s.num_cached:s.num_cached + n], s.num_cached, table(s.request_id),

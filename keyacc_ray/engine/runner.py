@@ -113,6 +113,7 @@ class StepItem:
     start: int
     blocks: list[int]
     logits: str = "last"
+    row: int = -1  # the table's row in the runner's `block_array` (-1: none; `blocks` is read)
 
     @property
     def is_decode(self) -> bool:
@@ -162,6 +163,8 @@ class ModelRunner:
         self.block_size = block_size
         self.fast_path = None  # what keyacc_ray.kernels swapped in (FastPathReport)
         self.fused_step = None  # FusedDecodeStep once it reproduced the model's own logits
+        # the block manager's tables as one array (BlockManager.array), rows named by StepItem.row
+        self.block_array: np.ndarray | None = None
         self._kernels = None
         self.paged = False  # until the probe below shows the paged attention agrees with the model's
         self.num_blocks = self._fit_blocks(num_kv_blocks, kv_memory_fraction, gpu_memory_utilization,
@@ -436,9 +439,13 @@ class ModelRunner:
         bs = self.block_size
         if all(len(it.tokens) == 1 for it in items):  # decode rows: one token each (the common step)
             pos = [it.start for it in items]
-            t = torch.tensor([[it.tokens[0] for it in items], pos, [it.blocks[p // bs] for it, p in zip(items, pos)],
-                              [p % bs for p in pos]], device=self.device)
-            return t[0], t[1], t[2], t[3]
+            rows = self._rows(items)
+            if rows is not None:
+                blk = self.block_array[rows, np.asarray(pos) // bs]
+            else:
+                blk = [it.blocks[p // bs] for it, p in zip(items, pos)]
+            t = torch.from_numpy(np.array([[it.tokens[0] for it in items], pos, blk], dtype=np.int64)).to(self.device)
+            return t[0], t[1], t[2], t[1] % bs
         ids, pos, blk, off = [], [], [], []
         for it in items:
             ids += it.tokens
@@ -449,8 +456,20 @@ class ModelRunner:
         t = torch.tensor([ids, pos, blk, off], device=self.device)
         return t[0], t[1], t[2], t[3]
 
+    def _rows(self, items: list[StepItem]) -> np.ndarray | None:
+        """The items' rows of `block_array`, where every one has its row."""
+        if self.block_array is None:
+            return None
+        rows = np.fromiter((it.row for it in items), dtype=np.int64, count=len(items))
+        return rows if len(rows) and rows.min() >= 0 else None
+
     def _tables(self, items: list[StepItem], dtype=torch.long) -> torch.Tensor:
-        """Block tables [rows, widest] (unused places 0), through numpy: one copy to the device."""
+        """Block tables [rows, widest] (unused places 0), through numpy: one copy to the device;
+        a gather from `block_array` where the items have rows there."""
+        rows = self._rows(items)
+        if rows is not None and all(it.is_decode for it in items):  # the blocks up to each row's token
+            width = max(it.start for it in items) // self.block_size + 1
+            return torch.from_numpy(self.block_array[rows, :width]).to(self.device, dtype)
         width = max(len(it.blocks) for it in items)
         arr = np.zeros((len(items), width), dtype=np.int64)
         for r, it in enumerate(items):
@@ -546,6 +565,11 @@ class ModelRunner:
         return lg[0] if items[0].logits == "all" else lg[:, -1]
 
     # ---- device facts ------------------------------------------------------------------
+    @property
+    def kernels(self):
+        """The compiled CPU kernels this CPU engine uses (None: plain torch, or not on CPU)."""
+        return self._kernels
+
     def kv_bytes_per_token(self) -> int:
         s = self.kv_shape
         return s.num_layers * s.num_kv_heads * (s.head_dim + s.v_dim) * torch.finfo(s.dtype).bits // 8

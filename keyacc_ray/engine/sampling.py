@@ -5,8 +5,14 @@ logits' device: temperature; top-k (ties with the k-th value kept, as vLLM) on t
 one batched top-k; min-p; top-p on the candidates in descending order (rows with top-p and no
 top-k take the 256 likeliest tokens, and widen only where those hold less than top-p); then one
 uniform draw per row inverted through the cumulative distribution of the candidates in token-id
-order. One device-to-host copy of the sampled ids per step. Rows with penalties, a logit bias or
-min_tokens have their logits processed row by row first (opt-in features).
+order. Top-p keeps the likeliest tokens until their mass reaches top_p, and every token exactly as
+likely as the one that reaches it (ties kept, as top-k keeps them). One device-to-host copy of
+the sampled ids per step. Rows with penalties, a logit bias or min_tokens have their logits
+processed row by row first (opt-in features).
+
+On CPU, where the C++ kernels are built, the filters and the draw run in one kernel call for the
+batch (`keyacc_ray/kernels/csrc/sampling.cpp`: a selection per row instead of torch's CPU topk and
+sort); the torch path below is the same rule, run on CUDA and compared with the kernel in the tests.
 
 The draw (the rule since the paged engine): the uniform number for a token is a hash of the
 request's seed and the token's position in the sequence (splitmix64), not the state of a
@@ -58,7 +64,9 @@ def uniforms(seeds: list[int], positions: list[int]) -> np.ndarray:
 
 
 class Sampler:
-    def __init__(self):
+    def __init__(self, kernels=None):
+        """`kernels`: the compiled CPU kernels (keyacc_ray.kernels.load()), used for rows on the CPU."""
+        self._kernels = kernels if kernels is not None and hasattr(kernels, "sample_rows") else None
         self._seeds: dict[str, int] = {}
         self._drawn: dict[str, int] = {}  # draws so far, for callers that give no positions
         # request id -> (history length covered, its distinct token ids, them as a tensor): kept up
@@ -122,7 +130,11 @@ class Sampler:
                 self._drawn[r] += 1
         if rows:
             u = uniforms([self._seeds[request_ids[i]] for i in rows], [positions[i] for i in rows])
-            got = sample_rows(_take(logits, rows), [params[i] for i in rows], u)
+            rp = [params[i] for i in rows]
+            if self._kernels is not None and logits.device.type == "cpu":
+                got = kernel_sample_rows(self._kernels, _take(logits, rows), rp, u)
+            else:
+                got = sample_rows(_take(logits, rows), rp, u)
             if len(rows) == len(params):
                 out = got
             else:
@@ -171,14 +183,32 @@ def sample_rows(x: torch.Tensor, params: list[SamplingParams], u: np.ndarray) ->
     part = [i for i in range(n) if i not in plain_rows]
     probs, ids = _candidates(_take(x, part), [params[i] for i in part])
     tp = torch.tensor([params[i].top_p for i in part], dtype=probs.dtype, device=dev)
-    keep = torch.cumsum(probs, dim=-1) - probs < tp[:, None]  # candidates in descending order
-    keep[:, 0] = True
+    keep = probs >= _top_p_threshold(probs, tp)  # candidates in descending order; ties kept
     ids, order = torch.sort(ids, dim=-1)  # the draw walks them in token-id order
     got = _draw((probs * keep).gather(1, order), ids, u[part])
     if len(part) == n:
         return got
     out[part] = got
     return out
+
+
+def kernel_sample_rows(kernels, x: torch.Tensor, params: list[SamplingParams], u: np.ndarray) -> torch.Tensor:
+    """sample_rows through the CPU kernel, every row at once; rows without top-k get their softmax
+    numerators from torch (its vectorised exp over the whole vocabulary)."""
+    xf = x.float()
+    vocab = x.shape[1]
+    t = torch.tensor([(p.temperature, _top_k(p, vocab), p.top_p, p.min_p) for p in params], dtype=torch.float64)
+    k = t[:, 1].long()
+    e = _exp(xf, t[:, 0].tolist()) if bool((k == 0).any()) else torch.empty(0)
+    return kernels.sample_rows(xf, t[:, 0].float(), k, t[:, 2].float(), t[:, 3].float(), torch.from_numpy(u), e)
+
+
+def _top_p_threshold(probs: torch.Tensor, tp: torch.Tensor) -> torch.Tensor:
+    """[rows, 1]: the probability of the candidate (descending order) at which the cumulative mass
+    first reaches top_p; the tokens at least that likely are kept."""
+    before = torch.cumsum(probs, dim=-1) - probs
+    last = (before < tp[:, None]).sum(dim=-1, keepdim=True) - 1  # the first candidate always counts
+    return probs.gather(1, last.clamp_(min=0))
 
 
 def _top_k(p: SamplingParams, vocab: int) -> int:
@@ -268,7 +298,18 @@ def _candidates(x: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Te
         full = full.div_(full.sum(dim=-1, keepdim=True))
         need = torch.tensor([params[i].top_p for i in pr], dtype=full.dtype, device=dev)
         probs, ids = torch.topk(full, min(vocab, CANDIDATES), dim=-1)
-        short = torch.nonzero(probs.sum(dim=-1) < need).flatten().tolist() if probs.shape[1] < vocab else []
+
+        def short_rows(rows: list[int] | None = None) -> list[int]:
+            """Rows whose candidates hold less than top_p, or end on a tie with the token that
+            reaches it (more of them may lie outside)."""
+            if probs.shape[1] >= vocab:
+                return []
+            p, nd = (probs, need) if rows is None else (probs[rows], need[rows])
+            bad = (p.sum(dim=-1) < nd) | (p[:, -1:] >= _top_p_threshold(p, nd))[:, 0]
+            got = torch.nonzero(bad).flatten().tolist()
+            return got if rows is None else [rows[i] for i in got]
+
+        short = short_rows()
         while short:  # the rare flat distribution: those rows' candidates widen
             width = min(vocab, probs.shape[1] * 8)
             wp, wi = torch.topk(_take(full, short), width, dim=-1)
@@ -277,7 +318,7 @@ def _candidates(x: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Te
             ids = torch.cat([ids, ids.new_zeros((len(pr), grow))], dim=1)
             r = torch.tensor(short, device=dev)
             probs[r], ids[r] = wp, wi
-            short = [] if width == vocab else [i for i in short if float(probs[i].sum()) < float(need[i])]
+            short = short_rows(short)
         parts.append((pr, probs, ids))
     if len(parts) == 1:
         return parts[0][1], parts[0][2]

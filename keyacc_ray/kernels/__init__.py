@@ -15,7 +15,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_SRC = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+_SRCS = [Path(__file__).parent / "csrc" / f for f in ("cpu_kernels.cpp", "sampling.cpp")]
 _lock = threading.Lock()
 _mod = None
 _failed: str | None = None
@@ -54,7 +54,7 @@ def load(verbose: bool = False):
             _ninja_on_path()
             out = cache_dir()
             out.mkdir(parents=True, exist_ok=True)
-            _mod = build(name="keyacc_cpu_kernels", sources=[str(_SRC)], build_directory=str(out),
+            _mod = build(name="keyacc_cpu_kernels", sources=[str(f) for f in _SRCS], build_directory=str(out),
                          extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"],
                          verbose=verbose)
         except Exception as e:  # noqa: BLE001 - no compiler, no headers: plain torch it is

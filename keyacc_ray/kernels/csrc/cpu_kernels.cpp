@@ -869,6 +869,10 @@ std::string isa() { return have_avx512bf16() ? "avx512bf16" : "portable"; }
 
 }  // namespace
 
+// sampling.cpp
+torch::Tensor sample_rows(torch::Tensor x, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
+                          torch::Tensor min_p, torch::Tensor u, torch::Tensor e);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16", &pack_bf16, "prepack [N, K] bf16 weights into 16-row k-pair blocks");
   m.def("linear_bf16", &linear_bf16, "y = x @ W^T (+ b) from prepacked bf16 weights");
@@ -883,5 +887,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sin"), py::arg("kbuf"), py::arg("vbuf"), py::arg("pos"), py::arg("rows") = py::none());
   m.def("paged_decode_attention", &paged_decode_attention,
         "one-token attention over a paged KV block pool through block tables, GQA without repeat, mixed lengths");
+  m.def("sample_rows", &sample_rows,
+        "top-k / min-p / top-p and the seeded inverse-CDF draw per row (engine/sampling.py's rule)");
   m.def("isa", &isa, "the linear kernel variant this CPU runs");
 }
