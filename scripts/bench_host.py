@@ -3,7 +3,8 @@
 
 - `host_ms_b{1,64,256}_{greedy,qwen3,topp}`: per decode step, everything but the model forward
   (scheduling, inputs, sampling, postprocessing, detokenization), at batch 1, 64 and 256 on the
-  tiny model: greedy; Qwen3's default sampling (temperature 0.6, top-k 20, top-p 0.95); top-p
+  tiny model, with the engine's CPU kernels as a CPU replica runs them (`--kernels off`: plain
+  torch): greedy; Qwen3's default sampling (temperature 0.6, top-k 20, top-p 0.95); top-p
   0.95 alone. The model's own forward is timed by wrapping it (every version of the engine calls
   it), so the same script measures an older commit too. Median over the measured steps.
 - `paged_seqs_ratio`: max_model_len 32768 and a KV budget of 65,536 tokens; sequences of 2,000
@@ -84,10 +85,12 @@ def host_ms(engine: LLMEngine, batch: int, mode: str, steps: int, rng: random.Ra
     return statistics.median(host)
 
 
-def bench_host(model: str, steps: int = 20, dtype: str = "float32") -> dict:
+def bench_host(model: str, steps: int = 20, dtype: str = "float32", kernels: str = "auto") -> dict:
+    """`kernels`: the engine's cpu_kernels, "auto" as a CPU replica runs it (its sampling goes
+    through the C++ kernel where built; the fused decode step is model time, not host time)."""
     rng = random.Random(0)
     eng = LLMEngine(EngineConfig(model=model, dtype=dtype, max_num_seqs=256, max_model_len=256,
-                                 num_kv_blocks=256 * 64 // 16, cpu_kernels="off"))
+                                 num_kv_blocks=256 * 64 // 16, cpu_kernels=kernels))
     res = {}
     for b in (1, 64, 256):
         for mode in MODES:
@@ -138,9 +141,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-paged", action="store_true")
+    ap.add_argument("--kernels", default="auto", choices=["auto", "off"], help="the engine's cpu_kernels")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    res = bench_host(args.model, args.steps)
+    res = bench_host(args.model, args.steps, kernels=args.kernels)
     if not args.skip_paged:
         res.update(paged_seqs_ratio(args.model))
     report(res)

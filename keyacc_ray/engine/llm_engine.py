@@ -203,6 +203,10 @@ class LLMEngine:
             parts = ([self.runner.forward(items[:nd])] if nd else []) + [self.runner.forward([it])
                                                                         for it in items[nd:]]
             logits = torch.cat(parts)
+        if not sched.prefill:  # decode rows alone (the common step): a token each, logits in order
+            for s in sched.decode:
+                s.num_cached += 1
+            return self._postprocess(sched.decode, self._sample(logits, sched.decode))
         rows, seqs, at = [], [], 0
         for s, it in zip([*sched.decode, *(p[0] for p in sched.prefill)], items):
             n = it.num_logits
@@ -229,50 +233,56 @@ class LLMEngine:
             self._prompt_scores[s.request_id] += self.sampler.logprobs(
                 logits[:len(targets)], targets, [s.params.prompt_logprobs] * len(targets), ranks=True)
 
-    def _sample(self, logits, seqs: list[Sequence]) -> list[tuple[int, tuple | None]]:
-        """One token per row, with its logprobs where the request asked for them."""
-        ids = self.sampler.sample(logits, [s.request_id for s in seqs], [s.params for s in seqs],
+    def _sample(self, logits, seqs: list[Sequence]) -> tuple[list[int], list | None]:
+        """One token per row, and (where some request asked for them) each row's logprobs or None."""
+        params = [s.params for s in seqs]
+        ids = self.sampler.sample(logits, [s.request_id for s in seqs], params,
                                   lambda i: (seqs[i].token_ids, seqs[i].num_prompt_tokens, self.eos_ids),
-                                  positions=[s.num_tokens for s in seqs])
+                                  positions=[len(s.token_ids) for s in seqs])
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not want:
+            return ids, None
         lps: list = [None] * len(seqs)
-        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        if want:
-            got = self.sampler.logprobs(logits[want], [ids[i] for i in want], [seqs[i].params.logprobs for i in want])
-            for i, lp in zip(want, got):
-                lps[i] = lp
-        return list(zip(ids, lps))
+        got = self.sampler.logprobs(logits[want], [ids[i] for i in want], [params[i].logprobs for i in want])
+        for i, lp in zip(want, got):
+            lps[i] = lp
+        return ids, lps
 
-    def _postprocess(self, seqs: list[Sequence], sampled: list[tuple[int, tuple | None]]) -> list[RequestOutput]:
+    def _postprocess(self, seqs: list[Sequence], sampled: tuple[list[int], list | None]) -> list[RequestOutput]:
         """Every row's new token: end of sequence or a stop token id, then the text (detokenized
         for the whole batch in a few calls) and its stop strings, then the length limit."""
-        status: list = []
-        det = []  # rows whose token's text is wanted
-        for i, (seq, (token, _)) in enumerate(zip(seqs, sampled)):
+        tokens, lps = sampled
+        eos, detok, limit = self.eos_ids, self.detok, self.max_model_len
+        stopped: dict[int, SeqStatus] = {}
+        det_d, det_t, det_i = [], [], []  # rows whose token's text is wanted
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
             seq.token_ids.append(token)
             p = seq.params
-            if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
-                status.append(SeqStatus.FINISHED_STOPPED)
-                if p.include_stop_str_in_output:  # the stop token's own text, as vLLM
-                    det.append(i)
-            else:
-                status.append(None)
-                det.append(i)
+            if (token in eos and not p.ignore_eos) or token in p.stop_token_ids:
+                stopped[i] = SeqStatus.FINISHED_STOPPED
+                if not p.include_stop_str_in_output:  # else the stop token's own text, as vLLM
+                    continue
+            det_d.append(detok[seq.request_id])
+            det_t.append(token)
+            det_i.append(i)
         self.tokens_generated += len(seqs)
-        detok = self.detok
-        if det:
-            hits = step_all([detok[seqs[i].request_id] for i in det], [sampled[i][0] for i in det])
-            for i, hit in zip(det, hits):
-                if hit and status[i] is None:
-                    status[i] = SeqStatus.FINISHED_STOPPED
+        if det_d:
+            for i, hit in zip(det_i, step_all(det_d, det_t)):
+                if hit:
+                    stopped.setdefault(i, SeqStatus.FINISHED_STOPPED)
         outs = []
-        for seq, (token, lp), st in zip(seqs, sampled, status):
+        scores = self._prompt_scores
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
             rid = seq.request_id
-            if st is None and (seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len):
+            n = len(seq.token_ids)
+            n_out = n - seq.num_prompt_tokens
+            st = stopped.get(i) if stopped else None
+            if st is None and (n_out >= seq.params.max_tokens or n >= limit):
                 st = SeqStatus.FINISHED_LENGTH
-            outs.append(RequestOutput(rid, [token], detok[rid].take(final=st is not None), st is not None,
-                                      st.finish_reason if st else None, seq.num_prompt_tokens, seq.num_output_tokens,
-                                      None if lp is None else [lp],
-                                      self._prompt_scores.pop(rid, None) if self._prompt_scores else None))
+            lp = lps[i] if lps is not None else None
+            outs.append(RequestOutput(rid, [token], detok[rid].take(st is not None), st is not None,
+                                      st.finish_reason if st else None, seq.num_prompt_tokens, n_out,
+                                      None if lp is None else [lp], scores.pop(rid, None) if scores else None))
             if st is not None:
                 self._finish(seq, st)
         return outs

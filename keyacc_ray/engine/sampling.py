@@ -69,6 +69,7 @@ class Sampler:
         self._kernels = kernels if kernels is not None and hasattr(kernels, "sample_rows") else None
         self._seeds: dict[str, int] = {}
         self._drawn: dict[str, int] = {}  # draws so far, for callers that give no positions
+        self._info: dict[str, tuple] = {}  # request id -> (its params, greedy, processes logits)
         # request id -> (history length covered, its distinct token ids, them as a tensor): kept up
         # to date as the history grows, for the repetition penalty (rebuilt from the whole
         # history every step, it cost about 0.6 ms a row at 1000 tokens)
@@ -81,10 +82,17 @@ class Sampler:
             seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(63)
         self._seeds[request_id] = seed % 2**64
         self._drawn[request_id] = 0
+        self._info[request_id] = _info(params, self._seeds[request_id])
+
+    def _row(self, request_id: str, p: SamplingParams) -> tuple:
+        """A row's `_info`, worked out when its request was added (a step asks it of every row)."""
+        info = self._info.get(request_id)
+        return info if info is not None and info[0] is p else _info(p, self._seeds.get(request_id, 0))
 
     def remove(self, request_id: str) -> None:
         self._seeds.pop(request_id, None)
         self._drawn.pop(request_id, None)
+        self._info.pop(request_id, None)
         self._seen.pop(request_id, None)
 
     def _distinct(self, request_id: str, tokens: list[int], device) -> torch.Tensor:
@@ -109,7 +117,8 @@ class Sampler:
         whose logits are processed (penalties, logit bias, min_tokens). `positions`: each row's
         new token's position in its sequence (what its draw is keyed by); without them, the
         number of draws the request has made here."""
-        proc = [i for i, p in enumerate(params) if p.processes_logits]
+        flags = [self._row(r, p) for r, p in zip(request_ids, params)]
+        proc = [i for i, f in enumerate(flags) if f[2]]
         if proc:
             logits = logits.clone() if logits.dtype == torch.float32 else logits.float()
             for i in proc:
@@ -117,9 +126,9 @@ class Sampler:
                 p = params[i]
                 seen = self._distinct(request_ids[i], tokens, logits.device) if p.repetition_penalty != 1.0 else None
                 logits[i] = process_logits(logits[i].float(), tokens, num_prompt, p, eos_ids, seen)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
+        rows = [i for i, f in enumerate(flags) if not f[1]]
         if len(rows) < len(params):
-            greedy = [i for i, p in enumerate(params) if p.greedy]
+            greedy = [i for i, f in enumerate(flags) if f[1]]
             out = _take(logits, greedy).argmax(dim=-1)
             if rows:
                 out = torch.empty(len(params), dtype=torch.long, device=logits.device).index_copy_(
@@ -129,12 +138,15 @@ class Sampler:
             for r in request_ids:
                 self._drawn[r] += 1
         if rows:
-            u = uniforms([self._seeds[request_ids[i]] for i in rows], [positions[i] for i in rows])
-            rp = [params[i] for i in rows]
+            every = len(rows) == len(params)
+            u = uniforms([self._seeds[r] for r in request_ids] if every else
+                         [self._seeds[request_ids[i]] for i in rows],
+                         positions if every else [positions[i] for i in rows])
             if self._kernels is not None and logits.device.type == "cpu":
-                got = kernel_sample_rows(self._kernels, _take(logits, rows), rp, u)
+                got = kernel_sample_rows(self._kernels, _take(logits, rows),
+                                         np.array([flags[i][3] for i in rows] if not every else [f[3] for f in flags]), u)
             else:
-                got = sample_rows(_take(logits, rows), rp, u)
+                got = sample_rows(_take(logits, rows), [params[i] for i in rows], u)
             if len(rows) == len(params):
                 out = got
             else:
@@ -192,13 +204,19 @@ def sample_rows(x: torch.Tensor, params: list[SamplingParams], u: np.ndarray) ->
     return out
 
 
-def kernel_sample_rows(kernels, x: torch.Tensor, params: list[SamplingParams], u: np.ndarray) -> torch.Tensor:
-    """sample_rows through the CPU kernel, every row at once; rows without top-k get their softmax
-    numerators from torch (its vectorised exp over the whole vocabulary)."""
+def _info(p: SamplingParams, seed: int) -> tuple:
+    """(params, greedy, processes logits, (temperature, top-k, top-p, min-p))."""
+    return (p, p.greedy, p.processes_logits, (p.temperature, p.top_k if p.top_k and p.top_k > 0 else 0, p.top_p, p.min_p))
+
+
+def kernel_sample_rows(kernels, x: torch.Tensor, rows: np.ndarray, u: np.ndarray) -> torch.Tensor:
+    """sample_rows through the CPU kernel, every row at once. `rows`: [n, 4] temperature, top-k
+    (0: none), top-p, min-p. Rows without top-k (or with a k the vocabulary does not exceed) get
+    their softmax numerators from torch (its vectorised exp over the whole vocabulary)."""
     xf = x.float()
-    vocab = x.shape[1]
-    t = torch.tensor([(p.temperature, _top_k(p, vocab), p.top_p, p.min_p) for p in params], dtype=torch.float64)
+    t = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float64))
     k = t[:, 1].long()
+    k[k >= x.shape[1]] = 0
     e = _exp(xf, t[:, 0].tolist()) if bool((k == 0).any()) else torch.empty(0)
     return kernels.sample_rows(xf, t[:, 0].float(), k, t[:, 2].float(), t[:, 3].float(), torch.from_numpy(u), e)
 
