@@ -115,3 +115,35 @@ def test_lazy_blocks_grow_and_the_newest_is_preempted():
     assert out.preempted == [] and out.admitted == []
     sch.finish(a, SeqStatus.FINISHED_LENGTH)
     assert sch.schedule().admitted == [c] and len(bm.block_table("c")) == 2
+
+
+def test_the_block_array_mirrors_every_table():
+    """The array a step gathers its block tables from holds each running sequence's table in its
+    row through allocation, growth and frees (rows reused); a table wider than a row has none
+    (the step reads its list)."""
+    import random
+
+    bm = BlockManager(num_blocks=64, block_size=4, max_seqs=4, max_blocks_per_seq=6)
+    rng = random.Random(0)
+    live: dict[str, int] = {}
+    for step in range(300):
+        sid = f"s{rng.randrange(8)}"
+        if sid in live and rng.random() < 0.3:
+            bm.free(sid)
+            del live[sid]
+        elif sid in live:
+            live[sid] += rng.randrange(1, 6)
+            bm.grow(sid, live[sid])
+        elif len(live) < 4:
+            live[sid] = rng.randrange(1, 12)
+            assert bm.allocate(sid, live[sid])
+        for s in live:
+            table = bm.tables[s]
+            if len(table) <= 6:
+                assert bm.array[bm.row[s], :len(table)].tolist() == table
+            else:
+                assert s not in bm.row
+        assert len(set(bm.row.values())) == len(bm.row) and set(bm.row) <= set(live)
+    for s in list(live):
+        bm.free(s)
+    assert not bm.row and sorted(bm._free_rows) == [0, 1, 2, 3]

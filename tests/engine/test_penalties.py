@@ -133,7 +133,7 @@ def test_min_tokens_equals_generate_min_new_tokens(qwen3_path):
     assert got == want and len(got) == 6 and got[-1] == eos
 
 
-def test_min_p_keeps_only_tokens_near_the_most_likely():
+def test_min_p_keeps_only_tokens_near_the_most_likely(new_sampler):
     """min_p: a sampled token is never less likely than min_p x the most likely one (after
     temperature), whatever the seed; min_p 1 leaves only the most likely token."""
     from keyacc_ray.engine.sampling import Sampler
@@ -142,7 +142,7 @@ def test_min_p_keeps_only_tokens_near_the_most_likely():
     probs = torch.softmax(logits[0], dim=-1)
     allowed = set(torch.nonzero(probs >= 0.8 * probs.max()).flatten().tolist())
     assert 1 < len(allowed) < logits.shape[1]
-    s, drawn = Sampler(), set()
+    s, drawn = new_sampler(), set()
     for seed in range(200):
         p = SamplingParams(temperature=1.0, min_p=0.8, seed=seed).validate()
         s.add(f"r{seed}", p)
@@ -155,7 +155,7 @@ def test_min_p_keeps_only_tokens_near_the_most_likely():
         SamplingParams(min_p=1.5).validate()
 
 
-def test_top_k_draws_only_among_the_k_best_and_reproduces():
+def test_top_k_draws_only_among_the_k_best_and_reproduces(new_sampler):
     """top-k sampling works on the candidates alone: every draw is one of the k best tokens (ties
     with the k-th kept), each of them comes up, and a seed draws the same token again."""
     from keyacc_ray.engine.sampling import Sampler
@@ -164,7 +164,7 @@ def test_top_k_draws_only_among_the_k_best_and_reproduces():
     logits = torch.randn(1, 5000, generator=g)
     logits[0, 17] = logits[0, 4000] = logits.max() + 1.0  # a tie at the top
     best = set(torch.topk(logits[0], 3).indices.tolist())
-    s, drawn = Sampler(), []
+    s, drawn = new_sampler(), []
     for seed in range(300):
         p = SamplingParams(temperature=2.0, top_k=3, top_p=0.99, seed=seed).validate()
         s.add(f"r{seed}", p)
@@ -176,7 +176,7 @@ def test_top_k_draws_only_among_the_k_best_and_reproduces():
 
 
 @pytest.mark.parametrize("kw", [{}, {"top_k": 4}, {"top_p": 0.9}, {"min_p": 0.1}])
-def test_sampled_frequencies_follow_the_distribution(kw):
+def test_sampled_frequencies_follow_the_distribution(kw, new_sampler):
     """The inverse-CDF draw: over 4000 seeds each token comes up as often as its probability
     after temperature / top-k / top-p / min-p says (within 0.03), and never a token they rule out."""
     from keyacc_ray.engine.sampling import Sampler
@@ -194,7 +194,7 @@ def test_sampled_frequencies_follow_the_distribution(kw):
         keep = torch.cumsum(probs[order], 0) - probs[order] < kw["top_p"]
         probs[order[~keep]] = 0
     probs = probs / probs.sum()
-    s, counts = Sampler(), torch.zeros(6)
+    s, counts = new_sampler(), torch.zeros(6)
     for seed in range(4000):
         p = SamplingParams(**{**p0.to_dict(), "seed": seed})
         s.add("r", p)
@@ -217,7 +217,7 @@ def test_distinct_ids_follow_a_growing_history():
     assert "r" not in s._seen
 
 
-def test_a_batch_of_mixed_filters_draws_what_each_row_draws_alone():
+def test_a_batch_of_mixed_filters_draws_what_each_row_draws_alone(new_sampler):
     """The batched sampler: rows with top-k, top-p, min-p, several at once, none, and greedy, in one
     call, draw the same tokens as each row sampled alone; the draw is keyed by (seed, position)."""
     from keyacc_ray.engine.sampling import Sampler, uniforms
@@ -227,7 +227,7 @@ def test_a_batch_of_mixed_filters_draws_what_each_row_draws_alone():
     kws = [dict(top_k=5), dict(top_p=0.9), dict(min_p=0.05), dict(top_k=40, top_p=0.8, min_p=0.01), {},
            dict(temperature=0.0), dict(top_p=0.999999)]  # the last widens past 256 candidates
     params = [SamplingParams(**{"temperature": 0.7, "seed": 11 + i, **kw}).validate() for i, kw in enumerate(kws)]
-    s = Sampler()
+    s = new_sampler()
     for i, p in enumerate(params):
         s.add(f"r{i}", p)
     positions = [40 + i for i in range(7)]

@@ -58,13 +58,6 @@ SCLONES double kept_mass(const float* p, int64_t n, float t) {
   return s;
 }
 
-SCLONES int64_t count_ge(const float* x, int64_t n, float t) {
-  int64_t c = 0;
-#pragma omp simd reduction(+ : c)
-  for (int64_t i = 0; i < n; ++i) c += x[i] >= t;
-  return c;
-}
-
 SCLONES float mass_ge(const float* p, int64_t n, float t) {  // float lanes: vectorised
   float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -85,28 +78,33 @@ uint32_t bisect(uint32_t lo, uint32_t hi, Enough enough) {
   return lo;
 }
 
-// The k-th largest of x (1 <= k <= n): the largest value with at least k values >= it. A small
-// k: one pass keeping the k largest so far in a sorted buffer (a value enters it only when it
-// beats the smallest there: rare after the first few hundred); a larger k: the bisection.
-float kth_largest(const float* x, int64_t n, int64_t k) {
-  if (k <= 64) {
-    float top[64];
-    int64_t m = 0;  // top[0..m) in descending order
-    for (int64_t i = 0; i < n; ++i) {
-      const float v = x[i];
-      if (m == k && !(v > top[k - 1])) continue;
-      if (v != v) continue;  // NaN
-      int64_t j = m < k ? m++ : k - 1;
-      while (j > 0 && top[j - 1] < v) {
-        top[j] = top[j - 1];
-        --j;
-      }
-      top[j] = v;
-    }
-    return m == k ? top[k - 1] : -std::numeric_limits<float>::infinity();
+SCLONES void max_into(float* acc, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] = acc[i] >= y[i] ? acc[i] : y[i];
+}
+
+// The k-th largest of x (1 <= k <= n): the largest value with at least k values >= it. The maxima
+// of G interleaved groups (one vectorised pass) bound it from below when there are enough groups
+// (the k largest maxima are k distinct values); only the values at least that bound (a few
+// dozen on a sampling row) go to a selection.
+float kth_largest(const float* x, int64_t n, int64_t k, std::vector<float>& gm, std::vector<float>& few) {
+  constexpr int64_t G = 8;
+  const int64_t ng = n / G;
+  float floor = -std::numeric_limits<float>::infinity();
+  if (ng >= 2 * k) {
+    gm.assign(x, x + ng);
+    for (int64_t g = 1; g < G; ++g) max_into(gm.data(), x + g * ng, ng);
+    std::nth_element(gm.begin(), gm.begin() + (k - 1), gm.end(), std::greater<float>());
+    floor = gm[k - 1];
   }
-  return float_of(bisect(key_of(-std::numeric_limits<float>::infinity()), key_of(std::numeric_limits<float>::infinity()),
-                         [&](uint32_t key) { return count_ge(x, n, float_of(key)) >= k; }));
+  few.resize(n);
+  int64_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {  // branch-free compaction (NaN never kept)
+    few[m] = x[i];
+    m += x[i] >= floor;
+  }
+  if (m < k) return -std::numeric_limits<float>::infinity();  // NaNs
+  std::nth_element(few.begin(), few.begin() + (k - 1), few.begin() + m, std::greater<float>());
+  return few[k - 1];
 }
 
 // The probability of the token at which the descending cumulative mass of p (all >= 0) first
@@ -169,7 +167,7 @@ int64_t sample_row(const float* x, const float* e, int64_t V, float T, int64_t k
   if (k > 0 && k < V) {
     // top-k on the logits themselves: the k-th largest, every token at least that large kept;
     // softmax over them of x / T (the largest of them is the row's largest)
-    const float kth = kth_largest(x, V, k);
+    const float kth = kth_largest(x, V, k, rs.few, rs.cand);
     auto& idx = rs.idx;
     idx.clear();
     cand.clear();
