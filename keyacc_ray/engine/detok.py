@@ -11,44 +11,83 @@ import random
 CONTEXT_TOKENS = 6
 _BATCHED: dict[int, bool] = {}  # id(tokenizer) -> its Rust backend decodes exactly as tokenizer.decode
 _ONE: dict[tuple[int, bool], dict[int, str]] = {}  # (id(tokenizer), skip) -> token id -> decode([id])
-_ADDITIVE: dict[int, bool] = {}  # id(tokenizer) -> decoding concatenates each token's own text
-_SOLO: dict[tuple[int, bool], dict[int, str | None]] = {}  # (id(tokenizer), skip) -> id -> its own whole text
+_BYTES: dict[int, "ByteTable | None"] = {}  # id(tokenizer) -> its tokens' bytes, where decoding is bytes
 
 
-def _additive(tokenizer) -> bool:
-    """Whether decoding a sequence concatenates its tokens' own texts wherever each token's bytes
-    are whole characters: a byte-level BPE decoder (GPT-2, Llama 3, Qwen, ...) and nothing after
-    it (no clean-up of spaces), checked once per tokenizer on random windows as well. Then a token
-    whose own text is whole characters, after a context that decoded completely, adds exactly its
-    own text: no window to decode. A SentencePiece decoder (a leading space dropped at the start
-    of a text) is not additive."""
+def _gpt2_chars() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's bytes_to_unicode), character -> byte."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class ByteTable:
+    """Each token's bytes under a byte-level decoder (GPT-2, Llama 3, Qwen, ...), where decoding
+    a sequence is decoding the concatenation of its tokens' bytes as UTF-8 (invalid bytes as
+    U+FFFD): a token's bytes are its characters through the byte-level alphabet, or its text's
+    UTF-8 where a character is outside it (added tokens), none for a special token skipped. Then
+    the text a token adds after a context that decoded completely is the UTF-8 decoding of the
+    bytes since: no window to decode (step_all)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.chars = _gpt2_chars()
+        # what decode(skip_special_tokens=True) leaves out: every added token marked special
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self.special = {i for i, t in added.items() if getattr(t, "special", False)}
+        self.special |= set(getattr(tokenizer, "all_special_ids", []))
+        self.added = sorted(added)
+        self._of: dict[int, bytes] = {}
+
+    def of(self, token: int, skip: bool) -> bytes:
+        if skip and token in self.special:
+            return b""
+        got = self._of.get(token)
+        if got is None:
+            text = self.tokenizer.convert_ids_to_tokens(token)
+            chars = self.chars
+            got = bytes(chars[c] for c in text) if all(c in chars for c in text) else text.encode()
+            if len(self._of) < 1 << 21:
+                self._of[token] = got
+        return got
+
+
+def _byte_table(tokenizer) -> ByteTable | None:
+    """The tokenizer's ByteTable where its decoder is byte-level alone (no clean-up of spaces after
+    it) and decoding random windows (special tokens, partial characters) as bytes gives
+    `tokenizer.decode`'s text, both with and without special tokens; else None (a SentencePiece
+    decoder, for one, drops the leading space of a text, and decodes windows)."""
     key = id(tokenizer)
-    if key not in _ADDITIVE:
+    if key not in _BYTES:
         ok = (type(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)).__name__ == "ByteLevel"
-              and not getattr(tokenizer, "clean_up_tokenization_spaces", False) and _backend_agrees(tokenizer))
-        if ok:
+              and not getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        table = ByteTable(tokenizer) if ok else None
+        if table is not None:
             rng = random.Random(1)
             n = len(tokenizer)
-            for _ in range(64):
-                a, b = [rng.randrange(n) for _ in range(rng.randint(1, 6))], [rng.randrange(n)]
-                for skip in (True, False):
-                    ta, tb = tokenizer.decode(a, skip_special_tokens=skip), tokenizer.decode(b, skip_special_tokens=skip)
-                    if "\ufffd" not in ta + tb and tokenizer.decode(a + b, skip_special_tokens=skip) != ta + tb:
-                        ok = False
-        _ADDITIVE[key] = ok
-    return _ADDITIVE[key]
-
-
-def _solo(tokenizer, skip: bool, token: int) -> str | None:
-    """decode([token]) where it is whole characters (None where it is not, or is empty)."""
-    table = _SOLO.setdefault((id(tokenizer), skip), {})
-    got = table.get(token, False)
-    if got is False:
-        text = tokenizer.decode([token], skip_special_tokens=skip)
-        got = text if text and "\ufffd" not in text else None
-        if len(table) < 1 << 20:
-            table[token] = got
-    return got
+            added = table.added[:4096]
+            windows = [[rng.randrange(n) for _ in range(rng.randint(1, 8))] for _ in range(300)]
+            for i, a in enumerate(added):  # every added token (special or not) among random ones
+                w = windows[i % len(windows)]
+                w.insert(rng.randrange(len(w) + 1), a)
+            try:
+                for w in windows:
+                    for skip in (True, False):
+                        got = b"".join(table.of(t, skip) for t in w).decode("utf-8", "replace")
+                        if got != tokenizer.decode(w, skip_special_tokens=skip):
+                            table = None
+                            break
+                    if table is None:
+                        break
+            except Exception:  # noqa: BLE001 - any surprise: windows
+                table = None
+        _BYTES[key] = table
+    return _BYTES[key]
 
 
 def _backend_agrees(tokenizer) -> bool:
@@ -91,13 +130,13 @@ def step_all(detoks: list["IncrementalDetokenizer"], tokens: list[int]) -> list[
     groups: dict[bool, list[int]] = {}
     hits: list = [None] * len(detoks)
     for i, (d, t) in enumerate(zip(detoks, tokens)):
-        if d.additive and d.read_offset == len(d.ids):  # the context decoded completely
-            text = _solo(d.tokenizer, d.skip_special_tokens, t)
-            if text is not None:  # the common token: its own text, nothing to decode
-                d.ids.append(t)
-                hits[i] = d._add_text(text)
-                continue
         d.ids.append(t)
+        table = d.bytes
+        if table is not None:  # bytes since the last text, decoded: no window to decode
+            pending = d.pending = d.pending + table.of(t, d.skip_special_tokens)
+            text = pending.decode("utf-8", "replace")
+            hits[i] = d._add_text(text) if text and not text.endswith("\ufffd") else False
+            continue
         groups.setdefault(d.skip_special_tokens, []).append(i)
     texts: list = [None] * len(detoks)
     for skip, rows in groups.items():
@@ -150,11 +189,17 @@ class IncrementalDetokenizer:
         self.text = ""
         self.emitted = 0
         self.stopped = False
-        self.additive = _additive(tokenizer)  # a whole-character token adds its own text (step_all)
         self.prefix_text: tuple[int, int, str] | None = None  # (offsets, text) of the last prefix window decoded
+        # where decoding is bytes: ids[read_offset:]'s bytes in `pending` (not after a prompt that
+        # ends inside a character: its bytes would join the output's)
+        self.bytes = _byte_table(tokenizer)
+        if self.bytes is not None and self.ids and self._decode(self.ids).endswith("\ufffd"):
+            self.bytes = None
         for t in output_ids:  # rebuild the state of a sequence imported mid-decode
             self._append(t)
         self.emitted = emitted_chars
+        self.pending = b"" if self.bytes is None else b"".join(
+            self.bytes.of(t, skip_special_tokens) for t in self.ids[self.read_offset:])
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -174,17 +219,16 @@ class IncrementalDetokenizer:
     def step(self, token_id: int) -> bool:
         """Add a token; True if a stop string appeared (the text is cut before it, or after it
         with `include_stop`)."""
-        self.ids.append(token_id)
-        return self._advance(self._decode(self.ids[self.prefix_offset:self.read_offset]),
-                             self._decode(self.ids[self.prefix_offset:]))
+        return step_all([self], [token_id])[0]
 
     def _add_text(self, text: str) -> bool:
-        """The newest token (appended to `ids`) adds `text`, whole characters, to a context that
-        decoded completely: what _advance does when the window's texts differ by `text`."""
+        """The tokens since the last text (the newest appended to `ids`) add `text`, whole
+        characters: what _advance does when the window's texts differ by `text`."""
         before = len(self.text)
         self.text += text
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
+        self.pending = b""
         return self._check_stop(before) if self.stop else False
 
     def _advance(self, prefix: str, full: str) -> bool:
@@ -212,6 +256,7 @@ class IncrementalDetokenizer:
             prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
             self.text += self._decode(self.ids[self.prefix_offset:])[len(prefix):]
             self.read_offset = len(self.ids)
+            self.pending = b""
         end = len(self.text) if final else max(self.emitted, len(self.text) - self.holdback)
         delta = self.text[self.emitted:end]
         self.emitted = end

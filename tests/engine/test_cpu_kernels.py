@@ -176,14 +176,41 @@ def test_rope_kv_write_rejects_out_of_range_position(K):
                         torch.ones(1, 8), torch.zeros(1, 8), kbuf, kbuf.clone(), torch.tensor([4]))
 
 
-@pytest.mark.skipif(os.environ.get("KEYACC_CPU_ISA") == "portable", reason="already the portable run")
-def test_portable_fallback():
-    """The portable code (what a CPU without AVX-512 runs) passes the same tests."""
-    env = {**os.environ, "KEYACC_CPU_ISA": "portable"}
+def _rerun_with(isa: str):
+    env = {**os.environ, "KEYACC_CPU_ISA": isa}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert " passed" in r.stdout
+
+
+@pytest.mark.skipif(bool(os.environ.get("KEYACC_CPU_ISA")), reason="already a forced run")
+def test_portable_fallback():
+    """The portable code (what a CPU without AVX-512 runs) passes the same tests."""
+    _rerun_with("portable")
+
+
+@pytest.mark.skipif(bool(os.environ.get("KEYACC_CPU_ISA")), reason="already a forced run")
+def test_avx512_without_amx(K):
+    """Where this CPU has AMX (the products of 8 rows or more run on tiles), the AVX-512 kernels
+    alone (a CPU with AVX512-BF16 and no AMX) pass the same tests."""
+    if K.isa() != "amx":
+        pytest.skip("no AMX here: the default run is the AVX-512 one")
+    _rerun_with("avx512")
+
+
+def test_amx_products_of_many_rows_match_the_float_reference(K):
+    """Prefill-sized products (many rows, a last partial set of 16, widths not a multiple of 64):
+    on AMX tiles where this CPU has them, else the AVX-512 / portable kernel; the same bound."""
+    g = gen(9)
+    for m, n, k in [(8, 64, 64), (16, 100, 256), (37, 200, 1024), (130, 96, 96)]:
+        w = (torch.randn(n, k, generator=g) * 0.05).to(BF16)
+        x = torch.randn(m, k, generator=g).to(BF16)
+        b = torch.randn(n, generator=g).to(BF16)
+        y = K.linear_bf16(x, K.pack_bf16(w), n, b)
+        ref = x.float() @ w.float().T + b.float()
+        assert y.dtype == BF16 and y.shape == (m, n)
+        assert float((y.float() - ref).abs().max()) <= 0.02 * float(ref.abs().max()) + 1e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])

@@ -1,14 +1,14 @@
-"""The batched detokenizer's shortcut: on a byte-level tokenizer a token whose own text is whole
-characters, after a context that decoded completely, adds its own text without a window decode.
-It must give exactly what the window decode gives, step by step, special tokens, partial UTF-8
-bytes and stop strings included; and a tokenizer whose decoding is not additive (SentencePiece's
-leading space) never takes it."""
+"""The batched detokenizer's byte path: on a byte-level tokenizer decoding is the UTF-8 decoding
+of the tokens' bytes, so the text the newest tokens add is the decoding of their bytes, with no
+window to decode. It must give exactly what the window decode gives, step by step, special
+tokens, partial UTF-8 bytes and stop strings included; and a tokenizer whose decoding is not
+bytes (SentencePiece's leading space) never takes it."""
 import random
 
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from keyacc_ray.engine.detok import IncrementalDetokenizer, _additive, step_all
+from keyacc_ray.engine.detok import IncrementalDetokenizer, _byte_table, step_all
 
 
 @pytest.fixture(scope="module")
@@ -16,11 +16,12 @@ def tok(qwen3_path):
     return AutoTokenizer.from_pretrained(qwen3_path)
 
 
-def run(tok, streams, additive: bool, stop, skip):
-    """Each stream's (text taken, stop hit) after every step, through step_all."""
-    ds = [IncrementalDetokenizer(tok, [1, 2, 3], stop, skip_special_tokens=skip) for _ in streams]
-    for d in ds:
-        d.additive = additive and d.additive
+def run(tok, prompts, streams, by_bytes: bool, stop, skip):
+    """Each stream's (hit, text taken) after every step, through step_all."""
+    ds = [IncrementalDetokenizer(tok, p, stop, skip_special_tokens=skip) for p in prompts]
+    if not by_bytes:
+        for d in ds:
+            d.bytes = None
     out = []
     for step in range(len(streams[0])):
         live = [i for i, d in enumerate(ds) if not d.stopped]
@@ -31,20 +32,38 @@ def run(tok, streams, additive: bool, stop, skip):
 
 @pytest.mark.parametrize("skip", [True, False])
 @pytest.mark.parametrize("stop", [[], ["e "], ["ab", "\n"]])
-def test_the_shortcut_gives_what_the_window_decode_gives(tok, skip, stop):
-    assert _additive(tok)  # byte-level BPE, no clean-up: the shortcut applies here
+def test_the_byte_path_gives_what_the_window_decode_gives(tok, skip, stop):
+    assert _byte_table(tok) is not None  # byte-level BPE, no clean-up: the byte path applies here
     rng = random.Random(7)
     text_ids = tok("Hello world, the quick brown fox; жЖ€𝄞 done\nab", add_special_tokens=False)["input_ids"]
     specials = tok.all_special_ids
-    streams = []
+    streams, prompts = [], []
     for _ in range(24):  # real text, random ids (partial bytes among them), special tokens
-        s = [rng.choice([rng.choice(text_ids), rng.randrange(len(tok)), rng.choice(specials)]) for _ in range(40)]
-        streams.append(s)
+        streams.append([rng.choice([rng.choice(text_ids), rng.randrange(len(tok)), rng.choice(specials)])
+                        for _ in range(40)])
+        prompts.append([rng.randrange(len(tok)) for _ in range(rng.randint(1, 8))])  # some end mid-character
     streams.append(text_ids[:40] + [0] * (40 - len(text_ids[:40])))
-    assert run(tok, streams, True, stop, skip) == run(tok, streams, False, stop, skip)
+    prompts.append([1, 2])
+    assert run(tok, prompts, streams, True, stop, skip) == run(tok, prompts, streams, False, stop, skip)
 
 
-def test_a_sentencepiece_tokenizer_is_not_additive(tmp_path):
+def test_an_imported_detokenizer_continues_on_the_byte_path(tok):
+    """Rebuilt from the output so far (a hand-off) mid-character, it goes on as the original."""
+    rng = random.Random(3)
+    ids = [rng.randrange(len(tok)) for _ in range(30)]
+    a = IncrementalDetokenizer(tok, [5, 6], [])
+    for t in ids[:17]:
+        a.step(t)
+    a.take(final=False)
+    b = IncrementalDetokenizer(tok, [5, 6], [], output_ids=ids[:17], emitted_chars=a.emitted)
+    assert b.pending == a.pending and b.bytes is not None
+    for t in ids[17:]:
+        a.step(t)
+        b.step(t)
+        assert a.take(final=False) == b.take(final=False)
+
+
+def test_a_sentencepiece_tokenizer_decodes_windows(tmp_path):
     """Metaspace decoding drops the leading space of a text: "▁b" alone is "b", after "a" it is
     " b"; such a tokenizer always decodes windows."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -55,10 +74,10 @@ def test_a_sentencepiece_tokenizer_is_not_additive(tmp_path):
     t.train_from_iterator(["a b c the quick brown fox jumps over the lazy dog"] * 20,
                           trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"], show_progress=False))
     sp = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="</s>", unk_token="<unk>")
-    assert not _additive(sp)
+    assert _byte_table(sp) is None
     ids = sp("the quick brown fox", add_special_tokens=False)["input_ids"]
     d = IncrementalDetokenizer(sp, [], [])
-    assert not d.additive
+    assert d.bytes is None
     pieces = []
     for i in ids:
         step_all([d], [i])

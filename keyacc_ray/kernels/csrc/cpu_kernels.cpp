@@ -10,16 +10,21 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define KEYACC_X86 1
 #define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
@@ -46,19 +51,42 @@ inline bf16_t f2bf(float f) {  // round to nearest even, NaN kept quiet
   return static_cast<bf16_t>(u >> 16);
 }
 
-bool force_portable() {
-  static const bool v = [] {
+std::string forced_isa() {  // KEYACC_CPU_ISA: portable | avx512 | amx (empty: the best this CPU runs)
+  static const std::string v = [] {
     const char* s = std::getenv("KEYACC_CPU_ISA");
-    return s && std::string(s) == "portable";
+    return std::string(s ? s : "");
   }();
   return v;
 }
+
+bool force_portable() { return forced_isa() == "portable"; }
 
 bool have_avx512bf16() {
 #if KEYACC_X86
   static const bool v = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
                         __builtin_cpu_supports("avx512vl");
   return v && !force_portable();
+#else
+  return false;
+#endif
+}
+
+// AMX (Sapphire Rapids and later): tile registers and a bf16 tile matrix multiply, for the
+// products with many input rows (prefill, batched decode). Linux hands a process the tile state
+// only on request (arch_prctl ARCH_REQ_XCOMP_PERM); refused, or forced off, the AVX-512 kernel runs.
+bool have_amx() {
+#if KEYACC_X86
+  static const bool v = [] {
+    const std::string f = forced_isa();
+    if (!f.empty() && f != "amx") return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
+    if (!tile || !bf16 || !have_avx512bf16()) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return v;
 #else
   return false;
 #endif
@@ -172,6 +200,91 @@ AVX512BF16 void group_avx512(const W* G, int64_t kp, int64_t n_base, const bf16_
 }
 #endif
 
+#if KEYACC_X86
+// AMX over one group (4 blocks of 16 output rows): the packed layout is already the tile
+// multiply's second operand (a k-pair of 16 rows per 64 bytes: VNNI order), so a B tile is 16
+// k-pairs of one block, 256 bytes apart. Per 16 input rows: 4 accumulator tiles (C, 16 x 16
+// float), an A tile of 16 rows x 32 k, and the 4 blocks' B tiles, for every 32 k. Needs K a
+// multiple of 32 (the caller checks); a last partial set of rows goes through a zero-padded copy.
+#define AMX_FN __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+static_assert(sizeof(TileConfig) == 64, "the tile configuration is 64 bytes");
+
+AMX_FN void amx_begin() {
+  static const TileConfig cfg = [] {
+    TileConfig c;
+    std::memset(&c, 0, sizeof c);
+    c.palette_id = 1;
+    for (int t = 0; t < 7; ++t) {  // 0-3 C, 4 A, 5-6 B: 16 rows of 64 bytes each
+      c.rows[t] = 16;
+      c.colsb[t] = 64;
+    }
+    return c;
+  }();
+  _tile_loadconfig(&cfg);
+}
+
+AMX_FN void amx_end() { _tile_release(); }
+
+AMX_FN void group_amx(const bf16_t* G, int64_t kp, int64_t n_base, const bf16_t* x, int64_t ldx, int64_t M,
+                      const float* bias, bf16_t* y, int64_t ldy, int64_t N, std::vector<bf16_t>& pad) {
+  alignas(64) float c[16 * GB * NB];  // [16 rows][64 outputs]
+  constexpr int64_t BSTRIDE = GB * NB * 2 * sizeof(bf16_t);  // bytes from one k-pair of a block to the next
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, M - m0);
+    const bf16_t* a = x + m0 * ldx;
+    int64_t lda = ldx;
+    if (rows < 16) {
+      pad.assign(16 * 2 * kp, 0);
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(pad.data() + r * 2 * kp, a + r * ldx, 2 * kp * sizeof(bf16_t));
+      a = pad.data();
+      lda = 2 * kp;
+    }
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t p = 0; p < kp; p += 16) {
+      const bf16_t* b = G + p * GB * NB * 2;
+      _tile_loadd(4, a + 2 * p, lda * sizeof(bf16_t));
+      _tile_loadd(5, b, BSTRIDE);
+      _tile_loadd(6, b + NB * 2, BSTRIDE);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, b + 2 * NB * 2, BSTRIDE);
+      _tile_loadd(6, b + 3 * NB * 2, BSTRIDE);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+    constexpr int64_t LDC = GB * NB * sizeof(float);
+    _tile_stored(0, c, LDC);
+    _tile_stored(1, c + NB, LDC);
+    _tile_stored(2, c + 2 * NB, LDC);
+    _tile_stored(3, c + 3 * NB, LDC);
+    for (int j = 0; j < GB; ++j) {
+      const int64_t n0 = n_base + j * NB;
+      if (n0 >= N) break;
+      const int64_t rem = N - n0;
+      const __mmask16 mask = rem >= NB ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1);
+      const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+      for (int64_t r = 0; r < rows; ++r) {
+        __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c + r * GB * NB + j * NB), bv));
+        _mm256_mask_storeu_epi16(y + (m0 + r) * ldy + n0, mask, (__m256i)v);
+      }
+    }
+  }
+}
+#endif
+
+// Input rows from which the bf16 products run on AMX tiles (fewer: the AVX-512 kernel, which
+// streams the weights once for every row and is as fast when it is bandwidth-bound).
+constexpr int64_t AMX_MIN_ROWS = 8;
+
 template <typename W>
 CLONES void group_portable(const W* G, int64_t kp, int64_t n_base, const bf16_t* x, int64_t ldx, int64_t M,
                            const float* sc, const float* bias, bf16_t* y, int64_t ldy, int64_t N) {
@@ -219,6 +332,18 @@ torch::Tensor linear_packed(const char* name, torch::Tensor x, const torch::Tens
   bf16_t* yp = reinterpret_cast<bf16_t*>(y.data_ptr());
   const bool fast = have_avx512bf16();
   const int64_t gstride = kp * GB * NB * 2;
+#if KEYACC_X86
+  if (std::is_same<W, bf16_t>::value && M >= AMX_MIN_ROWS && kp % 16 == 0 && have_amx()) {
+    at::parallel_for(0, ng, 1, [&](int64_t g0, int64_t g1) {
+      std::vector<bf16_t> pad;
+      amx_begin();
+      for (int64_t g = g0; g < g1; ++g)
+        group_amx(reinterpret_cast<const bf16_t*>(P + g * gstride), kp, g * GB * NB, xp, ldx, M, bp, yp, N, N, pad);
+      amx_end();
+    });
+    return y;
+  }
+#endif
   at::parallel_for(0, ng, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
 #if KEYACC_X86
@@ -865,7 +990,7 @@ torch::Tensor rope_kv_write(torch::Tensor q, torch::Tensor k, torch::Tensor v, c
   return qo;
 }
 
-std::string isa() { return have_avx512bf16() ? "avx512bf16" : "portable"; }
+std::string isa() { return have_amx() ? "amx" : have_avx512bf16() ? "avx512bf16" : "portable"; }
 
 }  // namespace
 
@@ -889,5 +1014,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one-token attention over a paged KV block pool through block tables, GQA without repeat, mixed lengths");
   m.def("sample_rows", &sample_rows,
         "top-k / min-p / top-p and the seeded inverse-CDF draw per row (engine/sampling.py's rule)");
-  m.def("isa", &isa, "the linear kernel variant this CPU runs");
+  m.def("isa", &isa, "the linear kernel variant this CPU runs (amx: AMX tiles for products of 8 rows or more)");
 }
