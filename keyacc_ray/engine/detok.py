@@ -42,18 +42,22 @@ class ByteTable:
         self.special = {i for i, t in added.items() if getattr(t, "special", False)}
         self.special |= set(getattr(tokenizer, "all_special_ids", []))
         self.added = sorted(added)
-        self._of: dict[int, bytes] = {}
+        # token id -> its bytes, filled as tokens come up: special tokens skipped, and kept
+        self.skipping: dict[int, bytes] = {}
+        self.keeping: dict[int, bytes] = {}
 
     def of(self, token: int, skip: bool) -> bytes:
-        if skip and token in self.special:
-            return b""
-        got = self._of.get(token)
+        table = self.skipping if skip else self.keeping
+        got = table.get(token)
         if got is None:
-            text = self.tokenizer.convert_ids_to_tokens(token)
-            chars = self.chars
-            got = bytes(chars[c] for c in text) if all(c in chars for c in text) else text.encode()
-            if len(self._of) < 1 << 21:
-                self._of[token] = got
+            if skip and token in self.special:
+                got = b""
+            else:
+                text = self.tokenizer.convert_ids_to_tokens(token)
+                chars = self.chars
+                got = bytes(chars[c] for c in text) if all(c in chars for c in text) else text.encode()
+            if len(table) < 1 << 21:
+                table[token] = got
         return got
 
 
@@ -133,9 +137,21 @@ def step_all(detoks: list["IncrementalDetokenizer"], tokens: list[int]) -> list[
         d.ids.append(t)
         table = d.bytes
         if table is not None:  # bytes since the last text, decoded: no window to decode
-            pending = d.pending = d.pending + table.of(t, d.skip_special_tokens)
+            skip = d.skip_special_tokens
+            b = (table.skipping if skip else table.keeping).get(t)
+            pending = d.pending + (b if b is not None else table.of(t, skip))
             text = pending.decode("utf-8", "replace")
-            hits[i] = d._add_text(text) if text and not text.endswith("\ufffd") else False
+            if not text or text[-1] == "\ufffd":
+                d.pending = pending
+                hits[i] = False
+            elif d.stop:
+                hits[i] = d._add_text(text)
+            else:  # _add_text, inline (the common row)
+                d.text += text
+                d.prefix_offset = d.read_offset
+                d.read_offset = len(d.ids)
+                d.pending = b""
+                hits[i] = False
             continue
         groups.setdefault(d.skip_special_tokens, []).append(i)
     texts: list = [None] * len(detoks)
@@ -171,6 +187,8 @@ def step_all(detoks: list["IncrementalDetokenizer"], tokens: list[int]) -> list[
             d = detoks[i]
             d.prefix_text = (d.prefix_offset, d.read_offset, texts[i][0])
             hits[i] = d._advance(*texts[i])
+            if d.bytes_later is not None and d.prefix_offset >= d.prompt_tail and d.read_offset == len(d.ids):
+                d.bytes, d.bytes_later, d.pending = d.bytes_later, None, b""  # only whole characters behind
     return hits
 
 
@@ -184,6 +202,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = list(prompt_ids[-CONTEXT_TOKENS:])
+        self.prompt_tail = len(self.ids)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
@@ -193,8 +212,9 @@ class IncrementalDetokenizer:
         # where decoding is bytes: ids[read_offset:]'s bytes in `pending` (not after a prompt that
         # ends inside a character: its bytes would join the output's)
         self.bytes = _byte_table(tokenizer)
+        self.bytes_later = None  # the byte path once the window has left such a prompt behind
         if self.bytes is not None and self.ids and self._decode(self.ids).endswith("\ufffd"):
-            self.bytes = None
+            self.bytes, self.bytes_later = None, self.bytes
         for t in output_ids:  # rebuild the state of a sequence imported mid-decode
             self._append(t)
         self.emitted = emitted_chars

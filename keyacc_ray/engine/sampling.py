@@ -84,10 +84,6 @@ class Sampler:
         self._drawn[request_id] = 0
         self._info[request_id] = _info(params, self._seeds[request_id])
 
-    def _row(self, request_id: str, p: SamplingParams) -> tuple:
-        """A row's `_info`, worked out when its request was added (a step asks it of every row)."""
-        info = self._info.get(request_id)
-        return info if info is not None and info[0] is p else _info(p, self._seeds.get(request_id, 0))
 
     def remove(self, request_id: str) -> None:
         self._seeds.pop(request_id, None)
@@ -117,7 +113,9 @@ class Sampler:
         whose logits are processed (penalties, logit bias, min_tokens). `positions`: each row's
         new token's position in its sequence (what its draw is keyed by); without them, the
         number of draws the request has made here."""
-        flags = [self._row(r, p) for r, p in zip(request_ids, params)]
+        info = self._info
+        flags = [f if (f := info.get(r)) is not None and f[0] is p else _info(p, self._seeds.get(r, 0))
+                 for r, p in zip(request_ids, params)]
         proc = [i for i, f in enumerate(flags) if f[2]]
         if proc:
             logits = logits.clone() if logits.dtype == torch.float32 else logits.float()
@@ -214,11 +212,13 @@ def kernel_sample_rows(kernels, x: torch.Tensor, rows: np.ndarray, u: np.ndarray
     (0: none), top-p, min-p. Rows without top-k (or with a k the vocabulary does not exceed) get
     their softmax numerators from torch (its vectorised exp over the whole vocabulary)."""
     xf = x.float()
-    t = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float64))
-    k = t[:, 1].long()
+    rows = np.asarray(rows, dtype=np.float64)
+    temp = rows[:, 0].astype(np.float32)
+    k = rows[:, 1].astype(np.int64)
     k[k >= x.shape[1]] = 0
-    e = _exp(xf, t[:, 0].tolist()) if bool((k == 0).any()) else torch.empty(0)
-    return kernels.sample_rows(xf, t[:, 0].float(), k, t[:, 2].float(), t[:, 3].float(), torch.from_numpy(u), e)
+    e = _exp(xf, torch.from_numpy(temp)) if not k.all() else torch.empty(0)
+    return kernels.sample_rows(xf, torch.from_numpy(temp), torch.from_numpy(k), torch.from_numpy(rows[:, 2].astype(np.float32)),
+                               torch.from_numpy(rows[:, 3].astype(np.float32)), torch.from_numpy(u), e)
 
 
 def _top_p_threshold(probs: torch.Tensor, tp: torch.Tensor) -> torch.Tensor:
@@ -242,10 +242,11 @@ def _min_p(probs: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     return probs.masked_fill_(probs < mp[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
 
 
-def _exp(x: torch.Tensor, temperature: list[float]) -> torch.Tensor:
+def _exp(x: torch.Tensor, temperature) -> torch.Tensor:
     """exp((x - max) / T) per row, float32, unnormalised: softmax's numerator, made in place in
-    one new tensor (a vocabulary-wide row costs memory bandwidth per pass)."""
-    t = torch.tensor(temperature, dtype=torch.float32, device=x.device)[:, None]
+    one new tensor (a vocabulary-wide row costs memory bandwidth per pass). `temperature`: a list
+    or a float32 tensor, one per row."""
+    t = torch.as_tensor(temperature, dtype=torch.float32).to(x.device)[:, None]
     y = x.float() / t  # a new tensor: the logits stay as they were
     return y.sub_(y.max(dim=-1, keepdim=True).values).exp_()
 
