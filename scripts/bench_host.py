@@ -6,7 +6,8 @@
   tiny model, with the engine's CPU kernels as a CPU replica runs them (`--kernels off`: plain
   torch): greedy; Qwen3's default sampling (temperature 0.6, top-k 20, top-p 0.95); top-p
   0.95 alone. The model's own forward is timed by wrapping it (every version of the engine calls
-  it), so the same script measures an older commit too. Median over the measured steps.
+  it), so the same script measures an older commit too. Median over the measured steps of three
+  rounds, interleaved over the cases.
 - `paged_seqs_ratio`: max_model_len 32768 and a KV budget of 65,536 tokens; sequences of 2,000
   tokens (1,990-token prompts, 10 new tokens); the most running at once while each holds at
   least 1,990 tokens, over 32 (what the budget holds for the tokens in use); the prompt-token
@@ -61,41 +62,54 @@ def _time_forwards(runner) -> list[float]:
 
     runner.model.forward = wrap(runner.model.forward)
     if getattr(runner, "fused_step", None) is not None:
+        runner._unwrapped_fused = runner.fused_step
         runner.fused_step = wrap(runner.fused_step)
     return spent
 
 
-def host_ms(engine: LLMEngine, batch: int, mode: str, steps: int, rng: random.Random) -> float:
+def host_ms(engine: LLMEngine, batch: int, mode: str, steps: int, rng: random.Random) -> list[float]:
+    """The host ms of each of `steps` decode steps of `batch` new requests sampled by `mode`."""
     vocab = engine.runner.vocab_size
     params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, seed=1, **MODES[mode])
     for i in range(batch):
-        engine.add_request(f"h{mode}{batch}-{i}", [rng.randrange(vocab) for _ in range(32)], params)
+        engine.add_request(f"h{mode}{batch}-{rng.random()}", [rng.randrange(vocab) for _ in range(32)], params)
     spent = _time_forwards(engine.runner)
-    while engine.scheduler.num_waiting or any(s.num_cached == 0 for s in engine.seqs.values()):
-        engine.step()  # prefill every prompt first
-    host = []
-    for _ in range(steps):
-        spent[0] = 0.0
-        t = time.perf_counter()
-        engine.step()
-        host.append((time.perf_counter() - t - spent[0]) * 1e3)
-    for rid in list(engine.seqs):
-        engine.abort(rid)
-    engine.runner.model.__dict__.pop("forward", None)  # unwrap
-    return statistics.median(host)
+    try:
+        while engine.scheduler.num_waiting or any(s.num_cached == 0 for s in engine.seqs.values()):
+            engine.step()  # prefill every prompt first
+        host = []
+        for _ in range(steps):
+            spent[0] = 0.0
+            t = time.perf_counter()
+            engine.step()
+            host.append((time.perf_counter() - t - spent[0]) * 1e3)
+    finally:
+        for rid in list(engine.seqs):
+            engine.abort(rid)
+        _unwrap(engine.runner)
+    return host
 
 
-def bench_host(model: str, steps: int = 20, dtype: str = "float32", kernels: str = "auto") -> dict:
+def _unwrap(runner) -> None:
+    runner.model.__dict__.pop("forward", None)
+    if getattr(runner, "_unwrapped_fused", None) is not None:
+        runner.fused_step = runner._unwrapped_fused
+
+
+def bench_host(model: str, steps: int = 20, dtype: str = "float32", kernels: str = "auto", rounds: int = 3) -> dict:
     """`kernels`: the engine's cpu_kernels, "auto" as a CPU replica runs it (its sampling goes
-    through the C++ kernel where built; the fused decode step is model time, not host time)."""
+    through the C++ kernel where built; the fused decode step is model time, not host time).
+    Each figure is the median over `rounds` x `steps` steps, the rounds interleaved over the
+    cases (this VM's speed drifts by tens of percent over minutes: every case sees the same drift)."""
     rng = random.Random(0)
     eng = LLMEngine(EngineConfig(model=model, dtype=dtype, max_num_seqs=256, max_model_len=256,
                                  num_kv_blocks=256 * 64 // 16, cpu_kernels=kernels))
-    res = {}
-    for b in (1, 64, 256):
-        for mode in MODES:
-            res[f"host_ms_b{b}_{mode}"] = round(host_ms(eng, b, mode, steps, rng), 3)
-    return res
+    got: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for b in (1, 64, 256):
+            for mode in MODES:
+                got.setdefault(f"host_ms_b{b}_{mode}", []).extend(host_ms(eng, b, mode, steps, rng))
+    return {k: round(statistics.median(v), 3) for k, v in got.items()}
 
 
 def paged_seqs_ratio(model: str, dtype: str = "float32") -> dict:
