@@ -4,6 +4,9 @@
 
     python scripts/bench_sampler.py                    # 151,936 tokens (Qwen's vocabulary)
     python scripts/bench_sampler.py --vocab 32000 --batch 32
+
+Each case runs the torch path (what CUDA runs) and, where the C++ kernels are built, the CPU
+kernel the engine uses on CPU.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from keyacc_ray.engine.request import SamplingParams  # noqa: E402
+from keyacc_ray import kernels  # noqa: E402
 from keyacc_ray.engine.sampling import Sampler  # noqa: E402
 
 CASES = {
@@ -41,21 +45,26 @@ def main() -> None:
     history = [torch.randint(0, args.vocab, (args.history,)).tolist() for _ in range(args.batch)]
     print(f"vocab {args.vocab}, batch {args.batch}, history {args.history} tokens, torch threads "
           f"{torch.get_num_threads()}")
+    mod = kernels.load()
+    paths = {"torch": None, **({"kernel": mod} if mod is not None else {})}
+    print(f"{'case':48s} " + "  ".join(f"{p + ' ms/row':>14s}" for p in paths))
     for name, kw in CASES.items():
-        s = Sampler()
-        rids = [f"r{i}" for i in range(args.batch)]
-        params = [SamplingParams(seed=i, **kw).validate() for i in range(args.batch)]
-        for r, p in zip(rids, params):
-            s.add(r, p)
-        s.sample(logits, rids, params, history=lambda i: (history[i], 10, (0,)))  # warm up
-        t = time.perf_counter()
-        for step in range(args.steps):
-            for i, h in enumerate(history):  # each sequence's history grows by a token a step, as in decoding
-                h.append((step * 7919 + i) % args.vocab)
-            s.sample(logits, rids, params, history=lambda i: (history[i], 10, (0,)))
-        per_step = (time.perf_counter() - t) / args.steps * 1e3
-        print(f"{name:48s} {per_step:8.2f} ms per step  {per_step / args.batch:6.3f} ms per row")
-
+        cells = []
+        for path, k in paths.items():
+            s = Sampler(k)
+            rids = [f"r{i}" for i in range(args.batch)]
+            params = [SamplingParams(seed=i, **kw).validate() for i in range(args.batch)]
+            for r, p in zip(rids, params):
+                s.add(r, p)
+            hist = [list(h) for h in history]
+            s.sample(logits, rids, params, history=lambda i: (hist[i], 10, (0,)))  # warm up
+            t = time.perf_counter()
+            for step in range(args.steps):
+                for i, h in enumerate(hist):  # each sequence's history grows by a token a step, as in decoding
+                    h.append((step * 7919 + i) % args.vocab)
+                s.sample(logits, rids, params, history=lambda i: (hist[i], 10, (0,)))
+            cells.append((time.perf_counter() - t) / args.steps * 1e3 / args.batch)
+        print(f"{name:48s} " + "  ".join(f"{c:14.3f}" for c in cells))
 
 if __name__ == "__main__":
     main()
