@@ -142,6 +142,21 @@ float top_p_threshold(const float* p, int64_t n, double need, float at_least, st
 // passes u x the kept mass; `ids` null: the index itself. Branch-free over the tokens.
 int64_t draw(const float* p, const int64_t* ids, int64_t n, float tau, double u) {
   const float t = tau > 0.0f ? tau : std::numeric_limits<float>::denorm_min();
+  constexpr int64_t CHUNK = 1024;  // a long row: chunk masses first (vectorised), then one chunk walked
+  if (n > 8 * CHUNK) {
+    const int64_t nc = (n + CHUNK - 1) / CHUNK;
+    std::vector<double> mass(nc);
+    double total = 0.0;
+    for (int64_t c = 0; c < nc; ++c) total += mass[c] = kept_mass(p + c * CHUNK, std::min(CHUNK, n - c * CHUNK), t);
+    const double target = u * total;
+    double before = 0.0;
+    int64_t c = 0;
+    for (; c < nc - 1 && before + mass[c] <= target; ++c) before += mass[c];
+    while (c > 0 && mass[c] == 0.0) before -= mass[--c];  // (rounding past the last chunk with mass)
+    const int64_t start = c * CHUNK, len = std::min(CHUNK, n - start);
+    const int64_t j = start + draw(p + start, nullptr, len, tau, (target - before) / std::max(mass[c], 1e-300));
+    return ids ? ids[j] : j;
+  }
   const double target = u * kept_mass(p, n, t);
   double cum = 0.0;
   int64_t i = 0;
