@@ -12,6 +12,7 @@
 #   2. a random-weight model with a real shape the CPU pool decodes usefully (KEYACC_BENCH_SIZE,
 #      default the ~0.4B "bench" shape), made on the GPU
 #   3. the engine check on it: GPU prefill -> CPU decode continuation (and back), tokens compared
+#   3b. where the host CPU has AMX: the CPU fast path with and without AMX tiles (a JSON line in log.txt)
 #   4. the same with Qwen3-14B's shape (KEYACC_CHECK_SIZE) -> engine_check.json, when time allows
 #   5. bench/: the side-by-side policy run on the GPU + the CPU cores (report.json, written after
 #      every run, + PNG plots), on the step-2 model
@@ -96,6 +97,12 @@ SMALL_RC=$?
 log "engine check ($BENCH_SIZE) exit status $SMALL_RC"
 
 BENCH_RESERVE=${KEYACC_BENCH_RESERVE:-250}   # seconds kept for the side-by-side (about 240 on the H200 host: 8 runs, CPU alone, low load)
+if grep -q amx_bf16 /proc/cpuinfo && [ "$(left)" -gt $(( BENCH_RESERVE + 240 )) ]; then
+  # the CPU pool's kernels with and without AMX tiles (issue #26), one JSON line into log.txt
+  log "3b CPU fast path on $BENCH_SIZE, AMX vs AVX-512 alone ($(nproc) threads)"
+  timeout "$(cap 90 $(( BENCH_RESERVE + 150 )))" $PY scripts/bench_cpu_isa.py --model "$WORK/m-$BENCH_SIZE" \
+    --threads "$(nproc)" --steps 8 --isa amx avx512 2>&1 | tail -1 | tee -a "$OUT_DIR/log.txt"
+fi
 LARGE_RC=skipped
 if [ "$SIZE" != "$BENCH_SIZE" ] && [ "$(left)" -gt $(( BENCH_RESERVE + 60 )) ]; then
   log "4/5 model $SIZE on $DEVICE and its engine check ($(left) s left)"

@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""The CPU fast path on every kernel path this CPU runs, one subprocess per path (the path is
+picked once per process from KEYACC_CPU_ISA): prefill of a 512-token prompt and decode at batch
+1, 8 and 32, the same bf16 model and thread count for each. Paths: amx (AVX512-BF16 with AMX
+tiles for products of 8 rows or more), avx512 (AVX512-BF16 alone), portable (the compiler's own
+vectorisation; slow: fewer steps). Prints a table, then one JSON line with
+`prefill_tps_512_{isa}` and `decode_tps_bs{1,8,32}_{isa}`.
+
+    python scripts/bench_cpu_isa.py --model models/bench-qwen3 --threads 2
+    python scripts/bench_cpu_isa.py --model M --isa amx avx512        # only these
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def measure(model: str, threads: int, steps: int) -> dict:
+    """In this process, on the path KEYACC_CPU_ISA names."""
+    import random
+
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from keyacc_ray import kernels
+    from keyacc_ray.config import EngineConfig
+    from keyacc_ray.engine.llm_engine import LLMEngine
+    from keyacc_ray.engine.request import SamplingParams
+
+    torch.set_num_threads(threads)
+    eng = LLMEngine(EngineConfig(model=model, dtype="bfloat16", max_num_seqs=32, max_model_len=768,
+                                 num_threads=threads, cpu_kernels="on"))
+    rng = random.Random(0)
+    vocab = eng.runner.vocab_size
+    res = {"isa": kernels.load().isa()}
+    for i in range(2):  # warm once
+        eng.add_request(f"p{i}", [rng.randrange(10, vocab - 1) for _ in range(512)], SamplingParams(max_tokens=1))
+        t = time.perf_counter()
+        eng.step()
+        dt = time.perf_counter() - t
+    while eng.has_unfinished():
+        eng.step()
+    res["prefill_tps_512"] = round(512 / dt, 1)
+    for b in (1, 8, 32):
+        for i in range(b):
+            eng.add_request(f"d{b}-{i}", [rng.randrange(10, vocab - 1) for _ in range(128)],
+                            SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True))
+        while any(s.num_output_tokens == 0 for s in eng.seqs.values()):
+            eng.step()
+        t = time.perf_counter()
+        n = sum(len(eng.step()) for _ in range(steps))
+        res[f"decode_tps_bs{b}"] = round(n / (time.perf_counter() - t), 1)
+        while eng.has_unfinished():
+            eng.step()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="models/bench-qwen3")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--isa", nargs="*", default=["amx", "avx512", "portable"])
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.model, args.threads, args.steps)))
+        return
+    out: dict = {"model": args.model, "threads": args.threads}
+    for isa in args.isa:
+        steps = max(2, args.steps // 4) if isa == "portable" else args.steps
+        env = {**os.environ, "KEYACC_CPU_ISA": isa}
+        r = subprocess.run([sys.executable, __file__, "--child", "--model", args.model, "--threads", str(args.threads),
+                            "--steps", str(steps)], env=env, capture_output=True, text=True, timeout=3600)
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+        if r.returncode or not lines:
+            out[f"error_{isa}"] = (r.stderr or r.stdout)[-300:]
+            continue
+        got = json.loads(lines[-1])
+        if isa != "portable" and got["isa"] != {"amx": "amx", "avx512": "avx512bf16"}[isa]:
+            out[f"skipped_{isa}"] = f"this CPU runs {got['isa']} at most"
+            continue
+        for k, v in got.items():
+            if k != "isa":
+                out[f"{k}_{isa}"] = v
+    width = max(map(len, out))
+    for k, v in out.items():
+        print(f"{k:<{width}}  {v}")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
