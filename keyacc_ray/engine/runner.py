@@ -102,7 +102,7 @@ def cache_kwarg(model) -> str:
                          param="model")
 
 
-@dataclass
+@dataclass(slots=True)
 class StepItem:
     """One sequence's part of a forward: `tokens` fed at positions start.., their KV written into
     `blocks` (the sequence's block table, covering start + len(tokens)); `logits`: which rows of

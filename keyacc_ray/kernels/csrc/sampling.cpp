@@ -226,13 +226,8 @@ int64_t sample_row(const float* x, const float* e, int64_t V, float T, int64_t k
     return draw(cand.data(), nullptr, V, 0.0f, u);
   }
   cand.resize(V);
-  double s = 0.0;
-  for (int64_t i = 0; i < V; ++i) {
-    const float v = e[i] < min_p ? 0.0f : e[i];
-    cand[i] = v;
-    s += v;
-  }
-  const float fs = static_cast<float>(s);
+  for (int64_t i = 0; i < V; ++i) cand[i] = e[i] < min_p ? 0.0f : e[i];
+  const float fs = static_cast<float>(kept_mass(cand.data(), V, 0.0f));  // (vectorised)
   for (auto& v : cand) v /= fs;
   // Only tokens at least (1 - top_p) / V likely can be kept: the ones below it hold less than
   // 1 - top_p together, so the threshold is never under it.
