@@ -66,7 +66,7 @@ def uniforms(seeds: list[int], positions: list[int]) -> np.ndarray:
 class Sampler:
     def __init__(self, kernels=None):
         """`kernels`: the compiled CPU kernels (keyacc_ray.kernels.load()), used for rows on the CPU."""
-        self._kernels = kernels if kernels is not None and hasattr(kernels, "sample_rows") else None
+        self._kernels = kernels if kernels is not None and hasattr(kernels, "argmax_rows") else None
         self._seeds: dict[str, int] = {}
         self._drawn: dict[str, int] = {}  # draws so far, for callers that give no positions
         self._info: dict[str, tuple] = {}  # request id -> (its params, greedy, processes logits)
@@ -127,7 +127,9 @@ class Sampler:
         rows = [i for i, f in enumerate(flags) if not f[1]]
         if len(rows) < len(params):
             greedy = [i for i, f in enumerate(flags) if f[1]]
-            out = _take(logits, greedy).argmax(dim=-1)
+            g = _take(logits, greedy)
+            out = (self._kernels.argmax_rows(g) if self._kernels is not None and g.device.type == "cpu"
+                   else g.argmax(dim=-1))
             if rows:
                 out = torch.empty(len(params), dtype=torch.long, device=logits.device).index_copy_(
                     0, torch.tensor(greedy, device=logits.device), out)

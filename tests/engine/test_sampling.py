@@ -72,3 +72,17 @@ def test_a_big_vocabulary_flat_row_widens_and_agrees(K):
     params = [SamplingParams(temperature=1.0, top_p=tp).validate() for tp in (0.5, 0.9, 0.99, 0.95)]
     u = uniforms([1, 2, 3, 4], [0, 0, 0, 0])
     assert kernel_sample_rows(K, x, rows_of(params), u).tolist() == sample_rows(x, params, u).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_argmax_is_torch_argmax(K, dtype):
+    """Greedy rows on CPU: the first largest logit, as torch.argmax (ties, all-negative rows,
+    -0 beside 0, a real-sized vocabulary)."""
+    g = torch.Generator().manual_seed(4)
+    for n, vocab in [(1, 7), (33, 512), (5, 151936)]:
+        x = (torch.randn(n, vocab, generator=g) * 3).to(dtype)
+        x[0, vocab // 2] = x[0, vocab // 3] = x.max() + 1  # a tie at the top: the first wins
+        if n > 1:
+            x[1] = -x[1].abs() - 1
+            x[1, 2], x[1, 4] = -0.0, 0.0  # equal maxima of different signs: the first
+        assert K.argmax_rows(x).tolist() == x.argmax(-1).tolist()

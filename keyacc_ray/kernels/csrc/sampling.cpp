@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -237,6 +238,47 @@ int64_t sample_row(const float* x, const float* e, int64_t V, float T, int64_t k
 }
 
 }  // namespace
+
+namespace {
+
+SCLONES uint32_t max_key(const float* x, int64_t n) {  // the largest value's key (an integer max: vectorised)
+  uint32_t m = 0;
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, key_of(x[i] + 0.0f));  // (+ 0: -0 and 0 one key)
+  return m;
+}
+
+// The first index holding key m: 16 at a time (a vectorised test), then within the block.
+int64_t first_with(const float* x, int64_t n, uint32_t m) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    bool hit = false;
+    for (int j = 0; j < 16; ++j) hit |= key_of(x[i + j] + 0.0f) == m;
+    if (hit) break;
+  }
+  for (; i < n; ++i)
+    if (key_of(x[i] + 0.0f) == m) return i;
+  return 0;
+}
+
+}  // namespace
+
+// The index of each row's largest logit, the first one where several are equal (torch.argmax's
+// rule), for float32 or bfloat16 logits [n, V]: torch's CPU argmax over bf16 took 3.4 ms for
+// 32 rows of 32,000 (about 1 ns an element; this is one vectorised pass).
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2, "argmax_rows: [rows, vocab]");
+  if (x.scalar_type() != torch::kFloat32 && x.scalar_type() != torch::kBFloat16) return x.argmax(-1);
+  x = x.to(torch::kFloat32).contiguous();  // bf16 widened by torch's vectorised copy (exact)
+  const int64_t n = x.size(0), V = x.size(1);
+  auto out = torch::empty({n}, torch::kInt64);
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, n, std::max<int64_t>(1, 262144 / std::max<int64_t>(V, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) op[r] = first_with(xp + r * V, V, max_key(xp + r * V, V));
+  });
+  return out;
+}
 
 // logits x [n, V] float32 (raw); per row the temperature (> 0), top-k (0: none), top-p, min-p and
 // uniform u in [0, 1); e [n, V] float32 = exp(x / T - max(x / T)) per row, needed only by rows
