@@ -348,9 +348,13 @@ class Router:
             self._count(f"recoveries_total|hop={kind}")
             t.last_cpu = None
             return self._enter(t, nxt, self._cpu_period(t) if nxt == "cpu_decode" else None)
-        if end.outcome == "withdrawn":  # recalled from a CPU queue before it ran: routed again, as new
-            self._recalled.pop(t.request_id, None)
-            route = self.policy.route(self._view(t, 0), self.load_view())
+        if end.outcome == "withdrawn":  # recalled from a CPU queue before it ran
+            # The recall was the decision (the GPU had a place for it, held since in the in-flight
+            # count): it goes there. Routed again instead, it met a GPU queue made of the requests
+            # recalled just before it (still waiting for their blocks) and went back to the CPU.
+            # A recall that lapsed (RECALL_HOLD_S) is routed again, as new.
+            recalled = self._recalled.pop(t.request_id, None) is not None
+            route = "gpu" if recalled else self.policy.route(self._view(t, 0), self.load_view())
             if route == HOLD:  # no place anywhere any more: back in line, as new
                 return await self._hold(t)
             self._count(f"moves_total|from=cpu,to={'cpu' if route == 'cpu' else 'gpu'},reason=recall")

@@ -8,7 +8,7 @@
 // min_p x the most likely one; top-p keeps the likeliest tokens until their mass reaches top_p,
 // with every token exactly as likely as the one that reaches it; then the token whose cumulative
 // mass, walked in token-id order, first passes u x the kept mass. Rows are independent (the same
-// row draws the same token in any batch).
+// row draws the same token in any batch). Greedy rows: argmax_rows, a vectorised argmax.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
