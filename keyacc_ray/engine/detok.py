@@ -95,13 +95,14 @@ def _byte_table(tokenizer) -> ByteTable | None:
 
 
 def _backend_agrees(tokenizer) -> bool:
-    """Whether one call into the Rust tokenizer's decode_batch gives `tokenizer.decode`'s text:
-    checked once per tokenizer on windows of random and special token ids (a tokenizer without a
-    Rust backend, or one whose decode post-processes the text, is decoded row by row)."""
+    """Whether the Rust tokenizer's own decode (what decode_many calls) gives `tokenizer.decode`'s
+    text: checked once per tokenizer on windows of random and special token ids (a tokenizer
+    without a Rust backend, or one whose decode post-processes the text, goes through
+    `tokenizer.decode`)."""
     key = id(tokenizer)
     if key not in _BATCHED:
         backend = getattr(tokenizer, "_tokenizer", None)
-        ok = backend is not None and hasattr(backend, "decode_batch")
+        ok = backend is not None and hasattr(backend, "decode")
         if ok:
             rng = random.Random(0)
             n = len(tokenizer)
@@ -110,7 +111,7 @@ def _backend_agrees(tokenizer) -> bool:
             probes += [[*p[:2], s, *p[2:]] for p, s in zip(probes, special)]
             try:
                 for skip in (True, False):
-                    got = backend.decode_batch(probes, skip_special_tokens=skip)
+                    got = [backend.decode(p, skip_special_tokens=skip) for p in probes]
                     ok = ok and got == [tokenizer.decode(p, skip_special_tokens=skip) for p in probes]
             except Exception:  # noqa: BLE001 - any mismatch in kind: row by row
                 ok = False
@@ -119,7 +120,7 @@ def _backend_agrees(tokenizer) -> bool:
 
 
 def decode_many(tokenizer, seqs: list[list[int]], skip_special_tokens: bool) -> list[str]:
-    """`tokenizer.decode` of each list: one call into the Rust tokenizer where it agrees."""
+    """`tokenizer.decode` of each list: straight into the Rust tokenizer where it agrees."""
     if seqs and _backend_agrees(tokenizer):
         # one call per window into the Rust tokenizer: its decode_batch hands the windows to a
         # thread pool, which beside torch's busy threads took about 10x longer than this
@@ -141,17 +142,11 @@ def step_all(detoks: list["IncrementalDetokenizer"], tokens: list[int]) -> list[
             b = (table.skipping if skip else table.keeping).get(t)
             pending = d.pending + (b if b is not None else table.of(t, skip))
             text = pending.decode("utf-8", "replace")
-            if not text or text[-1] == "\ufffd":
+            if not text or text[-1] == "\ufffd":  # a character still incomplete: wait
                 d.pending = pending
                 hits[i] = False
-            elif d.stop:
+            else:
                 hits[i] = d._add_text(text)
-            else:  # _add_text, inline (the common row)
-                d.text += text
-                d.prefix_offset = d.read_offset
-                d.read_offset = len(d.ids)
-                d.pending = b""
-                hits[i] = False
             continue
         groups.setdefault(d.skip_special_tokens, []).append(i)
     texts: list = [None] * len(detoks)

@@ -82,8 +82,7 @@ class Sampler:
             seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(63)
         self._seeds[request_id] = seed % 2**64
         self._drawn[request_id] = 0
-        self._info[request_id] = _info(params, self._seeds[request_id])
-
+        self._info[request_id] = _info(params)
 
     def remove(self, request_id: str) -> None:
         self._seeds.pop(request_id, None)
@@ -114,7 +113,7 @@ class Sampler:
         new token's position in its sequence (what its draw is keyed by); without them, the
         number of draws the request has made here."""
         info = self._info
-        flags = [f if (f := info.get(r)) is not None and f[0] is p else _info(p, self._seeds.get(r, 0))
+        flags = [f if (f := info.get(r)) is not None and f[0] is p else _info(p)
                  for r, p in zip(request_ids, params)]
         proc = [i for i, f in enumerate(flags) if f[2]]
         if proc:
@@ -138,13 +137,9 @@ class Sampler:
             for r in request_ids:
                 self._drawn[r] += 1
         if rows:
-            every = len(rows) == len(params)
-            u = uniforms([self._seeds[r] for r in request_ids] if every else
-                         [self._seeds[request_ids[i]] for i in rows],
-                         positions if every else [positions[i] for i in rows])
+            u = uniforms([self._seeds[request_ids[i]] for i in rows], [positions[i] for i in rows])
             if self._kernels is not None and logits.device.type == "cpu":
-                got = kernel_sample_rows(self._kernels, _take(logits, rows),
-                                         np.array([flags[i][3] for i in rows] if not every else [f[3] for f in flags]), u)
+                got = kernel_sample_rows(self._kernels, _take(logits, rows), np.array([flags[i][3] for i in rows]), u)
             else:
                 got = sample_rows(_take(logits, rows), [params[i] for i in rows], u)
             if len(rows) == len(params):
@@ -204,7 +199,7 @@ def sample_rows(x: torch.Tensor, params: list[SamplingParams], u: np.ndarray) ->
     return out
 
 
-def _info(p: SamplingParams, seed: int) -> tuple:
+def _info(p: SamplingParams) -> tuple:
     """(params, greedy, processes logits, (temperature, top-k, top-p, min-p))."""
     return (p, p.greedy, p.processes_logits, (p.temperature, p.top_k if p.top_k and p.top_k > 0 else 0, p.top_p, p.min_p))
 

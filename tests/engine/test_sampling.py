@@ -22,7 +22,7 @@ def K():
 
 
 def rows_of(params):
-    return np.array([_info(p, 0)[3] for p in params])
+    return np.array([_info(p)[3] for p in params])
 
 
 @pytest.mark.parametrize("vocab", [7, 512, 5000, 40000])
