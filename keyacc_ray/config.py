@@ -48,7 +48,9 @@ class EngineConfig:
     # KV blocks: "lazy" as a sequence grows, preempting the newest when they run out (vLLM), or
     # "reserve" prompt + max_tokens at admission (never preempts; fewer sequences at once).
     kv_allocation: str = "lazy"
-
+    # automatic prefix caching (vLLM's): a prompt that begins with blocks another sequence computed
+    # shares their KV and prefills only the rest
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         if not self.model:
@@ -71,6 +73,8 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.paged_attention must be auto/off, got {self.paged_attention!r}")
         if self.cpu_kernels not in ("auto", "on", "off"):
             raise ConfigError(f"EngineConfig.cpu_kernels must be auto/on/off, got {self.cpu_kernels!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"EngineConfig.enable_prefix_caching must be true/false, got {self.enable_prefix_caching!r}")
         if self.kv_allocation not in ("lazy", "reserve"):
             raise ConfigError(f"EngineConfig.kv_allocation must be lazy/reserve, got {self.kv_allocation!r}")
         if self.cpu_weight_quant not in ("none", "int8"):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from keyacc_ray.config import EngineConfig
-from keyacc_ray.engine.blocks import BlockManager
+from keyacc_ray.engine.blocks import BlockManager, chain_hashes
 from keyacc_ray.engine.detok import IncrementalDetokenizer, step_all
 from keyacc_ray.engine.kv_package import KVMeta, KVPackage, dtype_name, to_engine_tensors, to_wire
 from keyacc_ray.engine.request import SamplingParams, Sequence, SeqStatus
@@ -42,6 +42,7 @@ class RequestOutput:
     # with the first token, where the request asked for them: per prompt token, (logprob,
     # alternatives) given the tokens before it; None for the first (nothing comes before it)
     prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass
@@ -55,6 +56,11 @@ class EngineStats:
     tokens_generated: int
     device: str
     num_preemptions: int = 0  # lazy KV: sequences that gave up their blocks (recomputed later)
+    # prefix cache: tokens looked up and found at admission (vLLM's names), blocks keyed, evicted
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_cached_blocks: int = 0
+    prefix_cache_evictions: int = 0
 
 
 class LLMEngine:
@@ -79,7 +85,8 @@ class LLMEngine:
         # The KV budget in blocks is the runner's block pool: the accounting is the memory.
         num_blocks = self.runner.num_blocks
         self.blocks = BlockManager(num_blocks, config.kv_block_size, config.max_num_seqs,
-                                   min(num_blocks, -(-self.max_model_len // config.kv_block_size)))
+                                   min(num_blocks, -(-self.max_model_len // config.kv_block_size)),
+                                   prefix_caching=config.enable_prefix_caching)
         self.runner.block_array = self.blocks.array
         # The longest sequence this engine can ever hold is its KV budget (reserved at admission,
         # or grown to by a sequence running alone): the context it serves is no longer than that
@@ -146,6 +153,7 @@ class LLMEngine:
     def _enqueue(self, seq: Sequence, rng_state) -> None:
         if self._scoring(seq):  # every position's logits come back: chunks whose logits fit
             seq.max_chunk = max(1, PROMPT_LOGITS_BYTES // (4 * self.runner.vocab_size))
+        seq.share_prefix = not self._scoring(seq)  # (every prompt position's logits are computed)
         if not self.scheduler.add(seq):
             raise Overloaded(f"the engine's waiting queue is full ({self.config.max_waiting})")
         self.seqs[seq.request_id] = seq
@@ -203,9 +211,12 @@ class LLMEngine:
             parts = ([self.runner.forward(items[:nd])] if nd else []) + [self.runner.forward([it])
                                                                         for it in items[nd:]]
             logits = torch.cat(parts)
+        caching, bs = self.blocks.prefix_caching, self.blocks.block_size
         if not sched.prefill:  # decode rows alone (the common step): a token each, logits in order
             for s in sched.decode:
                 s.num_cached += 1
+                if caching and s.num_cached % bs == 0:
+                    self._cache_blocks(s)
             return self._postprocess(sched.decode, self._sample(logits, sched.decode))
         rows, seqs, at = [], [], 0
         for s, it in zip([*sched.decode, *(p[0] for p in sched.prefill)], items):
@@ -214,6 +225,8 @@ class LLMEngine:
                 self._score_chunk(s, it, logits[at:at + n])
             at += n
             s.num_cached += len(it.tokens)
+            if caching:
+                self._cache_blocks(s)
             if s.num_cached == s.num_tokens:
                 rows.append(at - 1)
                 seqs.append(s)
@@ -223,6 +236,15 @@ class LLMEngine:
             logits = logits[torch.tensor(rows, device=logits.device)]
         sampled = self._sample(logits, seqs)
         return self._postprocess(seqs, sampled)
+
+    def _cache_blocks(self, s: Sequence) -> None:
+        """Key the sequence's blocks that are full and computed, for later prompts to share."""
+        self.blocks.register(s.request_id, chain_hashes(s.block_hashes, s.token_ids, self.blocks.block_size),
+                             s.num_cached // self.blocks.block_size)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (blocks in use stay); the number of blocks it dropped."""
+        return self.blocks.reset_prefix_cache()
 
     def _score_chunk(self, s: Sequence, it: StepItem, logits) -> None:
         """Prompt logprobs of a chunk: each position's logits score the token after it."""
@@ -282,7 +304,8 @@ class LLMEngine:
             lp = lps[i] if lps is not None else None
             outs.append(RequestOutput(rid, [token], detok[rid].take(st is not None), st is not None,
                                       st.finish_reason if st else None, seq.num_prompt_tokens, n_out,
-                                      None if lp is None else [lp], scores.pop(rid, None) if scores else None))
+                                      None if lp is None else [lp], scores.pop(rid, None) if scores else None,
+                                      seq.num_cached_prompt_tokens))
             if st is not None:
                 self._finish(seq, st)
         return outs
@@ -355,13 +378,16 @@ class LLMEngine:
             k, v = to_engine_tensors(pkg, self.runner.dtype, self.runner.device, self._kv_dims())
         self.runner.write_kv(self.blocks.table_ref(seq.request_id), k, v)
         seq.imported = None
+        if self.blocks.prefix_caching:
+            self._cache_blocks(seq)
 
     # ---- introspection -----------------------------------------------------------------
     def stats(self) -> EngineStats:
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting,
                            self.blocks.num_free_blocks, self.blocks.num_blocks, self.blocks.block_size,
                            self.config.max_num_seqs, self.tokens_generated, self.runner.device_label(),
-                           self.scheduler.num_preemptions)
+                           self.scheduler.num_preemptions, self.blocks.queries, self.blocks.hits,
+                           self.blocks.num_cached_blocks, self.blocks.evictions)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],
                  timeout_s: float = 600.0) -> list[list[int]]:

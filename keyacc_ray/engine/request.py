@@ -156,6 +156,12 @@ class Sequence:
     # Tokens this engine produced, and where the output text stands (for hand-offs).
     emitted_text_chars: int = 0
     max_chunk: int = 0  # the most prompt tokens one step may feed (0: the scheduler's budget)
+    # prefix caching: the keys of its full blocks (blocks.chain_hashes), whether it may share cached
+    # blocks (not when every prompt position's logits are wanted), and the prompt tokens it found
+    # cached at admission (OpenAI's usage.prompt_tokens_details.cached_tokens)
+    block_hashes: list = field(default_factory=list)
+    share_prefix: bool = True
+    num_cached_prompt_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -12,13 +12,19 @@ cannot grow makes the newest running sequence give up its blocks and slot (vLLM'
 preemption): it goes back to the head of the queue and, readmitted, prefills its prompt and the
 tokens it has generated again, then goes on as if nothing happened. No admission in a step that
 preempted.
+
+Prefix caching (blocks.py): an admitted sequence shares the cached blocks its tokens begin with
+and prefills from the first block that is not cached (at least its last token is computed: its
+logits give the next token). A sequence whose first uncached block is being computed this step
+by another sequence's prompt chunk (the choices of an `n > 1` request, a batch of prompts with a
+common head) waits one step and then shares it: one prefill of a common prefix.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from keyacc_ray.engine.blocks import BlockManager
+from keyacc_ray.engine.blocks import BlockManager, chain_hashes
 from keyacc_ray.engine.request import Sequence, SeqStatus
 
 
@@ -85,17 +91,32 @@ class Scheduler:
                 out.prefill.append((seq, n))
                 budget -= n
             i += 1
+        caching = self.blocks.prefix_caching
+        pending = self._pending(out.prefill) if caching and self.waiting else None
         while self.waiting and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             decode = seq.decoding  # came with its KV (a hand-off)
+            shared: list = []
+            if pending is not None and seq.num_cached == 0 and seq.share_prefix:
+                shared = self._shared_prefix(seq, pending)
+                if shared is None:
+                    break  # its next block is being computed this step: next step it shares it
+                seq.num_cached = len(shared) * bs
             n = 1 if decode else self._chunk(seq, budget)
-            if n == 0:
-                break
             # lazy: blocks for every token it holds (a prompt's later chunks included, so that
             # prompts admitted together never preempt each other halfway through their prefill);
             # reserve: for all it may generate too
-            if not self.blocks.allocate(seq.request_id, seq.num_tokens if self.lazy else seq.max_total_tokens):
-                break  # FCFS: the head waits for blocks; nothing overtakes it
+            if n == 0 or not self.blocks.allocate(seq.request_id,
+                                                  seq.num_tokens if self.lazy else seq.max_total_tokens, shared):
+                if shared:
+                    seq.num_cached = 0
+                break  # FCFS: the head waits for budget or blocks; nothing overtakes it
+            if pending is not None and seq.share_prefix and not decode:
+                self.blocks.queries += seq.num_tokens
+                self.blocks.hits += seq.num_cached
+                if seq.num_output_tokens == 0:
+                    seq.num_cached_prompt_tokens = seq.num_cached
+                pending.update(seq.block_hashes[seq.num_cached // bs:(seq.num_cached + n) // bs])
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -106,6 +127,25 @@ class Scheduler:
                 out.prefill.append((seq, n))
                 budget -= n
         return out
+
+    def _pending(self, prefill: list[tuple[Sequence, int]]) -> set[bytes]:
+        """Keys of the blocks this step's prompt chunks fill."""
+        bs, keys = self.blocks.block_size, set()
+        for seq, n in prefill:
+            hashes = chain_hashes(seq.block_hashes, seq.token_ids, bs)
+            keys.update(hashes[seq.num_cached // bs:(seq.num_cached + n) // bs])
+        return keys
+
+    def _shared_prefix(self, seq: Sequence, pending: set[bytes]) -> list[bytes] | None:
+        """Keys of the cached blocks the sequence begins with (leaving at least its last token to
+        compute); None where its first uncached block is being filled this step."""
+        bs = self.blocks.block_size
+        hashes = chain_hashes(seq.block_hashes, seq.token_ids, bs)
+        limit = (seq.num_tokens - 1) // bs
+        k = self.blocks.cached_prefix(hashes, limit)
+        if k < limit and hashes[k] in pending:
+            return None
+        return hashes[:k]
 
     def _preempt_newest(self, out: SchedulerOutput) -> None:
         victim = self.running.pop()

@@ -84,6 +84,7 @@ class PoolConfig:
     kv_block_size: int = 16
     num_kv_blocks: int | None = None
     kv_allocation: str = "lazy"  # KV blocks as sequences grow (preempting the newest), or "reserve" up front
+    enable_prefix_caching: bool = True  # prompts share the KV blocks of a prefix computed before (vLLM's APC)
     num_threads: int | None = 1
     num_cpus: float = 0.5
     num_gpus: float | None = None  # None: a whole GPU per GPU engine replica when the cluster has GPUs
@@ -190,7 +191,7 @@ class AppConfig:
         return asdict(EngineConfig(model=self.model, dtype=self.dtype, device=pool.device,
                                    max_num_seqs=pool.max_num_seqs, max_model_len=self.max_model_len,
                                    kv_block_size=pool.kv_block_size, num_kv_blocks=pool.num_kv_blocks,
-                                   kv_allocation=pool.kv_allocation,
+                                   kv_allocation=pool.kv_allocation, enable_prefix_caching=pool.enable_prefix_caching,
                                    max_waiting=pool.max_waiting, max_prefill_tokens=pool.max_prefill_tokens,
                                    batched_prefill=pool.batched_prefill,
                                    num_threads=pool.num_threads,

@@ -167,7 +167,7 @@ class AsyncEngine:
                     continue
                 s.produced += len(o.new_token_ids)
                 self._push(s, TokenChunk(o.new_token_ids, o.text, o.finish_reason, o.num_prompt_tokens,
-                                         o.num_output_tokens, o.logprobs, o.prompt_logprobs))
+                                         o.num_output_tokens, o.logprobs, o.prompt_logprobs, o.num_cached_tokens))
                 if o.finished:
                     self._close(o.request_id)
                 elif s.export_after is not None and s.produced >= s.export_after:

@@ -278,11 +278,12 @@ class Ingress:
         reason, n_out, traces = [None] * n, [0] * n, [{} for _ in range(n)]
         lps = [[] for _ in range(n)] if p.request.params.get("logprobs") is not None else None
         prompt_lps: list = [None] * n  # each choice's prompt scores, from its first chunk
-        seen = [False] * n
+        seen, cached = [False] * n, [0] * n
         async for k, i in items:
             if isinstance(i, TokenChunk):
                 if not seen[k]:
                     prompt_lps[k] = i.prompt_logprobs
+                    cached[k] = i.num_cached_tokens  # (the first hop's: where the prompt was prefilled)
                 t, covered, entries, generated = protocol.as_sent(p, k, i, not seen[k])
                 seen[k] = True
                 text[k].append(t)
@@ -301,7 +302,7 @@ class Ingress:
                                         protocol.logprobs_body(p.kind, lp_ids[k], lps[k] if lps else None,
                                                                self._token_text), delta=False)
                    for k in range(n)]
-        body = protocol.full_body(p, choices, sum(n_out), traces)
+        body = protocol.full_body(p, choices, sum(n_out), traces, protocol.cached_tokens(p, cached))
         if p.prompt_logprobs is not None:  # vLLM: per choice in completions, once per response in chat
             scored = [protocol.prompt_logprobs_body(p, k, prompt_lps[k], self._token_text) for k in range(n)]
             if p.kind == "chat":
@@ -314,10 +315,10 @@ class Ingress:
     async def _sse_stream(self, p, items):
         created = int(time.time())
         n = len(p.requests)
-        n_out, reason = [0] * n, [None] * n
+        n_out, reason, cached = [0] * n, [None] * n, [0] * n
         def usage_so_far(body: dict, k: int) -> dict:  # vLLM's continuous_usage_stats: the choice's count so far
             if p.continuous_usage:
-                body["usage"] = protocol.usage(p.num_prompt_tokens, n_out[k])
+                body["usage"] = protocol.usage(p.num_prompt_tokens, n_out[k], cached[k])
             return body
 
         if p.kind == "chat":
@@ -331,6 +332,8 @@ class Ingress:
             if isinstance(i, TokenChunk):
                 n_out[k] = 0 if p.echo_only else i.num_output_tokens or n_out[k]
                 reason[k] = i.finish_reason or reason[k]
+                if not seen[k]:
+                    cached[k] = i.num_cached_tokens  # (the first hop's: where the prompt was prefilled)
                 text, covered, entries, generated = protocol.as_sent(p, k, i, not seen[k])
                 seen[k] = True
                 lps = protocol.logprobs_body(p.kind, covered, entries, self._token_text, offset[k])
@@ -361,6 +364,6 @@ class Ingress:
         if p.include_usage:
             body = protocol.chunk_body(p, created, "", None)
             body["choices"] = []
-            body["usage"] = protocol.usage(p.num_prompt_tokens, sum(n_out))
+            body["usage"] = protocol.usage(p.num_prompt_tokens, sum(n_out), protocol.cached_tokens(p, cached))
             yield _sse(body)
         yield "data: [DONE]\n\n"

@@ -42,6 +42,7 @@ class TokenChunk:
     num_output_tokens: int = 0
     logprobs: list | None = None  # per token: (logprob, [(id, logprob) alternatives]), where asked for
     prompt_logprobs: list | None = None  # with a request's first token, where asked for (LLMEngine's RequestOutput)
+    num_cached_tokens: int = 0  # prompt tokens this hop's engine found in its prefix cache
 
 
 def merge_chunks(items: list) -> list:
@@ -56,7 +57,8 @@ def merge_chunks(items: list) -> list:
                 (prev.logprobs or []) + (item.logprobs or [])
             out[-1] = TokenChunk(prev.token_ids + item.token_ids, prev.text + item.text, item.finish_reason,
                                  item.num_prompt_tokens, item.num_output_tokens, lps,
-                                 prev.prompt_logprobs or item.prompt_logprobs)
+                                 prev.prompt_logprobs or item.prompt_logprobs,
+                                 max(prev.num_cached_tokens, item.num_cached_tokens))
         else:
             out.append(item)
     return out

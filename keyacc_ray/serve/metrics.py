@@ -38,6 +38,14 @@ def render(snap_info: dict, ingress_counts: dict) -> str:
         emit("keyacc_tokens_generated_total", "counter", labels, r["tokens_generated"])
         emit("keyacc_preemptions_total", "counter", labels, r.get("num_preemptions", 0),
              "per replica: sequences that gave up their KV blocks (lazy KV) and are recomputed")
+        emit("keyacc_prefix_cache_queries_total", "counter", labels, r.get("prefix_cache_queries", 0),
+             "per replica: prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries)")
+        emit("keyacc_prefix_cache_hits_total", "counter", labels, r.get("prefix_cache_hits", 0),
+             "per replica: prompt tokens found in the prefix cache (vLLM's prefix_cache_hits)")
+        emit("keyacc_prefix_cache_evictions_total", "counter", labels, r.get("prefix_cache_evictions", 0),
+             "per replica: cached KV blocks whose memory was taken for new tokens")
+        emit("keyacc_cached_kv_blocks", "gauge", labels, r.get("num_cached_blocks", 0),
+             "per replica: KV blocks holding a cached prefix (in use or free)")
     gpu = snap.get("gpu") or {}
     emit("keyacc_gpu_available", "gauge", {}, 1 if gpu.get("available") else 0, "1 if pynvml sees a GPU")
     for g in gpu.get("gpus", []):

@@ -36,6 +36,12 @@ class ReplicaReport:
     device: str
     time_s: float = 0.0
     num_preemptions: int = 0  # lazy KV: sequences preempted (recomputed later), since start
+    # prefix cache since start: prompt tokens looked up and found (vLLM's names), blocks evicted;
+    # blocks holding a cached prefix now
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_evictions: int = 0
+    num_cached_blocks: int = 0
 
     def content(self) -> tuple:
         """Everything but the arrival time: equal content means nothing to tell anyone."""

@@ -293,7 +293,9 @@ class EnginePool:
         return ReplicaReport(self.deployment, self.pool, self.role, self.replica, s.num_waiting, s.num_running,
                              s.num_free_blocks, s.num_total_blocks, s.block_size, s.max_num_seqs,
                              self.loop.tokens_per_s(), s.tokens_generated, self.emulated, s.device,
-                             num_preemptions=s.num_preemptions)
+                             num_preemptions=s.num_preemptions, prefix_cache_queries=s.prefix_cache_queries,
+                             prefix_cache_hits=s.prefix_cache_hits, prefix_cache_evictions=s.prefix_cache_evictions,
+                             num_cached_blocks=s.num_cached_blocks)
 
     def _report_loop(self) -> None:
         """A report every REPORT_EVERY_S while the load changes; an idle replica sends the same

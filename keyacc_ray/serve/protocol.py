@@ -46,6 +46,7 @@ class ParsedRequest:
     echo_only: bool = False
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     prompt_logprobs: int | None = None  # vLLM's extension: each prompt token's logprob and this many alternatives
+    n: int = 1  # choices per prompt
 
     @property
     def request(self) -> GenerateRequest:
@@ -189,7 +190,7 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
     texts = [x if isinstance(x, str) else tokenizer.decode(x) for x in _prompt_items(data)] if echo else None
     return ParsedRequest(kind, reqs, stream, include_usage, model, return_ids, rid, sum(len(ids) for ids in prompts),
                          [t for t in texts for _ in range(n)] if echo else None, echo_only, include_usage and continuous,
-                         prompt_logprobs)
+                         prompt_logprobs, n)
 
 
 def _logit_bias(data: dict, vocab: int) -> dict[int, float] | None:
@@ -434,8 +435,19 @@ def _keyacc_ext(ext, allow_pinning: bool) -> tuple[str | None, int | None]:
 
 
 # ---- responses ---------------------------------------------------------------------------
-def usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int | None = None) -> dict:
+    """OpenAI's usage; `cached`: the prompt tokens whose KV came from a prefix cache
+    (`prompt_tokens_details.cached_tokens`)."""
+    u = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if cached is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": cached}
+    return u
+
+
+def cached_tokens(p: ParsedRequest, per_choice: list[int]) -> int:
+    """A response's cached prompt tokens: each prompt counted once (as its tokens are), the most
+    any of its choices found cached (the choices after the first share its prefill)."""
+    return sum(max(per_choice[i:i + p.n]) for i in range(0, len(per_choice), p.n))
 
 
 def choice_body(p: ParsedRequest, index: int, text: str, finish_reason, token_ids: list[int] | None = None,
@@ -459,7 +471,7 @@ def chunk_body(p: ParsedRequest, created: int, text: str, finish_reason, token_i
             "choices": [choice_body(p, index, text, finish_reason, token_ids, logprobs, delta=True)]}
 
 
-def full_body(p: ParsedRequest, choices: list[dict], n_out: int, traces: list[dict]) -> dict:
+def full_body(p: ParsedRequest, choices: list[dict], n_out: int, traces: list[dict], cached: int = 0) -> dict:
     """The whole response: `choices` from choice_body, in order, and each choice's trace. One
     choice: `keyacc` is its trace; several: every segment is marked with its choice, and each
     choice carries its own trace too."""
@@ -472,7 +484,7 @@ def full_body(p: ParsedRequest, choices: list[dict], n_out: int, traces: list[di
                  "moves": sum(t.get("moves", 0) for t in traces)}
     return {"id": p.response_id, "object": "chat.completion" if p.kind == "chat" else "text_completion",
             "created": int(time.time()), "model": p.model, "choices": choices,
-            "usage": usage(p.num_prompt_tokens, n_out), "keyacc": trace}
+            "usage": usage(p.num_prompt_tokens, n_out, cached), "keyacc": trace}
 
 
 # ---- vLLM's tokenizer endpoints (/tokenize, /detokenize, /tokenizer_info) ---------------------

@@ -347,6 +347,38 @@ def test_pinned_routes(client, route, expect):
     assert sum(s["tokens"] for s in segs) == 16
 
 
+@pytest.mark.parametrize("route", ["gpu", "cpu", "stage"])
+def test_a_repeated_prompt_is_served_from_the_prefix_cache_with_the_same_tokens(app_url, client, route):
+    """The second time a prompt comes, the engine that prefills it finds its full blocks cached:
+    `usage.prompt_tokens_details.cached_tokens` says how many tokens, streamed or not, and the
+    tokens are the first time's (generate()'s) on every route."""
+    _, tok = hf_model(tiny_model("qwen3"))
+    prompt = f"[{route} {time.monotonic_ns()}] " + " ".join(PROMPTS[:9])
+    n = len(tok(prompt)["input_ids"])
+    extra = {"ignore_eos": True, "return_token_ids": True, "keyacc": {"route": route}}
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body=extra)
+    assert first.choices[0].token_ids == ref_ids(prompt, 12)
+    assert first.usage.prompt_tokens == n and first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body=extra)
+    assert again.choices[0].token_ids == first.choices[0].token_ids
+    assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16 > 0  # full 16-token blocks
+    ids, usage = [], None
+    for ch in client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                        stream_options={"include_usage": True}, extra_body=extra):
+        ids += [t for c in ch.choices for t in c.model_extra.get("token_ids", [])]
+        usage = ch.usage or usage
+    assert ids == first.choices[0].token_ids and usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    pool = "GpuDecode" if route != "cpu" else "CpuDecode"
+    deadline = time.monotonic() + 20  # the replicas' load reports reach /metrics within a second or two
+    while time.monotonic() < deadline:
+        hits = [float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{app_url}/metrics").text.splitlines()
+                if line.startswith("keyacc_prefix_cache_hits_total{") and f'deployment="{pool}"' in line]
+        if hits and hits[0] >= 2 * ((n - 1) // 16 * 16):
+            break
+        time.sleep(0.3)
+    assert hits and hits[0] >= 2 * ((n - 1) // 16 * 16), hits
+
+
 @pytest.mark.parametrize("route", ["stage", "cpu"])
 def test_migrate_back_streams_without_gap_or_repeat(client, route):
     stream = client.completions.create(

@@ -28,9 +28,10 @@ def _run_all(eng, prompts, params) -> tuple[dict, int]:
 
 def test_reserved_budget_for_n_sequences_admits_at_most_n(qwen3_path):
     n, block, max_tokens = 4, 8, 20
-    # every request below needs ceil((prompt<=28 + 20) / 8) <= 6 blocks; budget: n of them
+    # every request below needs ceil((prompt<=28 + 20) / 8) <= 6 blocks; budget: n of them (the
+    # prompts repeat: without prefix caching, which would share their blocks)
     eng = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=32, kv_block_size=block, num_kv_blocks=6 * n,
-                                 kv_allocation="reserve"))
+                                 kv_allocation="reserve", enable_prefix_caching=False))
     prompts = [eng.tokenize(p)[:28] for p in PROMPTS[: n + 5]]
     assert all(eng.blocks.blocks_for(len(p) + max_tokens) == 6 for p in prompts if len(p) > 20)
     prompts = [p for p in prompts if len(p) > 20] or prompts

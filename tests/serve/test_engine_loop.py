@@ -22,6 +22,7 @@ class Out:
     num_output_tokens: int
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
