@@ -51,6 +51,12 @@ class EngineConfig:
     # automatic prefix caching (vLLM's): a prompt that begins with blocks another sequence computed
     # shares their KV and prefills only the rest
     enable_prefix_caching: bool = True
+    # KV tiers below the block pool (with prefix caching): cached blocks evicted from it go to host
+    # memory (pinned, on CUDA), and from there to a file under kv_disk_tier_dir (default: the temp
+    # dir); a later prompt loads them back where that is cheaper than computing them. 0: no tier.
+    kv_host_tier_gb: float = 0.0
+    kv_disk_tier_gb: float = 0.0
+    kv_disk_tier_dir: str | None = None
 
     def __post_init__(self):
         if not self.model:
@@ -75,6 +81,10 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.cpu_kernels must be auto/on/off, got {self.cpu_kernels!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"EngineConfig.enable_prefix_caching must be true/false, got {self.enable_prefix_caching!r}")
+        for name in ("kv_host_tier_gb", "kv_disk_tier_gb"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1 << 20:
+                raise ConfigError(f"EngineConfig.{name} must be a number of GiB >= 0, got {v!r}")
         if self.kv_allocation not in ("lazy", "reserve"):
             raise ConfigError(f"EngineConfig.kv_allocation must be lazy/reserve, got {self.kv_allocation!r}")
         if self.cpu_weight_quant not in ("none", "int8"):

@@ -95,6 +95,7 @@ def main() -> None:
     ap.add_argument("--init-std", type=float, default=None,
                     help="weight std; the default makes logits peaked so greedy decoding is far from ties")
     ap.add_argument("--device", default="cpu", help="where to initialise the weights (cuda: a 14B model in seconds)")
+    ap.add_argument("--max-positions", type=int, default=None, help="the model's context (default: the size's)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -102,6 +103,7 @@ def main() -> None:
     import transformers
 
     hidden, inter, layers, heads, kv_heads, head_dim, vocab, max_pos = SIZES[args.size]
+    max_pos = args.max_positions or max_pos
     tokenizer = build_tokenizer(vocab, max_pos)
     cls_name, extra = ARCHS[args.arch]
     if args.size == "bench" and args.arch in ("qwen3", "qwen2"):

@@ -50,6 +50,7 @@ class BlockManager:
         self._block_of: dict[bytes, int] = {}  # key -> its block
         self._evictable: OrderedDict[int, None] = OrderedDict()  # keyed blocks nobody holds, LRU first
         self._num_keyed: dict[str, int] = {}  # sequence id -> its leading blocks registered (or shared)
+        self.on_evict = None  # called (key, block) when a cached block's memory is taken (tiers.py)
         # counters (tokens, as vLLM's prefix_cache_queries / prefix_cache_hits; blocks evicted)
         self.queries = self.hits = self.evictions = 0
         self.tables: dict[str, list[int]] = {}  # sequence id -> its blocks, in order (read, never change)
@@ -100,8 +101,11 @@ class BlockManager:
             b = self._free.pop()
         else:
             b, _ = self._evictable.popitem(last=False)
-            del self._block_of[self._key_of.pop(b)]
+            key = self._key_of.pop(b)
+            del self._block_of[key]
             self.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(key, b)
         self._ref[b] = 1
         return b
 

@@ -17,6 +17,7 @@ from keyacc_ray.engine.request import SamplingParams, Sequence, SeqStatus
 from keyacc_ray.engine.runner import ModelRunner, StepItem
 from keyacc_ray.engine.sampling import Sampler
 from keyacc_ray.engine.scheduler import Scheduler
+from keyacc_ray.engine.tiers import LowerTiers
 from keyacc_ray.errors import InvalidRequest, ModelLoadError, Overloaded
 
 # Scoring a prompt (prompt logprobs) takes every position's logits: prefilled in chunks whose
@@ -61,6 +62,9 @@ class EngineStats:
     prefix_cache_hits: int = 0
     num_cached_blocks: int = 0
     prefix_cache_evictions: int = 0
+    # lower tiers (host, disk): per tier the tokens found there, blocks loaded from / stored into it,
+    # blocks held; blocks held below but computed again (cheaper than loading them)
+    kv_tiers: dict | None = None
 
 
 class LLMEngine:
@@ -100,6 +104,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_waiting,
                                    config.max_prefill_tokens, lazy=config.kv_allocation == "lazy")
         self.sampler = Sampler(self.runner.kernels)  # the CPU kernels sample too, where built
+        self.tiers, self.kv_store = self._lower_tiers(config)
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
         eos = self.runner.hf_config.eos_token_id
@@ -112,6 +117,23 @@ class LLMEngine:
         self.move_on_preempt: set[str] = set()
         self.preempt_exports: list[KVPackage] = []
         self._prompt_scores: dict[str, list] = {}  # prompt logprobs waiting for the first token's output
+
+    def _lower_tiers(self, config: EngineConfig):
+        """Host and disk tiers under the block pool, where configured (with prefix caching)."""
+        block_bytes = self.runner.kv_bytes_per_token() * config.kv_block_size
+        host = int(config.kv_host_tier_gb * 2**30) // block_bytes
+        disk = int(config.kv_disk_tier_gb * 2**30) // block_bytes
+        if not config.enable_prefix_caching or not (host or disk):
+            return None, None
+        from keyacc_ray.engine.kv_store import KVStore
+
+        tiers = LowerTiers(host, disk, block_bytes, config.kv_block_size)
+        store = KVStore(self.runner.cache, tiers, config.kv_disk_tier_dir)
+        self.blocks.on_evict = tiers.evicted
+        self.scheduler.lower = tiers
+        log.info("KV tiers under the block pool: %d host blocks, %d disk blocks (%s), %d bytes each",
+                 host, disk, store.disk_path or "-", block_bytes)
+        return tiers, store
 
     # ---- requests ----------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -186,6 +208,8 @@ class LLMEngine:
         """One forward for every scheduled sequence (decode rows and prompt chunks together),
         then one batched sampling of the rows that produce a token."""
         sched = self.scheduler.schedule()
+        if self.tiers is not None and self.tiers.moves:  # blocks to and from the lower tiers
+            self.kv_store.run(self.tiers.take_moves())
         for s in sched.preempted:
             if s.request_id in self.move_on_preempt:  # leaves with its KV (its blocks are intact this step)
                 self.preempt_exports.append(self.export_request(s.request_id,
@@ -204,6 +228,7 @@ class LLMEngine:
                                   logits))
         if not items:
             return []
+        t0 = time.perf_counter()
         if self.config.batched_prefill:
             logits = self.runner.forward(items)
         else:  # decode rows together, each prompt chunk in a forward of its own
@@ -231,11 +256,22 @@ class LLMEngine:
                 rows.append(at - 1)
                 seqs.append(s)
         if not seqs:
+            self._prefill_timed(sched.prefill, t0, logits)
             return []
         if len(rows) < logits.shape[0]:  # (every row's logits, in order, is the common decode step)
             logits = logits[torch.tensor(rows, device=logits.device)]
         sampled = self._sample(logits, seqs)
+        self._prefill_timed(sched.prefill, t0, None)
         return self._postprocess(seqs, sampled)
+
+    def _prefill_timed(self, prefill: list, t0: float, logits) -> None:
+        """The lower tiers' cost model: the prefill rate of steps with many prompt tokens."""
+        tokens = sum(n for _, n in prefill)
+        if self.tiers is None or tokens < 64:
+            return
+        if logits is not None and logits.device.type == "cuda":
+            torch.cuda.synchronize(logits.device)
+        self.tiers.prefill_measured(tokens, time.perf_counter() - t0)
 
     def _cache_blocks(self, s: Sequence) -> None:
         """Key the sequence's blocks that are full and computed, for later prompts to share."""
@@ -387,7 +423,16 @@ class LLMEngine:
                            self.blocks.num_free_blocks, self.blocks.num_blocks, self.blocks.block_size,
                            self.config.max_num_seqs, self.tokens_generated, self.runner.device_label(),
                            self.scheduler.num_preemptions, self.blocks.queries, self.blocks.hits,
-                           self.blocks.num_cached_blocks, self.blocks.evictions)
+                           self.blocks.num_cached_blocks, self.blocks.evictions, self._tier_stats())
+
+    def _tier_stats(self) -> dict | None:
+        t = self.tiers
+        if t is None:
+            return None
+        return {"tiers": {x.name: {"hits": t.hits[x.name], "loaded_blocks": t.loaded[x.name],
+                                   "stored_blocks": t.stored[x.name], "blocks": len(x), "slots": x.num_slots,
+                                   "evictions": x.evictions} for x in t.tiers},
+                "recomputed_blocks": t.recomputed, "block_bytes": t.block_bytes}
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],
                  timeout_s: float = 600.0) -> list[list[int]]:

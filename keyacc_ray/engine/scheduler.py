@@ -17,7 +17,9 @@ Prefix caching (blocks.py): an admitted sequence shares the cached blocks its to
 and prefills from the first block that is not cached (at least its last token is computed: its
 logits give the next token). A sequence whose first uncached block is being computed this step
 by another sequence's prompt chunk (the choices of an `n > 1` request, a batch of prompts with a
-common head) waits one step and then shares it: one prefill of a common prefix.
+common head) waits one step and then shares it: one prefill of a common prefix. Past the blocks
+cached on the device, blocks held in a lower tier (tiers.py: host memory, disk) are loaded into
+new blocks where that is cheaper than computing them.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.lower = None  # tiers.LowerTiers below the device's cached blocks, if any
 
     def add(self, seq: Sequence) -> bool:
         """Queue a sequence; False if the waiting queue is full."""
@@ -97,26 +100,30 @@ class Scheduler:
             seq = self.waiting[0]
             decode = seq.decoding  # came with its KV (a hand-off)
             shared: list = []
+            loads: list = []
             if pending is not None and seq.num_cached == 0 and seq.share_prefix:
-                shared = self._shared_prefix(seq, pending)
-                if shared is None:
+                got = self._shared_prefix(seq, pending)
+                if got is None:
                     break  # its next block is being computed this step: next step it shares it
-                seq.num_cached = len(shared) * bs
+                shared, loads = got
+                seq.num_cached = (len(shared) + len(loads)) * bs
             n = 1 if decode else self._chunk(seq, budget)
             # lazy: blocks for every token it holds (a prompt's later chunks included, so that
             # prompts admitted together never preempt each other halfway through their prefill);
             # reserve: for all it may generate too
             if n == 0 or not self.blocks.allocate(seq.request_id,
                                                   seq.num_tokens if self.lazy else seq.max_total_tokens, shared):
-                if shared:
+                if shared or loads:
                     seq.num_cached = 0
                 break  # FCFS: the head waits for budget or blocks; nothing overtakes it
+            if loads:  # copied into its new blocks before the forward
+                self.lower.load(loads, tables[seq.request_id][len(shared):len(shared) + len(loads)])
             if pending is not None and seq.share_prefix and not decode:
                 self.blocks.queries += seq.num_tokens
-                self.blocks.hits += seq.num_cached
+                self.blocks.hits += len(shared) * bs  # (on the device; lower tiers count their own)
                 if seq.num_output_tokens == 0:
                     seq.num_cached_prompt_tokens = seq.num_cached
-                pending.update(seq.block_hashes[seq.num_cached // bs:(seq.num_cached + n) // bs])
+                pending.update(seq.block_hashes[len(shared):(seq.num_cached + n) // bs])
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -136,16 +143,21 @@ class Scheduler:
             keys.update(hashes[seq.num_cached // bs:(seq.num_cached + n) // bs])
         return keys
 
-    def _shared_prefix(self, seq: Sequence, pending: set[bytes]) -> list[bytes] | None:
-        """Keys of the cached blocks the sequence begins with (leaving at least its last token to
-        compute); None where its first uncached block is being filled this step."""
+    def _shared_prefix(self, seq: Sequence, pending: set[bytes]) -> tuple[list[bytes], list] | None:
+        """Keys of the cached blocks the sequence begins with, and the (tier, key) of the blocks
+        after them to load from a lower tier (leaving at least its last token to compute); None
+        where its first block not found is being filled this step."""
         bs = self.blocks.block_size
         hashes = chain_hashes(seq.block_hashes, seq.token_ids, bs)
         limit = (seq.num_tokens - 1) // bs
         k = self.blocks.cached_prefix(hashes, limit)
         if k < limit and hashes[k] in pending:
             return None
-        return hashes[:k]
+        loads = self.lower.find(hashes[k:limit]) if self.lower is not None and k < limit else []
+        m = k + len(loads)
+        if m < limit and hashes[m] in pending:
+            return None
+        return hashes[:k], loads
 
     def _preempt_newest(self, out: SchedulerOutput) -> None:
         victim = self.running.pop()

@@ -85,6 +85,10 @@ class PoolConfig:
     num_kv_blocks: int | None = None
     kv_allocation: str = "lazy"  # KV blocks as sequences grow (preempting the newest), or "reserve" up front
     enable_prefix_caching: bool = True  # prompts share the KV blocks of a prefix computed before (vLLM's APC)
+    # KV tiers under each engine's block pool (with prefix caching): host memory, then a file on disk
+    kv_host_tier_gb: float = 0.0
+    kv_disk_tier_gb: float = 0.0
+    kv_disk_tier_dir: str | None = None
     num_threads: int | None = 1
     num_cpus: float = 0.5
     num_gpus: float | None = None  # None: a whole GPU per GPU engine replica when the cluster has GPUs
@@ -192,6 +196,8 @@ class AppConfig:
                                    max_num_seqs=pool.max_num_seqs, max_model_len=self.max_model_len,
                                    kv_block_size=pool.kv_block_size, num_kv_blocks=pool.num_kv_blocks,
                                    kv_allocation=pool.kv_allocation, enable_prefix_caching=pool.enable_prefix_caching,
+                                   kv_host_tier_gb=pool.kv_host_tier_gb, kv_disk_tier_gb=pool.kv_disk_tier_gb,
+                                   kv_disk_tier_dir=pool.kv_disk_tier_dir,
                                    max_waiting=pool.max_waiting, max_prefill_tokens=pool.max_prefill_tokens,
                                    batched_prefill=pool.batched_prefill,
                                    num_threads=pool.num_threads,

@@ -46,6 +46,21 @@ def render(snap_info: dict, ingress_counts: dict) -> str:
              "per replica: cached KV blocks whose memory was taken for new tokens")
         emit("keyacc_cached_kv_blocks", "gauge", labels, r.get("num_cached_blocks", 0),
              "per replica: KV blocks holding a cached prefix (in use or free)")
+        tiers = r.get("kv_tiers") or {}
+        for tier, t in (tiers.get("tiers") or {}).items():
+            tl = {**labels, "tier": tier}
+            emit("keyacc_kv_tier_hits_total", "counter", tl, t["hits"],
+                 "per replica and lower tier: prompt tokens whose KV was loaded from it")
+            emit("keyacc_kv_tier_loaded_bytes_total", "counter", tl, t["loaded_blocks"] * tiers["block_bytes"],
+                 "per replica and lower tier: KV bytes loaded from it into the block pool")
+            emit("keyacc_kv_tier_stored_bytes_total", "counter", tl, t["stored_blocks"] * tiers["block_bytes"],
+                 "per replica and lower tier: KV bytes stored into it (evicted from the tier above)")
+            emit("keyacc_kv_tier_evictions_total", "counter", tl, t["evictions"],
+                 "per replica and lower tier: blocks pushed out of it (down a tier, or dropped)")
+            emit("keyacc_kv_tier_blocks", "gauge", tl, t["blocks"], "per replica and lower tier: blocks held")
+        if tiers:
+            emit("keyacc_kv_tier_recomputed_blocks_total", "counter", labels, tiers["recomputed_blocks"],
+                 "per replica: blocks held in a lower tier but computed again (cheaper than loading them)")
     gpu = snap.get("gpu") or {}
     emit("keyacc_gpu_available", "gauge", {}, 1 if gpu.get("available") else 0, "1 if pynvml sees a GPU")
     for g in gpu.get("gpus", []):

@@ -42,6 +42,7 @@ class ReplicaReport:
     prefix_cache_hits: int = 0
     prefix_cache_evictions: int = 0
     num_cached_blocks: int = 0
+    kv_tiers: dict | None = None  # the lower tiers' figures (LLMEngine's EngineStats.kv_tiers)
 
     def content(self) -> tuple:
         """Everything but the arrival time: equal content means nothing to tell anyone."""

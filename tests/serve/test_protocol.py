@@ -78,6 +78,11 @@ def test_batched_prompts_and_n_make_one_request_per_choice(qwen3_path):
     one = _choices(tok, prompt=["just one"])  # a batch of one is a plain request
     assert len(one.requests) == 1 and one.request.request_id == one.response_id
     assert _choices(tok, prompt="x", n=3, best_of=3).request.params["seed"] is None
+    # cached prompt tokens count each prompt once too: the most any of its choices found cached
+    from keyacc_ray.serve.protocol import cached_tokens, usage
+    assert cached_tokens(p, [0, 16, 0, 0]) == 16 and cached_tokens(p, [32, 16, 0, 48]) == 80
+    assert usage(10, 4, 8) == {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14,
+                               "prompt_tokens_details": {"cached_tokens": 8}}
 
 
 @pytest.mark.parametrize("body, param", [

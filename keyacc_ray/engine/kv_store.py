@@ -1,0 +1,106 @@
+"""The bytes of the KV tiers below the device pool (engine/tiers.py plans which blocks go where):
+host buffers (pinned where the pool is on CUDA) and a bounded file on disk, and the copies of a
+step's plan between them and the block pool.
+
+A block is, per layer, K [kv_heads, block_size, k_dim] and V [kv_heads, block_size, v_dim], in
+the pool's dtype; on disk one row of bytes per slot (every layer's K, then every layer's V).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from keyacc_ray.engine.tiers import DEVICE, LowerTiers, Move
+
+
+class KVStore:
+    def __init__(self, cache, tiers: LowerTiers, disk_dir: str | None = None):
+        """`cache`: the runner's PagedKVCache (lists `k`, `v` of [blocks, heads, block_size, dim])."""
+        self.cache = cache
+        self.tiers = tiers
+        self.device = cache.k[0].device
+        self.shapes = [t.shape[1:] for t in cache.k] + [t.shape[1:] for t in cache.v]
+        self.dtype = cache.k[0].dtype
+        item = torch.finfo(self.dtype).bits // 8
+        self.part_bytes = [int(np.prod(s)) * item for s in self.shapes]
+        self.block_bytes = sum(self.part_bytes)
+        names = [t.name for t in tiers.tiers]
+        self.host = None
+        if "host" in names:
+            n = tiers.tier("host").num_slots
+            pin = self.device.type == "cuda"
+            self.host = [torch.empty((n, *s), dtype=self.dtype, pin_memory=pin) for s in self.shapes]
+        self.disk = None
+        self.disk_path = None
+        if "disk" in names:
+            n = tiers.tier("disk").num_slots
+            d = disk_dir or tempfile.gettempdir()
+            os.makedirs(d, exist_ok=True)
+            fd, self.disk_path = tempfile.mkstemp(prefix="keyacc-kv-", suffix=".bin", dir=d)
+            os.close(fd)
+            self.disk = np.memmap(self.disk_path, dtype=np.uint8, mode="w+", shape=(n, self.block_bytes))
+
+    def close(self) -> None:
+        if self.disk_path:
+            self.disk = None
+            try:
+                os.unlink(self.disk_path)
+            except OSError:
+                pass
+            self.disk_path = None
+
+    def __del__(self):
+        self.close()
+
+    # ---- the parts of blocks -----------------------------------------------------------------
+    def _pool(self) -> list[torch.Tensor]:
+        return list(self.cache.k) + list(self.cache.v)
+
+    def _read(self, kind: str, idx: list[int]) -> list[torch.Tensor]:
+        """Per part, [n, ...] tensors of the blocks `idx` of a tier (on the CPU for host and disk)."""
+        if kind == DEVICE:
+            i = torch.tensor(idx, device=self.device)
+            return [p[i] for p in self._pool()]
+        if kind == "host":
+            i = torch.tensor(idx)
+            return [p[i] for p in self.host]
+        rows = torch.from_numpy(np.ascontiguousarray(self.disk[np.asarray(idx)]))
+        out, at = [], 0
+        for s, nb in zip(self.shapes, self.part_bytes):
+            out.append(rows[:, at:at + nb].contiguous().view(self.dtype).view(len(idx), *s))
+            at += nb
+        return out
+
+    def _write(self, kind: str, idx: list[int], parts: list[torch.Tensor]) -> None:
+        if kind == DEVICE:
+            i = torch.tensor(idx, device=self.device)
+            for p, x in zip(self._pool(), parts):
+                p[i] = x.to(self.device, non_blocking=True)
+        elif kind == "host":
+            i = torch.tensor(idx)
+            for p, x in zip(self.host, parts):
+                p[i] = x.to("cpu")
+        else:
+            rows = torch.cat([x.to("cpu").reshape(len(idx), -1).view(torch.uint8) for x in parts], dim=1)
+            self.disk[np.asarray(idx)] = rows.numpy()
+
+    def run(self, moves: list[Move]) -> None:
+        """The step's copies, in order; runs of the same (src, dst) kinds batched."""
+        i = 0
+        while i < len(moves):
+            j = i
+            while j < len(moves) and (moves[j].src, moves[j].dst) == (moves[i].src, moves[i].dst):
+                j += 1
+            batch = moves[i:j]
+            t0 = time.perf_counter()
+            self._write(batch[0].dst, [m.dst_index for m in batch],
+                        self._read(batch[0].src, [m.src_index for m in batch]))
+            if batch[0].dst == DEVICE:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.tiers.measured(batch[0].src, len(batch) * self.block_bytes, time.perf_counter() - t0)
+            i = j

@@ -1,0 +1,162 @@
+"""KV tiers below the device's block pool: host memory, then disk. No torch: which cached block
+lives where, and the ordered list of copies a step must make (engine/kv_store.py makes them).
+
+A cached block (blocks.py: full, keyed by the hash of its whole prefix) whose device memory is
+taken for new tokens goes down to the host tier instead of being dropped; a host block pushed out
+goes down to the disk tier; the disk tier's least recently used block is dropped. A new
+sequence whose prefix continues, past the blocks cached on the device, with blocks held in a
+lower tier loads them into new device blocks when that is cheaper than computing them again
+(their bytes over the tier's measured bandwidth against the tokens over the engine's measured
+prefill rate), else computes them. A tier that is full degrades to recompute, never to an error.
+
+Copies are planned while the scheduler allocates and run, in plan order, before the step's
+forward: a block pushed out of a tier slot is copied away before the slot is written, a block
+evicted from the device is copied out before a load or the forward overwrites it. Blocks planned
+for a load this step are pinned in their tier until the copies ran.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+DEVICE = "device"
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Copy one block: (src kind, src index) -> (dst kind, dst index); kinds "device", "host", "disk"."""
+    src: str
+    src_index: int
+    dst: str
+    dst_index: int
+
+
+class TierIndex:
+    """The keys one tier holds: a slot each, least recently used first."""
+
+    def __init__(self, name: str, num_slots: int):
+        self.name = name
+        self.num_slots = num_slots
+        self.slot_of: OrderedDict[bytes, int] = OrderedDict()
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.pinned: set[bytes] = set()
+        self.evictions = 0  # blocks pushed out (down a tier, or dropped)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.slot_of
+
+    def __len__(self) -> int:
+        return len(self.slot_of)
+
+    def touch(self, key: bytes) -> None:
+        self.slot_of.move_to_end(key)
+
+    def place(self, key: bytes) -> tuple[int, bytes | None, int] | None:
+        """A slot for `key`: (slot, the key pushed out of it or None, its slot); None if every slot
+        is pinned."""
+        if self._free:
+            slot = self._free.pop()
+            self.slot_of[key] = slot
+            return slot, None, -1
+        for old in self.slot_of:  # least recently used first
+            if old not in self.pinned:
+                slot = self.slot_of.pop(old)
+                self.slot_of[key] = slot
+                self.evictions += 1
+                return slot, old, slot
+        return None
+
+
+class LowerTiers:
+    """The host and disk tiers of one engine, its copy plan for the step, and the load-vs-recompute
+    cost model. `block_bytes`: one block's K and V over every layer."""
+
+    def __init__(self, host_slots: int, disk_slots: int, block_bytes: int, block_size: int):
+        self.tiers = [t for t in (TierIndex("host", host_slots) if host_slots else None,
+                                  TierIndex("disk", disk_slots) if disk_slots else None) if t is not None]
+        self.block_bytes = block_bytes
+        self.block_size = block_size
+        self.moves: list[Move] = []
+        # cost model: bytes/s per tier (copies into the device, measured), prefill tokens/s (the
+        # engine's, measured); None until known (then loading is assumed cheaper)
+        self.bandwidth: dict[str, float | None] = {t.name: None for t in self.tiers}
+        self.prefill_tokens_per_s: float | None = None
+        # counters: tokens found per tier, blocks loaded / stored per tier, blocks recomputed by choice
+        self.hits = {t.name: 0 for t in self.tiers}
+        self.loaded = {t.name: 0 for t in self.tiers}
+        self.stored = {t.name: 0 for t in self.tiers}
+        self.recomputed = 0
+
+    def tier(self, name: str) -> TierIndex:
+        return next(t for t in self.tiers if t.name == name)
+
+    # ---- going down ------------------------------------------------------------------------
+    def evicted(self, key: bytes, block: int) -> None:
+        """The device block `block`, cached under `key`, is taken for new tokens: keep it a tier down."""
+        if self.tiers:
+            self._store(0, key, DEVICE, block)
+
+    def _store(self, level: int, key: bytes, src: str, src_index: int) -> None:
+        t = self.tiers[level]
+        if key in t:  # (still there from before it was loaded: nothing to copy)
+            t.touch(key)
+            return
+        got = t.place(key)
+        if got is None:
+            return  # every slot pinned this step: dropped
+        slot, old, old_slot = got
+        if old is not None and level + 1 < len(self.tiers):
+            self._store(level + 1, old, t.name, old_slot)  # copied down before the slot is written
+        self.moves.append(Move(src, src_index, t.name, slot))
+        self.stored[t.name] += 1
+
+    # ---- coming back -----------------------------------------------------------------------
+    def _worth_loading(self, tier: str) -> bool:
+        bw, rate = self.bandwidth[tier], self.prefill_tokens_per_s
+        if not bw or not rate:
+            return True
+        return self.block_bytes / bw < self.block_size / rate
+
+    def find(self, keys: list[bytes]) -> list[tuple[str, bytes]]:
+        """The leading `keys` held in a lower tier and worth loading: (tier, key) each, pinned for
+        this step (so that nothing planned after it pushes them out before the copies ran)."""
+        found = []
+        for i, key in enumerate(keys):
+            t = next((t for t in self.tiers if key in t), None)
+            if t is None:
+                break
+            if not self._worth_loading(t.name):  # this one and the rest held below: computed again
+                self.recomputed += sum(1 for k in keys[i:] if any(k in t for t in self.tiers))
+                break
+            t.pinned.add(key)
+            t.touch(key)
+            found.append((t.name, key))
+        return found
+
+    def load(self, found: list[tuple[str, bytes]], blocks: list[int]) -> None:
+        """Plan the copies of `found` (from find()) into the device blocks `blocks`."""
+        for (name, key), b in zip(found, blocks):
+            t = self.tier(name)
+            self.moves.append(Move(name, t.slot_of[key], DEVICE, b))
+            self.hits[name] += self.block_size
+            self.loaded[name] += 1
+
+    def take_moves(self) -> list[Move]:
+        """This step's copies, in the order they must run; pins released."""
+        moves, self.moves = self.moves, []
+        for t in self.tiers:
+            t.pinned.clear()
+        return moves
+
+    def measured(self, tier: str, nbytes: int, seconds: float) -> None:
+        """A copy of `nbytes` from `tier` into the device took `seconds`."""
+        if seconds > 0 and nbytes > 0:
+            bw = nbytes / seconds
+            old = self.bandwidth.get(tier)
+            self.bandwidth[tier] = bw if old is None else 0.8 * old + 0.2 * bw
+
+    def prefill_measured(self, tokens: int, seconds: float) -> None:
+        if seconds > 0 and tokens > 0:
+            rate = tokens / seconds
+            old = self.prefill_tokens_per_s
+            self.prefill_tokens_per_s = rate if old is None else 0.8 * old + 0.2 * rate
