@@ -10,8 +10,9 @@ Qwen3-shaped model made here (models/chat-qwen3: hidden 256, 4 layers, a 4096-to
 Configurations:
   off      prefix caching off, a KV budget that holds the whole working set
   on       prefix caching on, the same budget
-  on_small prefix caching on, a budget of a quarter of the working set (or what the running
-           sequences need, if more): what eviction costs without lower tiers
+  on_small prefix caching on, a budget of a quarter of the working set (--small-fraction; at
+           least the longest conversation): what eviction costs without lower tiers (the running
+           sequences may outgrow it: the newest are preempted, and find their blocks cached)
   host     on_small's block pool with a host-memory tier under it that holds the whole working set
   host_disk on_small's block pool, a host tier of another quarter of the working set, and a disk
            tier (under --disk-dir) for the rest
@@ -76,6 +77,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     configs = ["off", "on", "on_small", "host", "host_disk"]
     ap.add_argument("--configs", nargs="+", default=configs, choices=configs)
+    ap.add_argument("--small-fraction", type=float, default=0.25,
+                    help="on_small, host, host_disk: the block pool as a share of the working set")
     ap.add_argument("--disk-dir", default=None, help="the disk tier's directory (default: the temp dir)")
     ap.add_argument("--conversations", type=int, default=32)
     ap.add_argument("--system-tokens", type=int, default=1500)
@@ -102,7 +105,7 @@ def main() -> None:
     # what the running sequences may hold at once: the system prompt (shared) and each one's own turns
     running = math.ceil((args.system_tokens + args.gpu_seqs * (longest - args.system_tokens)) / BLOCK) + args.gpu_seqs
     ample = math.ceil(ws / BLOCK) + running
-    small = max(math.ceil(ws / 4 / BLOCK), running)
+    small = max(math.ceil(ws * args.small_fraction / BLOCK), math.ceil(longest / BLOCK) + 1)
     gib = block_bytes(model) / 2**30
     tiers = {"host": {"kv_host_tier_gb": ample * gib},
              "host_disk": {"kv_host_tier_gb": math.ceil(ws / 4 / BLOCK) * gib, "kv_disk_tier_gb": ample * gib,

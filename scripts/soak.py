@@ -2,8 +2,12 @@
 """Soak test (not part of `make test`): N minutes at twice the measured capacity, mixed good
 and bad requests, random replica kills. Prints requests sent, completed with correct tokens,
 rejected with a clear error, and lost (must be 0), plus memory per Ray process over the run.
+With --tiers: prompts share a few long heads (prefix caching), the emulated GPU pool's block
+pool holds a fraction of them, host and disk KV tiers under every pool; it also reports the
+longest gap inside a stream and, once idle, any replica whose KV blocks are not all free again.
 
     python scripts/soak.py --minutes 3
+    python scripts/soak.py --minutes 3 --tiers
 """
 from __future__ import annotations
 
@@ -39,8 +43,14 @@ def ray_processes_rss() -> dict[str, int]:
     return out
 
 
-async def good(client, rng, ref, stats, stream: bool):
+# --tiers: a few long heads (system prompts) that most prompts begin with
+HEADS = [" ".join(random.Random(i).choice(WORDS) for _ in range(120)) for i in range(6)]
+
+
+async def good(client, rng, ref, stats, stream: bool, tiers: bool = False):
     prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 20)))
+    if tiers and rng.random() < 0.8:
+        prompt = rng.choice(HEADS) + " " + prompt
     n = rng.randint(8, 64)
     body = {"model": "tiny-qwen3", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True, "stream": stream}
@@ -50,7 +60,13 @@ async def good(client, rng, ref, stats, stream: bool):
             async with client.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     return record_reject(stats, r.status_code, await r.aread())
+                last = time.monotonic()
                 async for line in r.aiter_lines():
+                    now = time.monotonic()
+                    gap, last = now - last, now
+                    stats["max_stream_gap_s"] = round(max(stats["max_stream_gap_s"], gap), 3)
+                    if gap > 2.0:
+                        stats["stream_gaps_over_2s"] += 1
                     if line.startswith("data: ") and line != "data: [DONE]":
                         chunk = json.loads(line[6:])
                         if "error" in chunk:
@@ -108,7 +124,8 @@ async def main_async(args, url):
     rate = 2 * capacity
     print(f"measured capacity {capacity:.1f} req/s; soaking at {rate:.1f} req/s for {args.minutes} min", flush=True)
     stats = {"sent": 0, "completed_correct": 0, "completed_wrong": 0, "rejected_clear_error": 0, "lost": 0,
-             "bad_rejected_4xx": 0, "bad_wrong_answer": 0, "kills": 0, "lost_examples": []}
+             "bad_rejected_4xx": 0, "bad_wrong_answer": 0, "kills": 0, "max_stream_gap_s": 0.0,
+             "stream_gaps_over_2s": 0, "lost_examples": []}
     rng = random.Random(args.seed)
     mem: dict[str, list[int]] = {}
     tasks = set()
@@ -121,7 +138,7 @@ async def main_async(args, url):
             if rng.random() < 0.2:
                 coro = bad(client, rng, stats)
             else:
-                coro = good(client, rng, ref, stats, stream=rng.random() < 0.5)
+                coro = good(client, rng, ref, stats, stream=rng.random() < 0.5, tiers=args.tiers)
             t = asyncio.create_task(coro)
             tasks.add(t)
             t.add_done_callback(tasks.discard)
@@ -135,7 +152,27 @@ async def main_async(args, url):
                 next_mem += 10
             await asyncio.sleep(rng.expovariate(rate))
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 300)
+        stats["blocks_in_use_at_idle"] = await blocks_in_use(client)
     return stats, mem
+
+
+async def blocks_in_use(client, settle_s: float = 20.0) -> dict:
+    """Once the server is idle: per replica, KV blocks not free (must be none: cached blocks
+    nobody holds count as free), after the replicas' next load reports."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        text = (await client.get("/metrics")).text
+        got: dict[str, dict] = {}
+        for line in text.splitlines():
+            for name in ("keyacc_free_kv_blocks", "keyacc_total_kv_blocks", "keyacc_running_sequences"):
+                if line.startswith(name + "{"):
+                    labels, value = line[len(name):].rsplit(" ", 1)
+                    got.setdefault(labels, {})[name] = float(value)
+        busy = {k: v for k, v in got.items()
+                if v.get("keyacc_free_kv_blocks") != v.get("keyacc_total_kv_blocks")}
+        if not busy or time.monotonic() > deadline:
+            return busy
+        await asyncio.sleep(1.0)
 
 
 def kill_random_replica(rng):
@@ -156,6 +193,8 @@ def main() -> None:
     ap.add_argument("--policy", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=8041)
+    ap.add_argument("--tiers", action="store_true",
+                    help="shared prompt heads, a small emulated GPU block pool, host and disk KV tiers")
     args = ap.parse_args()
     import ray
     from ray import serve
@@ -165,9 +204,13 @@ def main() -> None:
     apply_cluster_env()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    serve.run(build_app({"model": str(ROOT / "models" / "tiny-qwen3"), "max_model_len": 512, "policy": args.policy,
-                         "policy_options": {"trigger_window_s": 0.2, "return_window_s": 1.0}}),
-              name="keyacc", route_prefix="/")
+    cfg = {"model": str(ROOT / "models" / "tiny-qwen3"), "max_model_len": 512, "policy": args.policy,
+           "policy_options": {"trigger_window_s": 0.2, "return_window_s": 1.0}}
+    if args.tiers:  # tiny-qwen3: 8 KiB a block; the GPU pool holds 40 (about 2 prompts with a head)
+        tiers = {"kv_host_tier_gb": 64 * 8192 / 2**30, "kv_disk_tier_gb": 4096 * 8192 / 2**30}
+        cfg["gpu"] = {"device": "auto", "max_num_seqs": 8, "num_kv_blocks": 40, **tiers}
+        cfg["cpu"] = {"device": "cpu", "max_num_seqs": 16, "num_kv_blocks": 160, **tiers}
+    serve.run(build_app(cfg), name="keyacc", route_prefix="/")
     stats, mem = asyncio.run(main_async(args, f"http://127.0.0.1:{args.port}"))
     stats["lost_examples"] = stats["lost_examples"][:5]
     # first, middle and last samples: growth that stops by the middle is warm-up; growth that

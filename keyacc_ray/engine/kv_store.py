@@ -35,26 +35,17 @@ class KVStore:
             pin = self.device.type == "cuda"
             self.host = [torch.empty((n, *s), dtype=self.dtype, pin_memory=pin) for s in self.shapes]
         self.disk = None
-        self.disk_path = None
+        self.disk_dir = None
         if "disk" in names:
             n = tiers.tier("disk").num_slots
-            d = disk_dir or tempfile.gettempdir()
-            os.makedirs(d, exist_ok=True)
-            fd, self.disk_path = tempfile.mkstemp(prefix="keyacc-kv-", suffix=".bin", dir=d)
+            self.disk_dir = disk_dir or tempfile.gettempdir()
+            os.makedirs(self.disk_dir, exist_ok=True)
+            fd, path = tempfile.mkstemp(prefix="keyacc-kv-", suffix=".bin", dir=self.disk_dir)
             os.close(fd)
-            self.disk = np.memmap(self.disk_path, dtype=np.uint8, mode="w+", shape=(n, self.block_bytes))
-
-    def close(self) -> None:
-        if self.disk_path:
-            self.disk = None
             try:
-                os.unlink(self.disk_path)
-            except OSError:
-                pass
-            self.disk_path = None
-
-    def __del__(self):
-        self.close()
+                self.disk = np.memmap(path, dtype=np.uint8, mode="w+", shape=(n, self.block_bytes))
+            finally:
+                os.unlink(path)  # mapped, the file lives on with no name: nothing left behind, even on a kill
 
     # ---- the parts of blocks -----------------------------------------------------------------
     def _pool(self) -> list[torch.Tensor]:

@@ -132,7 +132,7 @@ class LLMEngine:
         self.blocks.on_evict = tiers.evicted
         self.scheduler.lower = tiers
         log.info("KV tiers under the block pool: %d host blocks, %d disk blocks (%s), %d bytes each",
-                 host, disk, store.disk_path or "-", block_bytes)
+                 host, disk, store.disk_dir or "-", block_bytes)
         return tiers, store
 
     # ---- requests ----------------------------------------------------------------------
@@ -279,7 +279,10 @@ class LLMEngine:
                              s.num_cached // self.blocks.block_size)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (blocks in use stay); the number of blocks it dropped."""
+        """Forget every cached prefix (blocks in use stay; the lower tiers emptied); the number of
+        blocks it dropped from the pool."""
+        if self.tiers is not None:
+            self.tiers.reset()
         return self.blocks.reset_prefix_cache()
 
     def _score_chunk(self, s: Sequence, it: StepItem, logits) -> None:

@@ -87,6 +87,10 @@ class LowerTiers:
         self.stored = {t.name: 0 for t in self.tiers}
         self.recomputed = 0
 
+    def reset(self) -> None:
+        """Every tier emptied (nothing planned is lost: called between steps)."""
+        self.tiers = [TierIndex(t.name, t.num_slots) for t in self.tiers]
+
     def tier(self, name: str) -> TierIndex:
         return next(t for t in self.tiers if t.name == name)
 

@@ -207,6 +207,7 @@ def test_hits_under_preemption_and_eviction_keep_tokens_and_leak_no_block(qwen3_
     assert eng.blocks.num_free_blocks == 24 and not any(eng.blocks._ref) and not eng.blocks.tables
     s = eng.stats()
     assert s.prefix_cache_hits > 0 and s.prefix_cache_queries >= sum(map(len, prompts))
+    assert eng.reset_prefix_cache() > 0 and eng.blocks.num_cached_blocks == 0
 
 
 def test_scored_prompts_are_computed_not_shared(qwen3_path):
@@ -306,5 +307,4 @@ def test_blocks_loaded_from_lower_tiers_give_the_tokens_of_a_miss(qwen3_path, tm
     for h, out in zip(heads, again):
         assert out == hf_greedy(qwen3_path, h + [99], 6)
     assert eng.blocks.num_free_blocks == 16 and not any(eng.blocks._ref)
-    if "kv_disk_tier_gb" in tiers:
-        assert len(list(tmp_path.iterdir())) == 1
+    assert not list(tmp_path.iterdir())  # the disk tier's file has no name (unlinked once mapped)
