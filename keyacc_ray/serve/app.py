@@ -89,6 +89,10 @@ class PoolConfig:
     kv_host_tier_gb: float = 0.0
     kv_disk_tier_gb: float = 0.0
     kv_disk_tier_dir: str | None = None
+    # several replicas: a fresh prompt goes to the replica that last took the longest common head
+    # (serve/prefix_affinity.py), unless its queue is `prefix_affinity_imbalance` longer than the shortest
+    prefix_affinity: bool = True
+    prefix_affinity_imbalance: int = 4
     num_threads: int | None = 1
     num_cpus: float = 0.5
     num_gpus: float | None = None  # None: a whole GPU per GPU engine replica when the cluster has GPUs
@@ -269,6 +273,14 @@ def build_app(args: dict | None = None):
     def pool(cls, name: str, p: PoolConfig, num_gpus: float, numa_node: int | None = None, replicas: dict | None = None):
         opts = {**(replicas or {"num_replicas": p.replicas}), "max_ongoing_requests": p.max_ongoing_requests,
                 "max_queued_requests": p.max_queued_requests, "health_check_period_s": 5, **logs("internal")}
+        if p.prefix_affinity and p.enable_prefix_caching and not replicas and p.replicas > 1:
+            from ray.serve.config import RequestRouterConfig
+
+            from keyacc_ray.serve.request_router import CLASS_PATH
+
+            opts["request_router_config"] = RequestRouterConfig(
+                request_router_class=CLASS_PATH,
+                request_router_kwargs={"block_size": p.kv_block_size, "imbalance": p.prefix_affinity_imbalance})
         resources = dict(p.resources)
         if numa_node is not None and f"keyacc_numa_{numa_node}" in cluster:
             # a bundle that takes this NUMA node's cores (resources from scripts/start_node.py)

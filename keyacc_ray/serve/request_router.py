@@ -1,0 +1,59 @@
+"""The pools' Serve request router: power of two choices, with prefix affinity
+(`serve/prefix_affinity.py`) for fresh prompts where a pool has several replicas. A thin shell
+over Ray Serve's RequestRouter API (alpha in Ray 2.60); set per pool deployment by
+`serve/app.py` (`prefix_affinity` in a pool's config)."""
+from __future__ import annotations
+
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+from ray.serve._private.request_router.request_router import LocalityMixin, MultiplexMixin, RequestRouter
+
+from keyacc_ray.serve.messages import GenerateRequest
+from keyacc_ray.serve.prefix_affinity import PrefixAffinity, anchors
+
+CLASS_PATH = "keyacc_ray.serve.request_router:PrefixAffinityRouter"
+
+
+def _prompt(pending_request) -> list[int] | None:
+    """A fresh request's prompt token ids (a hop that brings KV, or any other call: None)."""
+    args = getattr(pending_request, "args", None) or ()
+    if not args or not isinstance(args[0], GenerateRequest):
+        return None
+    if len(args) > 1 and args[1] is not None:  # a hand-off: its KV comes with it
+        return None
+    return args[0].prompt_token_ids
+
+
+class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """Not FIFO (as Ray Serve LLM's prefix router): the replica chosen for a request serves that
+    request, so that an affine choice is not handed to whichever request waits longest."""
+
+    def initialize_state(self, block_size: int = 16, imbalance: int = 4, **kwargs):
+        self.affinity = PrefixAffinity(block_size, imbalance)
+        self.num_affine = 0  # requests sent where their prefix was last sent
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        prompt = _prompt(pending_request) if len(candidate_replicas) > 1 else None
+        if prompt:
+            keys = anchors(prompt, self.affinity.block_size)
+            pending_request.keyacc_anchors = keys  # for on_request_routed
+            if keys:
+                cache = self._replica_queue_len_cache
+                by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+                best = self.affinity.preferred(keys, {i: cache.get(r.replica_id) for i, r in by_id.items()})
+                if best is not None:
+                    self.num_affine += 1
+                    rest = await self._two_choices(candidate_replicas, pending_request)
+                    return [[by_id[best]], *rest]  # the affine replica first, if it takes the request
+        return await self._two_choices(candidate_replicas, pending_request)
+
+    async def _two_choices(self, candidate_replicas, pending_request):
+        return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
+
+    def on_request_routed(self, pending_request, replica_id, result) -> None:
+        keys = getattr(pending_request, "keyacc_anchors", None)
+        if keys:
+            self.affinity.record(keys, replica_id.unique_id)
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.affinity.forget(replica_id.unique_id)
