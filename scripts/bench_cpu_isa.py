@@ -2,8 +2,9 @@
 """The CPU fast path on every kernel path this CPU runs, one subprocess per path (the path is
 picked once per process from KEYACC_CPU_ISA): prefill of a 512-token prompt and decode at batch
 1, 8 and 32, the same bf16 model and thread count for each. Paths: amx (AVX512-BF16 with AMX
-tiles for products of 8 rows or more), avx512 (AVX512-BF16 alone), portable (the compiler's own
-vectorisation; slow: fewer steps). Prints a table, then one JSON line with
+tiles for products of 8 rows or more), avx512 (AVX512-BF16 alone), avx2 (AVX2 + FMA: the linear
+kernel written for CPUs without AVX-512), portable (the compiler's own vectorisation; slow:
+fewer steps). Prints a table, then one JSON line with
 `prefill_tps_512_{isa}` and `decode_tps_bs{1,8,32}_{isa}`.
 
     python scripts/bench_cpu_isa.py --model models/bench-qwen3 --threads 2
@@ -67,7 +68,7 @@ def main() -> None:
     ap.add_argument("--model", default="models/bench-qwen3")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--isa", nargs="*", default=["amx", "avx512", "portable"])
+    ap.add_argument("--isa", nargs="*", default=["amx", "avx512", "avx2", "portable"])
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -84,7 +85,7 @@ def main() -> None:
             out[f"error_{isa}"] = (r.stderr or r.stdout)[-300:]
             continue
         got = json.loads(lines[-1])
-        if isa != "portable" and got["isa"] != {"amx": "amx", "avx512": "avx512bf16"}[isa]:
+        if isa != "portable" and got["isa"] != {"amx": "amx", "avx512": "avx512bf16", "avx2": "avx2"}[isa]:
             out[f"skipped_{isa}"] = f"this CPU runs {got['isa']} at most"
             continue
         for k, v in got.items():

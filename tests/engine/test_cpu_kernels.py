@@ -19,8 +19,8 @@ BF16 = torch.bfloat16
 def K():
     mod = kernels.load()
     assert mod is not None, f"kernels failed to build: {kernels.unavailable_reason()}"
-    if os.environ.get("KEYACC_CPU_ISA") == "portable":
-        assert mod.isa() == "portable"
+    if os.environ.get("KEYACC_CPU_ISA") in ("portable", "avx2"):
+        assert mod.isa() == os.environ["KEYACC_CPU_ISA"]
     return mod
 
 
@@ -188,6 +188,15 @@ def _rerun_with(isa: str):
 def test_portable_fallback():
     """The portable code (what a CPU without AVX-512 runs) passes the same tests."""
     _rerun_with("portable")
+
+
+@pytest.mark.skipif(bool(os.environ.get("KEYACC_CPU_ISA")), reason="already a forced run")
+def test_avx2_path(K):
+    """The AVX2 + FMA linear kernel (what a CPU without AVX-512 runs: Zen 2/3, Haswell...), forced
+    on this CPU, passes the same tests."""
+    if K.isa() == "portable":
+        pytest.skip("this CPU has no AVX2")
+    _rerun_with("avx2")
 
 
 @pytest.mark.skipif(bool(os.environ.get("KEYACC_CPU_ISA")), reason="already a forced run")

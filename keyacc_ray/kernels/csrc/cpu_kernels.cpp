@@ -51,7 +51,7 @@ inline bf16_t f2bf(float f) {  // round to nearest even, NaN kept quiet
   return static_cast<bf16_t>(u >> 16);
 }
 
-std::string forced_isa() {  // KEYACC_CPU_ISA: portable | avx512 | amx (empty: the best this CPU runs)
+std::string forced_isa() {  // KEYACC_CPU_ISA: portable | avx2 | avx512 | amx (empty: the best this CPU runs)
   static const std::string v = [] {
     const char* s = std::getenv("KEYACC_CPU_ISA");
     return std::string(s ? s : "");
@@ -65,6 +65,17 @@ bool have_avx512bf16() {
 #if KEYACC_X86
   static const bool v = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
                         __builtin_cpu_supports("avx512vl");
+  return v && !force_portable() && forced_isa() != "avx2";
+#else
+  return false;
+#endif
+}
+
+// AVX2 + FMA: the linear kernel written for CPUs without AVX-512 (forced on one that has it by
+// KEYACC_CPU_ISA=avx2, which also keeps every other kernel off AVX-512).
+bool have_avx2() {
+#if KEYACC_X86
+  static const bool v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return v && !force_portable();
 #else
   return false;
@@ -281,6 +292,77 @@ AMX_FN void group_amx(const bf16_t* G, int64_t kp, int64_t n_base, const bf16_t*
 }
 #endif
 
+#if KEYACC_X86
+// AVX2 + FMA (no AVX-512: Zen 2/3, Haswell..Comet Lake): the same packed layout, widened in
+// registers. A half block (8 output rows) of one k-pair is 32 bytes of bf16 (16 of int8): each
+// 32-bit lane holds a row's (k, k+1) pair, so the k weights are the lanes shifted left 16 bits
+// and the k+1 weights the lanes with the low 16 bits cleared, exact float32 in two instructions.
+// A tile: HB half blocks x MT input rows of float32 accumulators (at most 12 of the 16
+// registers), each input pair broadcast from a float32 copy of the rows.
+#define AVX2_FN __attribute__((target("avx2,fma")))
+
+AVX2_FN inline void load_half(const bf16_t* p, __m256& w0, __m256& w1) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  w1 = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+AVX2_FN inline void load_half(const int8_t* p, __m256& w0, __m256& w1) {
+  const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  w0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16));
+  w1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16));
+}
+
+template <typename W, int HB, int MT>
+AVX2_FN inline void tile_avx2(const W* G, int64_t kp, int h0, int64_t n_base, const float* x, int64_t ldx,
+                              int64_t m0, int mt, const float* sc, const float* bias, bf16_t* y, int64_t ldy,
+                              int64_t N) {
+  __m256 acc[HB][MT];
+  for (int h = 0; h < HB; ++h)
+    for (int m = 0; m < MT; ++m) acc[h][m] = _mm256_setzero_ps();
+  const float* xr[MT];
+  for (int m = 0; m < MT; ++m) xr[m] = x + (m0 + (m < mt ? m : 0)) * ldx;
+  for (int64_t p = 0; p < kp; ++p) {
+    const W* wp = G + p * GB * NB * 2 + h0 * 16;
+    __m256 w0[HB], w1[HB];
+    for (int h = 0; h < HB; ++h) load_half(wp + h * 16, w0[h], w1[h]);
+    for (int m = 0; m < MT; ++m) {  // the input pair broadcast straight from memory (float32 rows)
+      const __m256 a = _mm256_broadcast_ss(xr[m] + 2 * p), b = _mm256_broadcast_ss(xr[m] + 2 * p + 1);
+      for (int h = 0; h < HB; ++h) acc[h][m] = _mm256_fmadd_ps(w1[h], b, _mm256_fmadd_ps(w0[h], a, acc[h][m]));
+    }
+  }
+  for (int h = 0; h < HB; ++h) {
+    const int64_t n0 = n_base + (h0 + h) * 8;
+    if (n0 >= N) break;
+    const int rem = static_cast<int>(std::min<int64_t>(8, N - n0));
+    for (int m = 0; m < mt; ++m) {
+      alignas(32) float r[8];
+      _mm256_store_ps(r, acc[h][m]);
+      bf16_t* out = y + (m0 + m) * ldy + n0;
+      for (int i = 0; i < rem; ++i) out[i] = f2bf(r[i] * (sc ? sc[n0 + i] : 1.f) + (bias ? bias[n0 + i] : 0.f));
+    }
+  }
+}
+
+// x: the input rows widened to float32 once per call (the caller's), so a broadcast is one load.
+template <typename W>
+AVX2_FN void group_avx2(const W* G, int64_t kp, int64_t n_base, const float* x, int64_t ldx, int64_t M,
+                        const float* sc, const float* bias, bf16_t* y, int64_t ldy, int64_t N) {
+  constexpr int H = 2 * GB;  // half blocks in a group
+  int64_t m0 = 0;
+  for (; m0 + 6 <= M; m0 += 6)  // 2 half blocks x 6 rows: 12 accumulators, weights re-read from L1/L2
+    for (int h0 = 0; h0 < H; h0 += 2) tile_avx2<W, 2, 6>(G, kp, h0, n_base, x, ldx, m0, 6, sc, bias, y, ldy, N);
+  const int r = static_cast<int>(M - m0);
+  switch (r) {  // the tail (batch 1: the whole group in one pass, every weight loaded once)
+    case 0: break;
+    case 1: tile_avx2<W, 8, 1>(G, kp, 0, n_base, x, ldx, m0, 1, sc, bias, y, ldy, N); break;
+    case 2: for (int h0 = 0; h0 < H; h0 += 4) tile_avx2<W, 4, 2>(G, kp, h0, n_base, x, ldx, m0, 2, sc, bias, y, ldy, N); break;
+    case 3: for (int h0 = 0; h0 < H; h0 += 4) tile_avx2<W, 4, 3>(G, kp, h0, n_base, x, ldx, m0, 3, sc, bias, y, ldy, N); break;
+    case 4: for (int h0 = 0; h0 < H; h0 += 2) tile_avx2<W, 2, 4>(G, kp, h0, n_base, x, ldx, m0, 4, sc, bias, y, ldy, N); break;
+    default: for (int h0 = 0; h0 < H; h0 += 2) tile_avx2<W, 2, 5>(G, kp, h0, n_base, x, ldx, m0, 5, sc, bias, y, ldy, N); break;
+  }
+}
+#endif
+
 // Input rows from which the bf16 products run on AMX tiles (fewer: the AVX-512 kernel, which
 // streams the weights once for every row and is as fast when it is bandwidth-bound).
 constexpr int64_t AMX_MIN_ROWS = 8;
@@ -330,7 +412,7 @@ torch::Tensor linear_packed(const char* name, torch::Tensor x, const torch::Tens
   const W* P = reinterpret_cast<const W*>(packed.data_ptr());
   const bf16_t* xp = reinterpret_cast<const bf16_t*>(x2.data_ptr());
   bf16_t* yp = reinterpret_cast<bf16_t*>(y.data_ptr());
-  const bool fast = have_avx512bf16();
+  const bool fast = have_avx512bf16(), avx2 = !fast && have_avx2();
   const int64_t gstride = kp * GB * NB * 2;
 #if KEYACC_X86
   if (std::is_same<W, bf16_t>::value && M >= AMX_MIN_ROWS && kp % 16 == 0 && have_amx()) {
@@ -344,11 +426,17 @@ torch::Tensor linear_packed(const char* name, torch::Tensor x, const torch::Tens
     return y;
   }
 #endif
+  torch::Tensor xf;  // AVX2: the input rows in float32, once
+  if (avx2) xf = x2.to(torch::kFloat32).contiguous();
   at::parallel_for(0, ng, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
 #if KEYACC_X86
       if (fast) {
         group_avx512<W>(P + g * gstride, kp, g * GB * NB, xp, ldx, M, sc, bp, yp, N, N);
+        continue;
+      }
+      if (avx2) {
+        group_avx2<W>(P + g * gstride, kp, g * GB * NB, xf.data_ptr<float>(), ldx, M, sc, bp, yp, N, N);
         continue;
       }
 #endif
@@ -623,7 +711,7 @@ bool have_avx512() {
 #if KEYACC_X86
   static const bool v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                         __builtin_cpu_supports("avx512vl");
-  return v && !force_portable();
+  return v && !force_portable() && forced_isa() != "avx2";
 #else
   return false;
 #endif
@@ -990,7 +1078,9 @@ torch::Tensor rope_kv_write(torch::Tensor q, torch::Tensor k, torch::Tensor v, c
   return qo;
 }
 
-std::string isa() { return have_amx() ? "amx" : have_avx512bf16() ? "avx512bf16" : "portable"; }
+std::string isa() {
+  return have_amx() ? "amx" : have_avx512bf16() ? "avx512bf16" : have_avx2() ? "avx2" : "portable";
+}
 
 }  // namespace
 
