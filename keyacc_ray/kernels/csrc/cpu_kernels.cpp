@@ -707,6 +707,151 @@ AVX512 void silu_mul_avx512(const T* gu, T* y, int64_t M, int64_t I) {
 }
 #endif
 
+
+#if KEYACC_X86
+// ---- AVX2 + FMA versions of the attention and SiLU kernels (CPUs without AVX-512) ----
+AVX2_FN inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+AVX2_FN inline __m256 load8(const bf16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+AVX2_FN inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+AVX2_FN inline void store8(bf16_t* p, __m256 v) {  // round to nearest even (the data here has no NaN)
+  __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  u = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08);  // lanes 0-3 | 4-7
+  _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
+}
+AVX2_FN inline float hsum8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+AVX2_FN inline float hmax8(__m256 v) {
+  __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_max_ss(a, _mm_movehdup_ps(a)));
+}
+
+AVX2_FN inline __m256 vexp8(__m256 x) {  // vexp() lane-wise, same constants
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3f)), _mm256_set1_ps(-87.3f));
+  __m256 fn = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(fn, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(fn, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fn), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Requires D % 8 == 0. Same contract as attn_one.
+template <typename T>
+AVX2_FN void attn_one_avx2(const T* q, int64_t qsh, Rows<T> k, Rows<T> v, const T* mask, int64_t j0,
+                           int64_t L, int64_t G, int64_t D, float scale, T* out, int64_t osh, float* buf) {
+  float* qf = buf;
+  float* acc = qf + G * D;
+  float* s = acc + G * D + D;  // [G, L]
+  const __m256 vs = _mm256_set1_ps(scale);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(qf + g * D + d, _mm256_mul_ps(load8(q + g * qsh + d), vs));
+  for (int64_t j = 0; j < L; ++j) {
+    const float mj = mask ? to_f<T>(mask[j]) : 0.f;
+    if (mj < -1e30f || j < j0) {
+      for (int64_t g = 0; g < G; ++g) s[g * L + j] = -INFINITY;
+      continue;
+    }
+    const T* kr = k.at(j);
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      int64_t d = 0;
+      for (; d + 16 <= D; d += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + d), load8(kr + d), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + d + 8), load8(kr + d + 8), a1);
+      }
+      if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + d), load8(kr + d), a0);
+      s[g * L + j] = hsum8(_mm256_add_ps(a0, a1)) + mj;
+    }
+  }
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s + g * L;
+    __m256 mx = ninf;
+    int64_t j = 0;
+    for (; j + 8 <= L; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + j));
+    float m = hmax8(mx);
+    for (; j < L; ++j) m = sg[j] > m ? sg[j] : m;
+    if (m == -INFINITY) {
+      for (j = 0; j < L; ++j) sg[j] = 0.f;
+    } else {
+      const __m256 vm = _mm256_set1_ps(m);
+      __m256 vsum = _mm256_setzero_ps();
+      for (j = 0; j + 8 <= L; j += 8) {
+        const __m256 x = _mm256_loadu_ps(sg + j);
+        const __m256 live = _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ);
+        const __m256 e = _mm256_and_ps(live, vexp8(_mm256_sub_ps(x, vm)));
+        _mm256_storeu_ps(sg + j, e);
+        vsum = _mm256_add_ps(vsum, e);
+      }
+      float sum = hsum8(vsum);
+      for (; j < L; ++j) {
+        const float e = sg[j] == -INFINITY ? 0.f : vexp(sg[j] - m);
+        sg[j] = e;
+        sum += e;
+      }
+      const __m256 inv = _mm256_set1_ps(1.f / sum);
+      for (j = 0; j + 8 <= L; j += 8) _mm256_storeu_ps(sg + j, _mm256_mul_ps(_mm256_loadu_ps(sg + j), inv));
+      for (; j < L; ++j) sg[j] *= 1.f / sum;
+    }
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(acc + g * D + d, _mm256_setzero_ps());
+  }
+  for (int64_t j = 0; j < L; ++j) {
+    bool any = false;
+    for (int64_t g = 0; g < G; ++g) any |= s[g * L + j] != 0.f;
+    if (!any) continue;
+    const T* vr = v.at(j);
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 vv = load8(vr + d);
+      for (int64_t g = 0; g < G; ++g) {
+        float* a = acc + g * D + d;
+        _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(s[g * L + j]), vv, _mm256_loadu_ps(a)));
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; d += 8) store8(out + g * osh + d, _mm256_loadu_ps(acc + g * D + d));
+}
+
+template <typename T>
+AVX2_FN void silu_mul_avx2(const T* gu, T* y, int64_t M, int64_t I) {
+  for (int64_t m = 0; m < M; ++m) {
+    const T* g = gu + m * 2 * I;
+    const T* u = g + I;
+    T* yr = y + m * I;
+    int64_t i = 0;
+    for (; i + 8 <= I; i += 8) {
+      const __m256 a = load8(g + i);
+      __m256 sg = _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.f), vexp8(_mm256_sub_ps(_mm256_setzero_ps(), a))));
+      if (sizeof(T) == 2) {  // eager rounds silu's output to the dtype before the multiply
+        alignas(32) T tmp[8];
+        store8(tmp, sg);
+        sg = load8(tmp);
+      }
+      store8(yr + i, _mm256_mul_ps(sg, load8(u + i)));
+    }
+    for (; i < I; ++i) {
+      const float a = to_f<T>(g[i]);
+      yr[i] = from_f<T>(to_f<T>(from_f<T>(a / (1.f + vexp(-a)))) * to_f<T>(u[i]));
+    }
+  }
+}
+#endif
+
 bool have_avx512() {
 #if KEYACC_X86
   static const bool v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -733,7 +878,7 @@ void attn_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tens
     msb = mask->size(0) == 1 ? 0 : mask->stride(0);
     msl = mask->stride(3);
   }
-  const bool wide = have_avx512() && D % 16 == 0;
+  const bool wide = have_avx512() && D % 16 == 0, wide2 = !wide && have_avx2() && D % 8 == 0;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> buf(2 * G * D + D + G * L);
     std::vector<T> mrow(mp && msl != 1 ? L : 0);
@@ -757,6 +902,11 @@ void attn_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tens
                            static_cast<float>(scale), oh, D, buf.data());
         continue;
       }
+      if (wide2) {
+        attn_one_avx2<T>(qh, q.stride(1), Rows<T>{kh, k.stride(2)}, Rows<T>{vh, v.stride(2)}, mrp, 0, L, G, D,
+                         static_cast<float>(scale), oh, D, buf.data());
+        continue;
+      }
 #endif
       attn_one<T>(qh, q.stride(1), Rows<T>{kh, k.stride(2)}, Rows<T>{vh, v.stride(2)}, mrp, 0, L, G, D,
                   static_cast<float>(scale), oh, D, buf.data());
@@ -775,7 +925,7 @@ void paged_attn_impl(const torch::Tensor& q, const torch::Tensor& k, const torch
   const T* kp = reinterpret_cast<const T*>(k.data_ptr());
   const T* vp = reinterpret_cast<const T*>(v.data_ptr());
   T* op = reinterpret_cast<T*>(out.data_ptr());
-  const bool wide = have_avx512() && D % 16 == 0;
+  const bool wide = have_avx512() && D % 16 == 0, wide2 = !wide && have_avx2() && D % 8 == 0;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> buf(2 * G * D + D + G * Lmax);
     for (int64_t i = i0; i < i1; ++i) {
@@ -788,6 +938,10 @@ void paged_attn_impl(const torch::Tensor& q, const torch::Tensor& k, const torch
 #if KEYACC_X86
       if (wide) {
         attn_one_avx512<T>(qh, q.stride(1), kr, vr, nullptr, j0, L, G, D, static_cast<float>(scale), oh, D, buf.data());
+        continue;
+      }
+      if (wide2) {
+        attn_one_avx2<T>(qh, q.stride(1), kr, vr, nullptr, j0, L, G, D, static_cast<float>(scale), oh, D, buf.data());
         continue;
       }
 #endif
@@ -912,9 +1066,18 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   auto shape = gu.sizes().vec();
   shape.back() = I;
   auto y = torch::empty(shape, gu.options());
-  const bool wide = have_avx512();
+  const bool wide = have_avx512(), wide2 = !wide && have_avx2();
   at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
 #if KEYACC_X86
+    if (wide2 && gu.scalar_type() == torch::kFloat32) {
+      silu_mul_avx2<float>(gu.data_ptr<float>() + m0 * 2 * I, y.data_ptr<float>() + m0 * I, m1 - m0, I);
+      return;
+    }
+    if (wide2 && gu.scalar_type() == torch::kBFloat16) {
+      silu_mul_avx2<bf16_t>(reinterpret_cast<const bf16_t*>(gu.data_ptr()) + m0 * 2 * I,
+                            reinterpret_cast<bf16_t*>(y.data_ptr()) + m0 * I, m1 - m0, I);
+      return;
+    }
     if (wide && gu.scalar_type() == torch::kFloat32) {
       silu_mul_avx512<float>(gu.data_ptr<float>() + m0 * 2 * I, y.data_ptr<float>() + m0 * I, m1 - m0, I);
       return;
