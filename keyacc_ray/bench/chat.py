@@ -11,14 +11,13 @@ random token ids, seeded: the same traffic for every server configuration compar
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
 
-from keyacc_ray.bench.loadgen import pct
+from keyacc_ray.bench.loadgen import pct, sse_events
 
 
 @dataclass
@@ -68,10 +67,7 @@ async def _turn(client: aiohttp.ClientSession, model: str, prompt: list[int], n:
             if r.status != 200:
                 turn.error = f"{r.status}: {(await r.read()).decode(errors='replace')[:200]}"
                 return turn
-            async for raw in r.content:
-                if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
-                    continue
-                chunk = json.loads(raw[6:])
+            async for chunk in sse_events(r):
                 if "error" in chunk:
                     turn.error = chunk["error"].get("message", "")
                     return turn

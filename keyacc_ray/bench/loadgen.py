@@ -60,6 +60,13 @@ class Result:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
 
+async def sse_events(response: aiohttp.ClientResponse):
+    """The JSON objects of a streamed completion's `data:` lines, one at a time ([DONE] ends it)."""
+    async for raw in response.content:  # one line at a time
+        if raw.startswith(b"data: ") and not raw.startswith(b"data: [DONE]"):
+            yield json.loads(raw[6:])
+
+
 async def one_request(client: aiohttp.ClientSession, model: str, prompt: list[int], n: int,
                       extra: dict | None = None) -> Result:
     """One streaming completion. Tokens are counted from `token_ids` when the server sends them
@@ -77,10 +84,7 @@ async def one_request(client: aiohttp.ClientSession, model: str, prompt: list[in
             if r.status != 200:
                 res.error = (await r.read()).decode(errors="replace")[:300]
                 return res
-            async for raw in r.content:  # one line at a time
-                if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
-                    continue
-                chunk = json.loads(raw[6:])
+            async for chunk in sse_events(r):
                 if "error" in chunk:
                     res.error = chunk["error"].get("message", "")
                     return res
