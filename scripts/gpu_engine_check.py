@@ -112,6 +112,37 @@ def main() -> None:
                            "kv_bytes": int(pkg.keys.nbytes + pkg.values.nbytes), "gpu_only_s": round(gpu_s, 3)})
             print(json.dumps(checks[-1]), flush=True)
     res["checks"] = checks
+    # Prefix caching and the host / disk KV tiers on this device: a pool of a few blocks, prompts
+    # pushed out to the tiers, then sent again: loaded back (pinned host memory -> device), the
+    # same tokens as the first time (tie-aware in bf16).
+    refs = {i: gpu.generate([p], [params])[0] for i, p in enumerate(prompts)}
+    model = gpu.runner.model
+    del gpu, src, dst  # (the block pool: most of the device)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    blocks = 2 * -(-(args.prompt_len + args.new) // 16)
+    t = time.time()
+    small = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device="auto", max_num_seqs=1,
+                                   max_model_len=blocks * 16, num_kv_blocks=blocks, kv_host_tier_gb=0.25,
+                                   kv_disk_tier_gb=0.25))
+    others = [[rng.randrange(10, min(vocab, 30000)) for _ in range(args.prompt_len)] for _ in range(3)]
+    for p in prompts[:1] + others:
+        small.generate([p], [params])
+    small.add_request("again", prompts[0], params)
+    got, cached = [], None
+    while small.has_unfinished():
+        for o in small.step():
+            got += o.new_token_ids
+            cached = o.num_cached_tokens if cached is None else cached
+    ok, at, gap = tie_ok(model, prompts[0], refs[0], got, small.runner.device)
+    tiers = small.stats().kv_tiers
+    loaded = sum(t["loaded_blocks"] for t in tiers["tiers"].values())
+    res["tiers_check"] = {"cached_tokens": cached, "identical": got == refs[0], "tie_aware_ok": ok,
+                          "first_difference_at": at, "loaded_blocks": loaded, "tiers": tiers,
+                          "s": round(time.time() - t, 2)}
+    print(json.dumps(res["tiers_check"]), flush=True)
+    # loaded back, or (the cost model's choice: computing was cheaper) computed again, same tokens
+    ok_all &= ok and (loaded > 0 or tiers["recomputed_blocks"] > 0) and cached is not None
     res["ok"] = ok_all
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
