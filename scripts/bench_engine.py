@@ -5,8 +5,10 @@ int8: prefill of 512 tokens, decode at batch 1, 8 and 32, the batch-1 read-bandw
 greedy agreement between the paths, and continuous batching against transformers' generate();
 then on the tiny model the engine's host time per decode step at batch 1 / 64 / 256
 (`host_ms_b*`) and how many 2,000-token sequences a 65,536-token KV budget runs at once
-(`paged_seqs_ratio`), from scripts/bench_host.py. Prints a table and, as its last line, one
-JSON object.
+(`paged_seqs_ratio`), from scripts/bench_host.py; then the fast path on every kernel path this
+CPU runs (`prefill_tps_512_{isa}`, `decode_tps_bs{1,8,32}_{isa}` for amx / avx512 / avx2 /
+portable, from scripts/bench_cpu_isa.py; `fast_path_isa` names the default). Prints a table
+and, as its last line, one JSON object.
 
     make bench-engine            # builds models/bench-qwen3 (bf16, ~0.4B) if missing
     python scripts/bench_engine.py --model models/bench-qwen3 --threads 2
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -132,6 +135,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-hf", action="store_true", help="skip the transformers generate() comparisons")
     ap.add_argument("--tiny-model", default="models/tiny-qwen3", help="for the host-time and paged-KV figures")
+    ap.add_argument("--no-isa-paths", action="store_true",
+                    help="skip the per-kernel-path figures (scripts/bench_cpu_isa.py: every path this CPU runs)")
     args = ap.parse_args()
 
     from keyacc_ray.engine.request import SamplingParams
@@ -197,7 +202,28 @@ def main() -> None:
 
     res.update(bench_host(args.tiny_model))
     res.update(paged_seqs_ratio(args.tiny_model))
+    if not args.no_isa_paths:
+        res.update(isa_paths(args))
     report(res)
+
+
+def isa_paths(args) -> dict:
+    """`prefill_tps_512_{isa}` and `decode_tps_bs{1,8,32}_{isa}` for every kernel path this CPU
+    runs (one subprocess each: the path is fixed per process), `fast_path_isa` the default one."""
+    import json
+    import subprocess
+    import sys
+
+    from keyacc_ray import kernels
+
+    best = kernels.load().isa()
+    paths = {"amx": ["amx", "avx512", "avx2", "portable"], "avx512bf16": ["avx512", "avx2", "portable"],
+             "avx2": ["avx2", "portable"]}.get(best, ["portable"])
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name("bench_cpu_isa.py")), "--model", args.model,
+                        "--threads", str(args.threads), "--isa", *paths], capture_output=True, text=True, timeout=3600)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    got = json.loads(lines[-1]) if lines else {"isa_paths_error": (r.stderr or r.stdout)[-300:]}
+    return {"fast_path_isa": best, **{k: v for k, v in got.items() if k not in ("model", "threads")}}
 
 
 if __name__ == "__main__":
