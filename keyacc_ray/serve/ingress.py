@@ -127,6 +127,7 @@ class Ingress:
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self.counts: dict[str, int] = {}
+        self._ignored_seen: set[str] = set()  # request fields already warned about
         self.operator_keys = env_operator_keys(operator_keys_file)
         self.api_keys = env_api_keys(api_keys_file) | self.operator_keys
         log.info("keyacc ingress: %s; route pinning: %s", "API keys required" if self.api_keys else
@@ -224,6 +225,14 @@ class Ingress:
             self._count(f"errors_{e.status_code}")
             return error_response(e.status_code, e.to_dict())
 
+    def _warn_ignored(self, data: dict) -> None:
+        """vLLM's treatment of fields it does not know: a warning naming them (here once per field
+        name per replica, so a client that always sends one does not flood the log)."""
+        new = sorted({k[:64] for k in protocol.ignored_fields(data)} - self._ignored_seen)
+        if new and len(self._ignored_seen) < 1024:
+            self._ignored_seen.update(new)
+            log.warning("these request fields are not used by this server and were ignored: %s", new)
+
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
@@ -244,6 +253,7 @@ class Ingress:
         except (TypeError, ValueError, OverflowError) as e:
             err = InvalidRequest(f"invalid request: {e}")
             return error_response(400, err.to_dict())
+        self._warn_ignored(data)
         its = [self.driver.run(r).__aiter__() for r in p.requests]
         # Wait for every choice's first tokens before answering, so an error found downstream
         # still gets a proper status code instead of a 200 stream.

@@ -24,6 +24,19 @@ NEUTRAL = {"tools": (None, []),
 
 
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # the last: vLLM's extension
+# Every field parse() reads (besides NEUTRAL's); another field is ignored and named (`ignored_fields`),
+# as vLLM warns "fields were present in the request but ignored". `user`: OpenAI's, accepted and unused.
+READ_FIELDS = frozenset({
+    "model", "prompt", "messages", "n", "best_of", "echo", "max_tokens", "max_completion_tokens", "logprobs",
+    "top_logprobs", "prompt_logprobs", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+    "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "min_tokens", "logit_bias", "stream",
+    "stream_options", "return_token_ids", "keyacc", "add_generation_prompt", "continue_final_message",
+    "add_special_tokens", "chat_template_kwargs", "user", *PENALTIES})
+
+
+def ignored_fields(data: dict) -> list[str]:
+    """The request's fields this server neither reads nor refuses (sorted)."""
+    return sorted(k for k in data if k not in READ_FIELDS and k not in NEUTRAL)
 # What a model's generation_config.json may set as the server's defaults (vLLM's --generation-config
 # auto): these, and max_new_tokens as the default max_tokens.
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

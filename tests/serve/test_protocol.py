@@ -285,3 +285,14 @@ def test_prompt_logprobs_parsing_and_body(qwen3_path):
         {"6": {"logprob": -1.0, "rank": 2, "decoded_token": "b"}, "9": {"logprob": -0.5, "rank": 1, "decoded_token": "z"}},
         {"7": {"logprob": -0.1, "rank": 1, "decoded_token": "c"}, "9": {"logprob": -4.0, "rank": 2, "decoded_token": "z"}}]
     assert prompt_logprobs_body(_choices(tok, prompt=[5, 6, 7]), 0, entries, text) is None
+
+
+def test_fields_the_server_does_not_read_are_named():
+    """vLLM's treatment of unknown fields: accepted, and named in a warning (the ingress logs
+    each name once); the fields parse() reads or refuses are never named."""
+    from keyacc_ray.serve.protocol import NEUTRAL, READ_FIELDS, ignored_fields
+
+    body = {"model": "m", "prompt": "x", "max_tokens": 3, "temperature": 0, "user": "u", "tools": None,
+            "metadata": {"a": 1}, "store": True, "frobnicate": 1, "keyacc": {"route": "gpu"}}
+    assert ignored_fields(body) == ["frobnicate", "metadata", "store"]
+    assert not READ_FIELDS & set(NEUTRAL)
