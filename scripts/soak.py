@@ -98,8 +98,11 @@ def record_reject(stats, status, content):
 async def bad(client, rng, stats):
     try:
         r = await client.post("/v1/completions", content=rng.choice(BAD), headers={"content-type": "application/json"})
-        ok = 400 <= r.status_code < 500 and "message" in r.json()["error"]
-        stats["bad_rejected_4xx" if ok else "bad_wrong_answer"] += 1
+        clear = "message" in r.json()["error"]
+        if r.status_code == 503 and clear:  # refused before it was read: the server is full (Retry-After)
+            stats["bad_overloaded_503"] += 1
+        else:
+            stats["bad_rejected_4xx" if 400 <= r.status_code < 500 and clear else "bad_wrong_answer"] += 1
     except (httpx.HTTPError, ValueError, KeyError) as e:
         stats["lost"] += 1
         stats["lost_examples"].append(repr(e)[:120])
@@ -127,7 +130,7 @@ async def main_async(args, url):
     rate = 2 * capacity
     print(f"measured capacity {capacity:.1f} req/s; soaking at {rate:.1f} req/s for {args.minutes} min", flush=True)
     stats = {"sent": 0, "completed_correct": 0, "completed_wrong": 0, "rejected_clear_error": 0, "lost": 0,
-             "bad_rejected_4xx": 0, "bad_wrong_answer": 0, "kills": 0, "max_stream_gap_s": 0.0,
+             "bad_rejected_4xx": 0, "bad_overloaded_503": 0, "bad_wrong_answer": 0, "kills": 0, "max_stream_gap_s": 0.0,
              "stream_gaps_over_2s": 0, "lost_examples": []}
     rng = random.Random(args.seed)
     mem: dict[str, list[int]] = {}
