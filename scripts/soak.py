@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 BAD = [b"{oops", b'{"model": "tiny-qwen3"}', b'{"model": "nope", "prompt": "x"}',
        b'{"model": "tiny-qwen3", "prompt": "x", "max_tokens": -5}',
        b'{"model": "tiny-qwen3", "prompt": "x", "temperature": "hot"}', b"\xff\xfe",
-       b'{"model": "tiny-qwen3", "prompt": "x", "n": 4}', b'{"model": "tiny-qwen3", "prompt": [1, 2, 99999999]}']
+       b'{"model": "tiny-qwen3", "prompt": "x", "n": 65}', b'{"model": "tiny-qwen3", "prompt": [1, 2, 99999999]}']
 WORDS = "the quick brown fox jumps over a lazy dog while engines decode tokens on every core".split()
 
 
@@ -98,7 +98,9 @@ def record_reject(stats, status, content):
 async def bad(client, rng, stats):
     try:
         r = await client.post("/v1/completions", content=rng.choice(BAD), headers={"content-type": "application/json"})
-        clear = "message" in r.json()["error"]
+        body = r.json()
+        err = body.get("error") if isinstance(body, dict) else None
+        clear = isinstance(err, dict) and "message" in err
         if r.status_code == 503 and clear:  # refused before it was read: the server is full (Retry-After)
             stats["bad_overloaded_503"] += 1
         else:
