@@ -173,9 +173,10 @@ class LLMEngine:
         return seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0
 
     def _enqueue(self, seq: Sequence, rng_state) -> None:
-        if self._scoring(seq):  # every position's logits come back: chunks whose logits fit
+        scoring = self._scoring(seq)
+        if scoring:  # every position's logits come back: chunks whose logits fit
             seq.max_chunk = max(1, PROMPT_LOGITS_BYTES // (4 * self.runner.vocab_size))
-        seq.share_prefix = not self._scoring(seq)  # (every prompt position's logits are computed)
+        seq.share_prefix = not scoring  # (every prompt position's logits are computed: none shared)
         if not self.scheduler.add(seq):
             raise Overloaded(f"the engine's waiting queue is full ({self.config.max_waiting})")
         self.seqs[seq.request_id] = seq
@@ -229,10 +230,10 @@ class LLMEngine:
         if not items:
             return []
         t0 = time.perf_counter()
+        nd = len(sched.decode)
         if self.config.batched_prefill:
             logits = self.runner.forward(items)
         else:  # decode rows together, each prompt chunk in a forward of its own
-            nd = len(sched.decode)
             parts = ([self.runner.forward(items[:nd])] if nd else []) + [self.runner.forward([it])
                                                                         for it in items[nd:]]
             logits = torch.cat(parts)
@@ -244,13 +245,13 @@ class LLMEngine:
                     self._cache_blocks(s)
             return self._postprocess(sched.decode, self._sample(logits, sched.decode))
         rows, seqs, at = [], [], 0
-        for s, it in zip([*sched.decode, *(p[0] for p in sched.prefill)], items):
+        for i, (s, it) in enumerate(zip([*sched.decode, *(p[0] for p in sched.prefill)], items)):
             n = it.num_logits
             if it.logits == "all":
                 self._score_chunk(s, it, logits[at:at + n])
             at += n
             s.num_cached += len(it.tokens)
-            if caching:
+            if caching and (i >= nd or s.num_cached % bs == 0):  # (a decode row: when it fills a block)
                 self._cache_blocks(s)
             if s.num_cached == s.num_tokens:
                 rows.append(at - 1)
@@ -266,8 +267,10 @@ class LLMEngine:
 
     def _prefill_timed(self, prefill: list, t0: float, logits) -> None:
         """The lower tiers' cost model: the prefill rate of steps with many prompt tokens."""
+        if self.tiers is None:
+            return
         tokens = sum(n for _, n in prefill)
-        if self.tiers is None or tokens < 64:
+        if tokens < 64:
             return
         if logits is not None and logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)

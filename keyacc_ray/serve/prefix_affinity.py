@@ -2,9 +2,9 @@
 most recently took a prompt with the longest common head, so that its prefix cache has it.
 
 The router cannot see the replicas' caches; like SGLang's router it predicts them from what it
-routed. A prompt's anchors are the keys of its heads of 1, 2, 4 blocks of `block_size` tokens,
-then of every 4th block, and of all its full blocks (each key names the whole head up to there,
-as the engines' block keys do): a conversation's next turn, which extends the last prompt,
+routed. A prompt's anchors are the engines' own block keys (`blocks.chain_hashes`: a key names the
+whole head up to its block) at the heads of 1, 2, 4 blocks of `block_size` tokens, then of every
+4th block, and of all its full blocks: a conversation's next turn, which extends the last prompt,
 shares the anchors of the last prompt's heads, to within 4 blocks of its end;
 routing a prompt records its anchors against the replica it went to (a bounded LRU map). A new
 prompt goes to the replica of its deepest known anchor, unless that replica's queue is longer
@@ -13,10 +13,9 @@ no known anchor take the usual way too.
 """
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 
+from keyacc_ray.engine.blocks import chain_hashes
 
 STRIDE = 4  # blocks between anchors past the first few
 
@@ -27,13 +26,9 @@ def anchors(token_ids: list[int], block_size: int) -> list[bytes]:
     n = (len(token_ids) - 1) // block_size
     if n <= 0:
         return []
-    depths = sorted({d for d in (1, 2) if d < n} | set(range(STRIDE, n, STRIDE)) | {n})
-    keys, h, done = [], hashlib.blake2b(digest_size=16), 0
-    for d in depths:
-        h.update(array("q", token_ids[done * block_size:d * block_size]).tobytes())
-        done = d
-        keys.append(h.copy().digest())
-    return keys[::-1]
+    keys = chain_hashes([], token_ids[:n * block_size], block_size)
+    depths = sorted({d for d in (1, 2) if d < n} | set(range(STRIDE, n, STRIDE)) | {n}, reverse=True)
+    return [keys[d - 1] for d in depths]
 
 
 class PrefixAffinity:
