@@ -17,6 +17,7 @@ from keyacc_ray.engine.request import SamplingParams, Sequence, SeqStatus
 from keyacc_ray.engine.runner import ModelRunner, StepItem
 from keyacc_ray.engine.sampling import Sampler
 from keyacc_ray.engine.scheduler import Scheduler
+from keyacc_ray.engine.structured import Grammars
 from keyacc_ray.engine.tiers import LowerTiers
 from keyacc_ray.errors import InvalidRequest, ModelLoadError, Overloaded
 
@@ -103,7 +104,6 @@ class LLMEngine:
             self.max_model_len = budget
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_waiting,
                                    config.max_prefill_tokens, lazy=config.kv_allocation == "lazy")
-        self.sampler = Sampler(self.runner.kernels)  # the CPU kernels sample too, where built
         self.tiers, self.kv_store = self._lower_tiers(config)
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
@@ -111,6 +111,8 @@ class LLMEngine:
         gen_eos = getattr(getattr(self.runner.model, "generation_config", None), "eos_token_id", None)
         self.eos_ids = {e for x in (eos, gen_eos, self.tokenizer.eos_token_id) if x is not None
                         for e in (x if isinstance(x, (list, tuple)) else [x])}
+        # the CPU kernels sample too, where built; grammars: structured outputs' token masks
+        self.sampler = Sampler(self.runner.kernels, Grammars(self.tokenizer, self.runner.vocab_size, self.eos_ids))
         self.tokens_generated = 0
         # Lazy KV: sequences that leave (exported, KV and all) when preempted instead of being
         # recomputed here; their packages wait in preempt_exports for the driver of the engine.
@@ -177,10 +179,11 @@ class LLMEngine:
         if scoring:  # every position's logits come back: chunks whose logits fit
             seq.max_chunk = max(1, PROMPT_LOGITS_BYTES // (4 * self.runner.vocab_size))
         seq.share_prefix = not scoring  # (every prompt position's logits are computed: none shared)
+        self.sampler.add(seq.request_id, seq.params, rng_state)  # first: a grammar that does not compile
         if not self.scheduler.add(seq):
+            self.sampler.remove(seq.request_id)
             raise Overloaded(f"the engine's waiting queue is full ({self.config.max_waiting})")
         self.seqs[seq.request_id] = seq
-        self.sampler.add(seq.request_id, seq.params, rng_state)
         self.detok[seq.request_id] = IncrementalDetokenizer(
             self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], seq.params.stop,
             seq.output_token_ids, seq.emitted_text_chars, seq.params.include_stop_str_in_output,
@@ -322,7 +325,8 @@ class LLMEngine:
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
             seq.token_ids.append(token)
             p = seq.params
-            if (token in eos and not p.ignore_eos) or token in p.stop_token_ids:
+            # (a grammar's end is an end of sequence even with ignore_eos: nothing else may follow)
+            if (token in eos and (not p.ignore_eos or p.grammar is not None)) or token in p.stop_token_ids:
                 stopped[i] = SeqStatus.FINISHED_STOPPED
                 if not p.include_stop_str_in_output:  # else the stop token's own text, as vLLM
                     continue

@@ -48,6 +48,9 @@ class SamplingParams:
     # special tokens' text is left out of the output text
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # structured outputs: llguidance grammar text (engine/structured.compile_grammar, made where the
+    # request is parsed); the sampler masks every token the grammar does not allow
+    grammar: str | None = None
 
     def validate(self) -> "SamplingParams":
         def bad(msg: str, param: str) -> InvalidRequest:
@@ -101,6 +104,8 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "skip_special_tokens", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be a boolean, got {getattr(self, name)!r}", name)
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise bad("grammar must be a non-empty string (a compiled grammar)", "grammar")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
@@ -112,10 +117,15 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
-    def processes_logits(self) -> bool:
-        """Penalties, a logit bias or min_tokens: the row's logits change before sampling."""
+    def adjusts_logits(self) -> bool:
+        """Penalties, a logit bias or min_tokens: the row's logits change (sampling.process_logits)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias or self.min_tokens)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Adjusted logits or a grammar's mask: the row's logits change before sampling."""
+        return self.adjusts_logits or self.grammar is not None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from keyacc_ray.engine.request import SamplingParams
+from keyacc_ray.errors import InvalidRequest
 
 CANDIDATES = 256  # tokens taken for a top-p row without top-k before widening
 
@@ -64,9 +65,11 @@ def uniforms(seeds: list[int], positions: list[int]) -> np.ndarray:
 
 
 class Sampler:
-    def __init__(self, kernels=None):
-        """`kernels`: the compiled CPU kernels (keyacc_ray.kernels.load()), used for rows on the CPU."""
+    def __init__(self, kernels=None, grammars=None):
+        """`kernels`: the compiled CPU kernels (keyacc_ray.kernels.load()), used for rows on the CPU.
+        `grammars`: the engine's structured.Grammars (requests with a grammar need one)."""
         self._kernels = kernels if kernels is not None and hasattr(kernels, "argmax_rows") else None
+        self.grammars = grammars
         self._seeds: dict[str, int] = {}
         self._drawn: dict[str, int] = {}  # draws so far, for callers that give no positions
         self._info: dict[str, tuple] = {}  # request id -> (its params, greedy, processes logits)
@@ -76,6 +79,12 @@ class Sampler:
         self._seen: dict[str, tuple[int, set, torch.Tensor]] = {}
 
     def add(self, request_id: str, params: SamplingParams, state: np.ndarray | None = None) -> None:
+        """A request arrives (its grammar's matcher made first: an InvalidRequest if it does not
+        compile for this model, and nothing is kept)."""
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise InvalidRequest("structured outputs are not available on this engine", param="grammar")
+            self.grammars.add(request_id, params.grammar)
         if state is not None:  # from a KV package: the seed the request has drawn with so far
             seed = int(np.asarray(state, dtype=np.uint64).reshape(-1)[0])
         else:
@@ -89,6 +98,8 @@ class Sampler:
         self._drawn.pop(request_id, None)
         self._info.pop(request_id, None)
         self._seen.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.remove(request_id)
 
     def _distinct(self, request_id: str, tokens: list[int], device) -> torch.Tensor:
         """The distinct ids in `tokens` (a history that only grows), updated from the new ones."""
@@ -109,7 +120,7 @@ class Sampler:
                history=None, positions: list[int] | None = None) -> list[int]:
         """logits: [B, vocab] on any device; returns one token id per row. `history(row)` gives a
         row's (token ids so far, number of prompt tokens, end-of-sequence ids), read only for rows
-        whose logits are processed (penalties, logit bias, min_tokens). `positions`: each row's
+        whose logits are processed (penalties, logit bias, min_tokens, a grammar). `positions`: each row's
         new token's position in its sequence (what its draw is keyed by); without them, the
         number of draws the request has made here."""
         info = self._info
@@ -118,11 +129,17 @@ class Sampler:
         proc = [i for i, f in enumerate(flags) if f[2]]
         if proc:
             logits = logits.clone() if logits.dtype == torch.float32 else logits.float()
+            constrained = []  # (row, (request id, grammar, output so far)), eos ids
             for i in proc:
                 tokens, num_prompt, eos_ids = history(i)
                 p = params[i]
-                seen = self._distinct(request_ids[i], tokens, logits.device) if p.repetition_penalty != 1.0 else None
-                logits[i] = process_logits(logits[i].float(), tokens, num_prompt, p, eos_ids, seen)
+                if p.grammar is not None:
+                    constrained.append((i, (request_ids[i], p.grammar, tokens[num_prompt:])))
+                if p.adjusts_logits:
+                    seen = self._distinct(request_ids[i], tokens, logits.device) if p.repetition_penalty != 1.0 else None
+                    logits[i] = process_logits(logits[i].float(), tokens, num_prompt, p, eos_ids, seen)
+            if constrained:
+                logits = self._mask(logits, constrained, eos_ids)
         rows = [i for i, f in enumerate(flags) if not f[1]]
         if len(rows) < len(params):
             greedy = [i for i, f in enumerate(flags) if f[1]]
@@ -147,6 +164,20 @@ class Sampler:
             else:
                 out[torch.tensor(rows, device=logits.device)] = got
         return out.tolist()
+
+    def _mask(self, logits: torch.Tensor, constrained: list, eos_ids) -> torch.Tensor:
+        """The grammar rows' logits with every token their grammar does not allow at -inf (all at
+        once: one bitmask for the rows, one masked fill). A row left with nothing (its grammar
+        complete while min_tokens forbids the end) may still end: end of sequence is let through."""
+        rows = [i for i, _ in constrained]
+        allowed = torch.from_numpy(self.grammars.allowed([c for _, c in constrained], logits.shape[1]))
+        idx = torch.tensor(rows, device=logits.device)
+        sub = logits.index_select(0, idx).masked_fill_(~allowed.to(logits.device), float("-inf"))
+        dead = ~torch.isfinite(sub).any(dim=-1)
+        if bool(dead.any()) and eos_ids:
+            ends = torch.tensor(sorted(eos_ids), device=logits.device)
+            sub[dead.nonzero()[:, 0][:, None], ends[None]] = 0.0
+        return logits.index_copy_(0, idx, sub)
 
     @staticmethod
     def logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int], ranks: bool = False) -> list[tuple]:
