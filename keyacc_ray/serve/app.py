@@ -166,6 +166,10 @@ class AppConfig:
     # vLLM's --generation-config auto, and as transformers' generate() does), "vllm" the neutral
     # ones (temperature 1, no top-k / top-p / min-p, no repetition penalty).
     generation_config: str = "auto"
+    # How `tool_choice: auto` reads tool calls from the output (vLLM's --tool-call-parser): "hermes"
+    # (<tool_call>{...}</tool_call>: Qwen2.5 / Qwen3, Hermes and many others), or null (auto tool
+    # choice off; required and named tool choice still work, by grammar)
+    tool_call_parser: str | None = "hermes"
 
     def __post_init__(self):
         if self.allow_route_pinning not in (True, False, "operators"):
@@ -174,6 +178,10 @@ class AppConfig:
             raise ConfigError(f"generation_config must be \"auto\" or \"vllm\", got {self.generation_config!r}")
         if self.gpu_prefill not in ("colocated", "disaggregated"):
             raise ConfigError(f"gpu_prefill must be \"colocated\" or \"disaggregated\", got {self.gpu_prefill!r}")
+        from keyacc_ray.serve.tools import PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ConfigError(f"tool_call_parser must be one of {sorted(PARSERS)} or null, got {self.tool_call_parser!r}")
         if self.access_log not in ACCESS_LOG:
             raise ConfigError(f"access_log must be one of {sorted(ACCESS_LOG)}, got {self.access_log!r}")
 
@@ -322,7 +330,8 @@ def build_app(args: dict | None = None):
         max_ongoing_requests=4096, max_queued_requests=cfg.max_queued_requests, **logs("ingress"),
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus, "resources": dict(cfg.control_resources), **env},
     ).bind(router, pools, cfg.model, cfg.served_model_name, max_len, cfg.allow_route_pinning, cfg.max_body_bytes,
-           cfg.api_keys_file, cfg.operator_keys_file, cfg.trust_remote_code, cfg.generation_config)
+           cfg.api_keys_file, cfg.operator_keys_file, cfg.trust_remote_code, cfg.generation_config,
+           cfg.tool_call_parser)
 
 
 if __name__ == "__main__":  # python -m keyacc_ray.serve.app serve run deployments/app.yaml

@@ -18,7 +18,7 @@ from ray import serve
 from keyacc_ray.config import env_api_keys, env_operator_keys
 from keyacc_ray.errors import InvalidRequest, KeyaccError
 from keyacc_ray.serve import metrics as prom
-from keyacc_ray.serve import protocol
+from keyacc_ray.serve import protocol, tools
 from keyacc_ray.serve.driver import RemoteRouter, RequestDriver
 from keyacc_ray.serve.messages import ErrorItem, TokenChunk, Trace
 
@@ -108,7 +108,8 @@ class Ingress:
     def __init__(self, router, pools: dict, model: str, served_model_name: str, max_model_len: int,
                  allow_route_pinning: bool | str = True, max_body_bytes: int = 1 << 20,
                  api_keys_file: str | None = None, operator_keys_file: str | None = None,
-                 trust_remote_code: bool = False, generation_config: str = "auto"):
+                 trust_remote_code: bool = False, generation_config: str = "auto",
+                 tool_call_parser: str | None = "hermes"):
         """router: the Router deployment's handle; pools: the pool handles by hop key
         ("gpu_prefill", "gpu_decode", "cpu_decode/0", ...)."""
         from transformers import AutoTokenizer
@@ -122,6 +123,7 @@ class Ingress:
             log.warning("keyacc ingress: default sampling parameters from the model's generation_config.json: %s "
                         "(generation_config: vllm for neutral ones)", self.sampling_defaults)
         self.model_name = served_model_name
+        self.tool_call_parser = tool_call_parser
         self.max_model_len = max_model_len
         self.allow_pinning = allow_route_pinning
         self.max_body_bytes = max_body_bytes
@@ -236,6 +238,16 @@ class Ingress:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
+    @staticmethod
+    def _tool_delta(out: tools.ToolOutput, text: str, last: bool) -> tuple[str, list[dict] | None]:
+        """A choice's streamed text read for tool calls: (content to send, tool-call deltas)."""
+        before = len(out.calls)
+        content, _ = out.feed(text)
+        if last:
+            content += out.finish()[0]
+        new = out.calls[before:]
+        return content, [{"index": before + j, **c} for j, c in enumerate(new)] or None
+
     # ---- the request path --------------------------------------------------------------
     async def _handle(self, request: Request, kind: str):
         self._count(f"{kind}_requests")
@@ -246,7 +258,8 @@ class Ingress:
             data = protocol.load_json(body, self.max_body_bytes)
             p = protocol.parse(data, kind, tokenizer=self.tokenizer, served_names={self.model_name},
                                max_model_len=self.max_model_len, allow_pinning=self._may_pin(request),
-                               vocab_size=self.vocab_size, defaults=self.sampling_defaults)
+                               vocab_size=self.vocab_size, defaults=self.sampling_defaults,
+                               tool_parser=self.tool_call_parser)
         except KeyaccError as e:
             self._count(f"errors_{e.status_code}")
             return error_response(e.status_code, e.to_dict())
@@ -308,9 +321,16 @@ class Ingress:
                 return error_response(i.status_code, i.body, _retry_after(i.status_code))
             elif isinstance(i, Trace):
                 traces[k] = i.to_dict()
+        calls: list = [None] * n
+        if p.tools is not None:  # the calls in each choice's output; what is left is its content
+            for k in range(n):
+                out = tools.ToolOutput(p.tools)
+                head, _ = out.feed("".join(text[k]))
+                tail, _ = out.finish()
+                text[k], calls[k], reason[k] = [head + tail], out.calls, out.finish_reason(reason[k])
         choices = [protocol.choice_body(p, k, "".join(text[k]), reason[k], ids[k],
                                         protocol.logprobs_body(p.kind, lp_ids[k], lps[k] if lps else None,
-                                                               self._token_text), delta=False)
+                                                               self._token_text), delta=False, tool_calls=calls[k])
                    for k in range(n)]
         body = protocol.full_body(p, choices, sum(n_out), traces, protocol.cached_tokens(p, cached))
         if p.prompt_logprobs is not None:  # vLLM: per choice in completions, once per response in chat
@@ -338,6 +358,7 @@ class Ingress:
                 yield _sse(usage_so_far(head, k))
         pending = [None] * n  # only a choice's finishing chunk waits, so its trace can ride on it
         offset, seen = [0] * n, [False] * n
+        outs = [tools.ToolOutput(p.tools) for _ in range(n)] if p.tools is not None else None
         async for k, i in items:
             if isinstance(i, TokenChunk):
                 n_out[k] = 0 if p.echo_only else i.num_output_tokens or n_out[k]
@@ -346,10 +367,15 @@ class Ingress:
                     cached[k] = i.num_cached_tokens  # (the first hop's: where the prompt was prefilled)
                 text, covered, entries, generated = protocol.as_sent(p, k, i, not seen[k])
                 seen[k] = True
+                calls = None
+                if outs is not None:  # tool calls read from the text as it comes
+                    text, calls = self._tool_delta(outs[k], text, i.finish_reason is not None)
+                    reason[k] = outs[k].finish_reason(reason[k])
                 lps = protocol.logprobs_body(p.kind, covered, entries, self._token_text, offset[k])
                 if lps is not None and p.kind != "chat" and lps["tokens"]:
                     offset[k] = lps["text_offset"][-1] + len(lps["tokens"][-1])
-                body = usage_so_far(protocol.chunk_body(p, created, text, i.finish_reason, generated, lps, k), k)
+                body = usage_so_far(protocol.chunk_body(p, created, text, i.finish_reason and reason[k], generated,
+                                                        lps, k, calls), k)
                 if i.finish_reason is None:
                     yield _sse(body)
                 else:

@@ -9,18 +9,16 @@ from dataclasses import dataclass
 
 from keyacc_ray.engine.request import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from keyacc_ray.errors import InvalidRequest, ModelNotFound
+from keyacc_ray.serve import constraints, tools
 from keyacc_ray.serve.messages import GenerateRequest, TokenChunk
 
 # Accepted only at their neutral values; anything else is refused rather than silently ignored.
-NEUTRAL = {"tools": (None, []),
-           "tool_choice": (None, "none"), "functions": (None, []), "suffix": (None, ""),
-           "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,),
+NEUTRAL = {"functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""),
            # vLLM's extensions this server does not implement
            "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "bad_words": (None, []),
            "allowed_token_ids": (None,), "logits_processors": (None,),
            "truncate_prompt_tokens": (None,), "spaces_between_special_tokens": (None, True),
-           "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-           "structured_outputs": (None,), "chat_template": (None,), "documents": (None,)}
+           "chat_template": (None,), "documents": (None,)}
 
 
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # the last: vLLM's extension
@@ -31,7 +29,7 @@ READ_FIELDS = frozenset({
     "top_logprobs", "prompt_logprobs", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
     "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "min_tokens", "logit_bias", "stream",
     "stream_options", "return_token_ids", "keyacc", "add_generation_prompt", "continue_final_message",
-    "add_special_tokens", "chat_template_kwargs", "user", *PENALTIES})
+    "add_special_tokens", "chat_template_kwargs", "user", *PENALTIES, *constraints.FIELDS, *tools.FIELDS})
 
 
 def ignored_fields(data: dict) -> list[str]:
@@ -60,6 +58,7 @@ class ParsedRequest:
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     prompt_logprobs: int | None = None  # vLLM's extension: each prompt token's logprob and this many alternatives
     n: int = 1  # choices per prompt
+    tools: tools.ToolRequest | None = None  # chat: the declared tools (their calls are read from the output)
 
     @property
     def request(self) -> GenerateRequest:
@@ -88,10 +87,12 @@ def load_json(body: bytes, max_bytes: int) -> dict:
 
 
 def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model_len: int,
-          allow_pinning: bool = True, vocab_size: int | None = None, defaults: dict | None = None) -> ParsedRequest:
+          allow_pinning: bool = True, vocab_size: int | None = None, defaults: dict | None = None,
+          tool_parser: str | None = "hermes") -> ParsedRequest:
     """`vocab_size`: len(tokenizer), which the caller should compute once (transformers rebuilds
     the whole vocabulary to answer it: about a millisecond per call). `defaults`: sampling
-    parameters for the fields a request leaves out or sends as null (`generation_defaults`)."""
+    parameters for the fields a request leaves out or sends as null (`generation_defaults`).
+    `tool_parser`: how `tool_choice: auto` reads calls from the output (tools.PARSERS; None: off)."""
     defaults = defaults or {}
     model = data.get("model")
     if model is None:
@@ -106,7 +107,18 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
                                  code="unsupported_parameter")
 
     n = _num_choices(data)
-    prompts = [_chat_prompt(data, tokenizer)] if kind == "chat" else _completion_prompts(data, tokenizer)
+    if kind == "chat":
+        tool_req = tools.parse_tools(data, tool_parser)
+        prompts = [_chat_prompt(data, tokenizer, tool_req.tools if tool_req else None)]
+    else:
+        if data.get("tools") or data.get("tool_choice") not in (None, "none"):
+            raise InvalidRequest("tools are for /v1/chat/completions", param="tools", code="unsupported_parameter")
+        tool_req, prompts = None, _completion_prompts(data, tokenizer)
+    grammar = constraints.grammar_of(data)
+    tool_grammar = tools.grammar(tool_req) if tool_req else None
+    if grammar and tool_grammar:
+        raise InvalidRequest(f"tool_choice {tool_req.choice!r} constrains the output already; send no other "
+                             "output constraint with it", param="tool_choice")
     if len(prompts) * n > MAX_CHOICES:
         raise InvalidRequest(f"{len(prompts)} prompt(s) x n={n} is over {MAX_CHOICES} choices per request",
                              param="n", code="too_many_choices")
@@ -175,7 +187,7 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
                             top_k=top_k, min_p=float(min_p), seed=seed, stop=list(stop), stop_token_ids=list(stop_token_ids),
                             ignore_eos=ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(data, vocab),
                             min_tokens=min_tokens, prompt_logprobs=max(scored) if scored else None, **text_opts,
-                            **{k: float(v) for k, v in penalties.items()}).validate()
+                            grammar=grammar or tool_grammar, **{k: float(v) for k, v in penalties.items()}).validate()
 
     stream = data.get("stream", False)
     _type(stream, (bool,), "stream", "a boolean")
@@ -203,7 +215,7 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
     texts = [x if isinstance(x, str) else tokenizer.decode(x) for x in _prompt_items(data)] if echo else None
     return ParsedRequest(kind, reqs, stream, include_usage, model, return_ids, rid, sum(len(ids) for ids in prompts),
                          [t for t in texts for _ in range(n)] if echo else None, echo_only, include_usage and continuous,
-                         prompt_logprobs, n)
+                         prompt_logprobs, n, tool_req)
 
 
 def _logit_bias(data: dict, vocab: int) -> dict[int, float] | None:
@@ -365,7 +377,7 @@ def _one_prompt(p, tokenizer) -> list[int]:
     return tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str) else list(p)
 
 
-def _chat_prompt(data: dict, tokenizer) -> list[int]:
+def _chat_prompt(data: dict, tokenizer, tool_list: list[dict] | None = None) -> list[int]:
     msgs = data.get("messages")
     if msgs is None:
         raise InvalidRequest("'messages' is required", param="messages")
@@ -375,7 +387,7 @@ def _chat_prompt(data: dict, tokenizer) -> list[int]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidRequest(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
-        if m["role"] not in ("system", "user", "assistant", "developer"):
+        if m["role"] not in ("system", "user", "assistant", "developer", "tool"):
             raise InvalidRequest(f"messages[{i}].role {m['role']!r} is not supported", param=f"messages[{i}].role")
         content = m.get("content")
         if content is None and m["role"] == "assistant":  # OpenAI lets an assistant turn carry no content
@@ -391,7 +403,8 @@ def _chat_prompt(data: dict, tokenizer) -> list[int]:
         if not isinstance(content, str):
             raise InvalidRequest(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
         clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content,
-                      **({"name": m["name"]} if isinstance(m.get("name"), str) else {})})  # for templates that use it
+                      **({"name": m["name"]} if isinstance(m.get("name"), str) else {}),  # for templates that use it
+                      **(tools.check_message(i, m) if m["role"] in ("assistant", "tool") else {})})
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequest("this model has no chat template; use /v1/completions", param="messages")
     flags = {k: _type(data[k], (bool,), k, "a boolean") if data.get(k) is not None else default
@@ -401,7 +414,8 @@ def _chat_prompt(data: dict, tokenizer) -> list[int]:
         raise InvalidRequest("'continue_final_message' needs 'add_generation_prompt': false", param="continue_final_message")
     extra = _template_kwargs(data.get("chat_template_kwargs"))
     try:
-        text = tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=flags["add_generation_prompt"],
+        text = tokenizer.apply_chat_template(tools.template_messages(clean), tools=tool_list, tokenize=False,
+                                             add_generation_prompt=flags["add_generation_prompt"],
                                              continue_final_message=flags["continue_final_message"], **extra)
     except Exception as e:  # noqa: BLE001 - a template's own check (e.g. "roles must alternate", no system role)
         raise InvalidRequest(f"this model's chat template rejected the messages: {e}", param="messages") from None
@@ -464,10 +478,17 @@ def cached_tokens(p: ParsedRequest, per_choice: list[int]) -> int:
 
 
 def choice_body(p: ParsedRequest, index: int, text: str, finish_reason, token_ids: list[int] | None = None,
-                logprobs: dict | None = None, *, delta: bool) -> dict:
-    """One choice: of a streamed chunk (`delta`) or of a whole response."""
+                logprobs: dict | None = None, *, delta: bool, tool_calls: list[dict] | None = None) -> dict:
+    """One choice: of a streamed chunk (`delta`) or of a whole response. `tool_calls`: the calls
+    read from the output (a delta's: each with its `index` among the choice's calls)."""
     if p.kind == "chat":
         msg = ({"content": text} if text else {}) if delta else {"role": "assistant", "content": text}
+        if tool_calls:
+            msg["tool_calls"] = tool_calls
+            if not delta and not text:
+                msg["content"] = None  # OpenAI's: a message that only calls tools has no content
+        elif p.tools is not None and not delta:
+            msg["tool_calls"] = []
         choice = {"index": index, "delta" if delta else "message": msg, "logprobs": logprobs,
                   "finish_reason": finish_reason}
     else:
@@ -478,10 +499,11 @@ def choice_body(p: ParsedRequest, index: int, text: str, finish_reason, token_id
 
 
 def chunk_body(p: ParsedRequest, created: int, text: str, finish_reason, token_ids: list[int] | None = None,
-               logprobs: dict | None = None, index: int = 0) -> dict:
+               logprobs: dict | None = None, index: int = 0, tool_calls: list[dict] | None = None) -> dict:
     obj = "chat.completion.chunk" if p.kind == "chat" else "text_completion"
     return {"id": p.response_id, "object": obj, "created": created, "model": p.model,
-            "choices": [choice_body(p, index, text, finish_reason, token_ids, logprobs, delta=True)]}
+            "choices": [choice_body(p, index, text, finish_reason, token_ids, logprobs, delta=True,
+                                    tool_calls=tool_calls)]}
 
 
 def full_body(p: ParsedRequest, choices: list[dict], n_out: int, traces: list[dict], cached: int = 0) -> dict:
@@ -514,7 +536,8 @@ def tokenize(data: dict, *, tokenizer, served_names: set[str], max_model_len: in
     template with the generation prompt, as a chat request is tokenized) -> token ids."""
     _check_model(data, served_names)
     if "messages" in data:
-        ids = _chat_prompt(data, tokenizer)
+        tool_req = tools.parse_tools({"tools": data.get("tools"), "tool_choice": "none"}, None)
+        ids = _chat_prompt(data, tokenizer, tool_req.tools if tool_req else None)
     else:
         prompt = data.get("prompt")
         _type(prompt, (str,), "prompt", "a string")

@@ -513,7 +513,12 @@ BAD = [
     (json.dumps({"model": MODEL, "prompt": "hi", "echo": "yes"}).encode(), 400, "echo"),
     (json.dumps({"model": MODEL, "prompt": "hi", "min_p": 1.5}).encode(), 400, "min_p"),
     (json.dumps({"model": MODEL, "prompt": "hi", "use_beam_search": True}).encode(), 400, "use_beam_search"),
-    (json.dumps({"model": MODEL, "prompt": "hi", "guided_choice": ["a", "b"]}).encode(), 400, "guided_choice"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "guided_choice": []}).encode(), 400, "guided_choice"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "guided_regex": "(a"}).encode(), 400, "guided_regex"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nope"}}}}).encode(), 400, "response_format.json_schema.schema"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "guided_regex": "a+", "guided_choice": ["a"]}).encode(), 400,
+     "guided_choice"),
     (json.dumps({"model": MODEL, "prompt": "hi", "skip_special_tokens": "no"}).encode(), 400, "skip_special_tokens"),
 ]
 

@@ -254,7 +254,7 @@ def test_vllm_chat_options_and_refused_extensions(qwen3_path):
         assert e.value.param == "chat_template_kwargs"
     p = _choices(tok, prompt="hi", include_stop_str_in_output=True, skip_special_tokens=False).request.params
     assert p["include_stop_str_in_output"] is True and p["skip_special_tokens"] is False
-    for body in ({"use_beam_search": True}, {"guided_json": {"type": "object"}}, {"allowed_token_ids": [1]},
+    for body in ({"use_beam_search": True}, {"functions": [{"name": "f"}]}, {"allowed_token_ids": [1]},
                  {"chat_template": "{{ x }}"}, {"spaces_between_special_tokens": False}, {"truncate_prompt_tokens": 5}):
         with pytest.raises(InvalidRequest) as e:
             _choices(tok, prompt="hi", **body)

@@ -1,0 +1,276 @@
+"""Tool calling, as vLLM's OpenAI server does it (no Ray, no torch).
+
+- `parse_tools`: the request's `tools` and `tool_choice` (`none`, `auto`, `required`, or one named
+  function), checked; the tools go to the model's chat template (`tools=`), which shows them to
+  the model in its own format.
+- `tool_choice: "auto"`: the model decides; its output is read by the tool-call parser the app
+  names (`tool_call_parser`; `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+  the format of Qwen2.5 / Qwen3, Hermes and many others).
+- `required` and a named function constrain decoding (a grammar, engine/structured.py), so the
+  output is a valid call whatever the model: `required` a JSON array of {"name", "parameters"}
+  objects of the declared tools (vLLM's form), a named function its arguments object.
+- `ToolOutput`: a choice's text in, OpenAI's `content` and `tool_calls` out, whole or as stream
+  deltas (a call is sent whole once its closing tag is read; text that may start a tag is held
+  back until it is known not to).
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from keyacc_ray.engine.structured import compile_grammar
+from keyacc_ray.errors import InvalidRequest
+
+FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+MAX_TOOLS = 128
+
+
+@dataclass
+class ToolRequest:
+    tools: list[dict]  # OpenAI's tool objects, as the chat template gets them
+    choice: str  # "none", "auto", "required" or "named"
+    name: str | None = None  # the named function
+    parallel: bool = True
+    parser: str | None = None  # for "auto"
+
+    def function(self, name: str) -> dict | None:
+        return next((t["function"] for t in self.tools if t["function"]["name"] == name), None)
+
+
+def parse_tools(data: dict, parser: str | None) -> ToolRequest | None:
+    """The request's tools (None: none declared, and no tool_choice that needs them)."""
+    tools, choice = data.get("tools"), data.get("tool_choice")
+    parallel = data.get("parallel_tool_calls", True)
+    if parallel is None:
+        parallel = True
+    if not isinstance(parallel, bool):
+        raise InvalidRequest("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise InvalidRequest("'tool_choice' needs 'tools'", param="tool_choice")
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise InvalidRequest(f"'tools' must be a list of at most {MAX_TOOLS} tools", param="tools")
+    clean, names = [], set()
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise InvalidRequest(f"{where} must be {{'type': 'function', 'function': {{...}}}}", param=where)
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise InvalidRequest(f"{where}.function.name must be 1-64 letters, digits, '_', '-' or '.'",
+                                 param=f"{where}.function.name")
+        if name in names:
+            raise InvalidRequest(f"{where}: a second tool named {name!r}", param=f"{where}.function.name")
+        names.add(name)
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise InvalidRequest(f"{where}.function.parameters must be a JSON schema (an object)",
+                                 param=f"{where}.function.parameters")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise InvalidRequest(f"{where}.function.description must be a string", param=f"{where}.function.description")
+        clean.append({"type": "function", "function": {
+            "name": name, **({"description": fn["description"]} if fn.get("description") else {}),
+            "parameters": params if params is not None else {"type": "object", "properties": {}}}})
+    choice = "auto" if choice is None else choice
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise InvalidRequest("'tool_choice' must be none, auto, required or {'type': 'function', 'function': "
+                                 "{'name': ...}}", param="tool_choice")
+        if name not in names:
+            raise InvalidRequest(f"'tool_choice' names {name!r}, which is not among the tools", param="tool_choice")
+        return ToolRequest(clean, "named", name, parallel, parser)
+    if choice not in ("none", "auto", "required"):
+        raise InvalidRequest("'tool_choice' must be none, auto, required or a named function", param="tool_choice")
+    if choice == "auto" and parser is None:
+        raise InvalidRequest("'tool_choice': 'auto' needs a tool-call parser (tool_call_parser in the app config)",
+                             param="tool_choice")
+    return ToolRequest(clean, choice, None, parallel, parser)
+
+
+def grammar(tr: ToolRequest, any_whitespace: bool = True) -> str | None:
+    """The grammar that makes the output a valid call (required, named), else None."""
+    if tr.choice == "named":
+        return compile_grammar("json", tr.function(tr.name)["parameters"], param="tools",
+                               any_whitespace=any_whitespace)
+    if tr.choice != "required":
+        return None
+    one = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                             "parameters": t["function"]["parameters"]},
+            "required": ["name", "parameters"], "additionalProperties": False} for t in tr.tools]
+    schema = {"type": "array", "minItems": 1, "items": one[0] if len(one) == 1 else {"anyOf": one}}
+    if not tr.parallel:
+        schema["maxItems"] = 1
+    return compile_grammar("json", schema, param="tools", any_whitespace=any_whitespace)
+
+
+def template_messages(msgs: list[dict]) -> list[dict]:
+    """Assistant `tool_calls` with their arguments as objects (chat templates render them with
+    tojson; vLLM does the same), for messages already checked by `check_message`."""
+    out = []
+    for m in msgs:
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                args = c["function"].get("arguments")
+                try:
+                    args = json.loads(args) if isinstance(args, str) else args
+                except ValueError:
+                    pass  # left as the string the client sent
+                calls.append({**c, "function": {**c["function"], "arguments": args}})
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
+def check_message(i: int, m: dict) -> dict:
+    """A `tool` message or an assistant message's `tool_calls`: what the template gets of them."""
+    where = f"messages[{i}]"
+    if m["role"] == "tool":
+        tid = m.get("tool_call_id")
+        if tid is not None and not isinstance(tid, str):
+            raise InvalidRequest(f"{where}.tool_call_id must be a string", param=f"{where}.tool_call_id")
+        return {"tool_call_id": tid} if tid else {}
+    calls = m.get("tool_calls")
+    if calls is None:
+        return {}
+    if not isinstance(calls, list):
+        raise InvalidRequest(f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
+    clean = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(
+                fn.get("arguments", ""), (str, dict)):
+            raise InvalidRequest(f"{where}.tool_calls[{j}] must have a function with a name and arguments",
+                                 param=f"{where}.tool_calls[{j}]")
+        clean.append({"id": c.get("id") if isinstance(c.get("id"), str) else f"call_{j}", "type": "function",
+                      "function": {"name": fn["name"], "arguments": fn.get("arguments", "{}")}})
+    return {"tool_calls": clean} if clean else {}
+
+
+# ---- output ----------------------------------------------------------------------------------
+def call(name: str, arguments) -> dict:
+    """One OpenAI tool call (arguments: a JSON text)."""
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function", "function": {"name": name, "arguments": args}}
+
+
+class HermesParser:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in the text; what lies
+    outside them is content."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    @staticmethod
+    def parse_block(body: str) -> dict | None:
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        return call(obj["name"], args)
+
+
+PARSERS = {"hermes": HermesParser}
+
+
+@dataclass
+class ToolOutput:
+    """One choice's output read for tool calls: feed() the text as it comes, then finish().
+    Each returns (content text, [new tool calls]) to send."""
+
+    tr: ToolRequest
+    buf: str = ""
+    calls: list[dict] = field(default_factory=list)
+    raw: str = ""  # required / named: the whole output (a JSON value)
+    gap: str = ""  # whitespace after a call, sent only if more content follows
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        if self.tr.choice in ("required", "named"):
+            self.raw += text
+            return "", []
+        if self.tr.choice != "auto":
+            return text, []
+        p = PARSERS[self.tr.parser]
+        self.buf += text
+        content, new = [], []
+        while True:
+            start = self.buf.find(p.OPEN)
+            if start < 0:  # hold back a tail that may be the start of a tag
+                keep = _partial_tail(self.buf, p.OPEN)
+                content.append(self._content(self.buf[:len(self.buf) - keep]))
+                self.buf = self.buf[len(self.buf) - keep:]
+                break
+            end = self.buf.find(p.CLOSE, start + len(p.OPEN))
+            if end < 0:
+                content.append(self._content(self.buf[:start]))
+                self.buf = self.buf[start:]
+                break
+            got = p.parse_block(self.buf[start + len(p.OPEN):end].strip())
+            if got is None:  # not a call: it is content, as written
+                content.append(self._content(self.buf[:end + len(p.CLOSE)]))
+            else:
+                content.append(self._content(self.buf[:start]))
+                new.append(got)
+                self.calls.append(got)
+            self.buf = self.buf[end + len(p.CLOSE):]
+        return "".join(content), new
+
+    def _content(self, piece: str) -> str:
+        """Text outside the calls: after a call, whitespace waits until more content follows
+        (the line breaks between and after calls are not content)."""
+        if not self.calls:
+            return piece
+        if not piece.strip():
+            self.gap += piece
+            return ""
+        piece, self.gap = self.gap + piece, ""
+        return piece
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """The rest: an unclosed block is content (the output was cut); required / named output
+        becomes its calls."""
+        if self.tr.choice == "named":
+            new = [call(self.tr.name, self.raw)] if self.raw.strip() else []
+        elif self.tr.choice == "required":
+            new = []
+            try:
+                items = json.loads(self.raw)
+            except ValueError:  # cut by max_tokens or a stop string: sent as content
+                return self.raw, []
+            for it in items if isinstance(items, list) else []:
+                if isinstance(it, dict) and isinstance(it.get("name"), str):
+                    new.append(call(it["name"], it.get("parameters", {})))
+        else:
+            if self.tr.choice == "auto" and self.buf:
+                p = PARSERS[self.tr.parser]
+                if self.buf.startswith(p.OPEN) and (got := p.parse_block(self.buf[len(p.OPEN):].strip())):
+                    self.buf, new = "", [got]  # a closing tag left out before the end
+                    self.calls.append(got)
+                    return "", new
+            rest, self.buf = self._content(self.buf), ""
+            return rest, []
+        self.calls += new
+        return "", new
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """OpenAI's: tool_calls where the model called tools (a forced named call ends in stop)."""
+        if self.calls and reason == "stop" and self.tr.choice in ("auto", "required"):
+            return "tool_calls"
+        return reason
+
+
+def _partial_tail(s: str, tag: str) -> int:
+    """How many of s's last characters are a proper prefix of `tag`."""
+    for k in range(min(len(tag) - 1, len(s)), 0, -1):
+        if s.endswith(tag[:k]):
+            return k
+    return 0
