@@ -274,3 +274,20 @@ def test_requests_with_no_place_anywhere_wait_at_the_router_and_take_the_first_o
 def metric(app_url, prefix: str) -> float:
     text = httpx.get(f"{app_url}/metrics", timeout=10).text
     return next((float(x[len(prefix):]) for x in text.splitlines() if x.startswith(prefix)), 0.0)
+
+
+def test_the_default_app_offloads_a_burst(app_url, policy):
+    """deployments/app.yaml (what `make run` serves) has offload on: its policy, with its own
+    options (none: the policy's defaults, no test shortcuts), sends part of a burst to the CPU
+    pool on the same graph, and every output still equals generate()."""
+    import yaml
+
+    from tests.conftest import ROOT
+
+    args = yaml.safe_load((ROOT / "deployments" / "app.yaml").read_text())["applications"][0]["args"]
+    assert args["policy"] == "auto"
+    assert (args["gpu"]["max_num_seqs"], args["gpu"]["num_kv_blocks"]) == (8, 48)  # the test app's GPU pool
+    policy(args["policy"], args.get("policy_options") or {})
+    traces = check(burst(app_url, 16, 160), 160)
+    assert any(s["pool"] == "cpu" for t in traces for s in t["segments"]), "no request ran on the CPU pool"
+    assert router_inflight_settles()
