@@ -20,6 +20,7 @@ from keyacc_ray.engine.scheduler import Scheduler
 from keyacc_ray.engine.structured import Grammars
 from keyacc_ray.engine.tiers import LowerTiers
 from keyacc_ray.errors import InvalidRequest, ModelLoadError, Overloaded
+from keyacc_ray.histogram import REQUEST_BUCKETS, Histogram
 
 # Scoring a prompt (prompt logprobs) takes every position's logits: prefilled in chunks whose
 # float32 logits stay under this (about 440 positions of a 151k vocabulary).
@@ -66,6 +67,7 @@ class EngineStats:
     # lower tiers (host, disk): per tier the tokens found there, blocks loaded from / stored into it,
     # blocks held; blocks held below but computed again (cheaper than loading them)
     kv_tiers: dict | None = None
+    queue_time: dict | None = None  # histogram.Histogram.to_dict(): seconds from arrival to first scheduled
 
 
 class LLMEngine:
@@ -114,6 +116,7 @@ class LLMEngine:
         # the CPU kernels sample too, where built; grammars: structured outputs' token masks
         self.sampler = Sampler(self.runner.kernels, Grammars(self.tokenizer, self.runner.vocab_size, self.eos_ids))
         self.tokens_generated = 0
+        self.queue_time = Histogram(REQUEST_BUCKETS)  # seconds each sequence waited to be first scheduled
         # Lazy KV: sequences that leave (exported, KV and all) when preempted instead of being
         # recomputed here; their packages wait in preempt_exports for the driver of the engine.
         self.move_on_preempt: set[str] = set()
@@ -184,6 +187,7 @@ class LLMEngine:
             self.sampler.remove(seq.request_id)
             raise Overloaded(f"the engine's waiting queue is full ({self.config.max_waiting})")
         self.seqs[seq.request_id] = seq
+        seq.arrival = time.monotonic()
         self.detok[seq.request_id] = IncrementalDetokenizer(
             self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], seq.params.stop,
             seq.output_token_ids, seq.emitted_text_chars, seq.params.include_stop_str_in_output,
@@ -220,7 +224,11 @@ class LLMEngine:
                                                                 blocks=sched.preempted_tables[s.request_id]))
                 continue
             s.num_cached = 0  # its KV is gone: readmitted, it prefills again
+        now = time.monotonic()
         for s in sched.admitted:
+            if s.arrival is not None:  # vLLM's queue time: from arrival to first scheduled
+                self.queue_time.observe(now - s.arrival)
+                s.arrival = None
             if s.imported is not None:
                 self._write_imported(s)
         table, row = self.blocks.table_ref, self.blocks.row.get
@@ -433,7 +441,8 @@ class LLMEngine:
                            self.blocks.num_free_blocks, self.blocks.num_blocks, self.blocks.block_size,
                            self.config.max_num_seqs, self.tokens_generated, self.runner.device_label(),
                            self.scheduler.num_preemptions, self.blocks.queries, self.blocks.hits,
-                           self.blocks.num_cached_blocks, self.blocks.evictions, self._tier_stats())
+                           self.blocks.num_cached_blocks, self.blocks.evictions, self._tier_stats(),
+                           self.queue_time.to_dict())
 
     def _tier_stats(self) -> dict | None:
         t = self.tiers

@@ -172,6 +172,7 @@ class Sequence:
     block_hashes: list = field(default_factory=list)
     share_prefix: bool = True
     num_cached_prompt_tokens: int = 0
+    arrival: float | None = None  # when it joined this engine's queue (monotonic); None once first scheduled
 
     @property
     def num_tokens(self) -> int:

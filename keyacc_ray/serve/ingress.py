@@ -23,6 +23,7 @@ from keyacc_ray.serve.driver import RemoteRouter, RequestDriver
 from keyacc_ray.serve.messages import ErrorItem, TokenChunk, Trace
 
 log = logging.getLogger("ray.serve")
+METRICS_ROUTER_TIMEOUT_S = 2.0
 app = FastAPI(title="keyacc-ray", docs_url=None, redoc_url=None)
 
 
@@ -124,6 +125,7 @@ class Ingress:
                         "(generation_config: vllm for neutral ones)", self.sampling_defaults)
         self.model_name = served_model_name
         self.tool_call_parser = tool_call_parser
+        self.prom = prom.Metrics(served_model_name)
         self.max_model_len = max_model_len
         self.allow_pinning = allow_route_pinning
         self.max_body_bytes = max_body_bytes
@@ -190,8 +192,11 @@ class Ingress:
     async def metrics(self, request: Request):
         if (err := self._auth_error(request)) is not None:
             return err
-        snap = await self.router.snapshot_dict.remote()
-        return PlainTextResponse(prom.render(snap, self.counts), media_type="text/plain; version=0.0.4")
+        try:  # the router down or slow: what this replica has (its last snapshot, its own series)
+            snap = await asyncio.wait_for(self.router.snapshot_dict.remote(), timeout=METRICS_ROUTER_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - any failure of the router's answer
+            snap = None
+        return PlainTextResponse(self.prom.render(snap, self.counts), media_type=prom.CONTENT_TYPE)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
@@ -267,6 +272,7 @@ class Ingress:
             err = InvalidRequest(f"invalid request: {e}")
             return error_response(400, err.to_dict())
         self._warn_ignored(data)
+        timer = prom.RequestTimer(self.prom, len(p.requests))
         its = [self.driver.run(r).__aiter__() for r in p.requests]
         # Wait for every choice's first tokens before answering, so an error found downstream
         # still gets a proper status code instead of a 200 stream.
@@ -291,11 +297,11 @@ class Ingress:
                 return error_response(errs[0].status_code, errs[0].body, _retry_after(errs[0].status_code))
         items = _merged(firsts, its)
         if p.stream:
-            return StreamingResponse(self._sse_stream(p, items), media_type="text/event-stream",
+            return StreamingResponse(self._sse_stream(p, items, timer), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._collect(p, items)
+        return await self._collect(p, items, timer)
 
-    async def _collect(self, p, items):
+    async def _collect(self, p, items, timer):
         n = len(p.requests)
         text, ids, lp_ids = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
         reason, n_out, traces = [None] * n, [0] * n, [{} for _ in range(n)]
@@ -307,6 +313,7 @@ class Ingress:
                 if not seen[k]:
                     prompt_lps[k] = i.prompt_logprobs
                     cached[k] = i.num_cached_tokens  # (the first hop's: where the prompt was prefilled)
+                timer.tokens(k, len(i.token_ids))
                 t, covered, entries, generated = protocol.as_sent(p, k, i, not seen[k])
                 seen[k] = True
                 text[k].append(t)
@@ -321,6 +328,8 @@ class Ingress:
                 return error_response(i.status_code, i.body, _retry_after(i.status_code))
             elif isinstance(i, Trace):
                 traces[k] = i.to_dict()
+                timer.finish(k, traces[k], reason[k], n_out[k])
+        timer.prompt(p.num_prompt_tokens)
         calls: list = [None] * n
         if p.tools is not None:  # the calls in each choice's output; what is left is its content
             for k in range(n):
@@ -342,7 +351,7 @@ class Ingress:
                     choice["prompt_logprobs"] = s
         return body
 
-    async def _sse_stream(self, p, items):
+    async def _sse_stream(self, p, items, timer):
         created = int(time.time())
         n = len(p.requests)
         n_out, reason, cached = [0] * n, [None] * n, [0] * n
@@ -361,6 +370,7 @@ class Ingress:
         outs = [tools.ToolOutput(p.tools) for _ in range(n)] if p.tools is not None else None
         async for k, i in items:
             if isinstance(i, TokenChunk):
+                timer.tokens(k, len(i.token_ids))
                 n_out[k] = 0 if p.echo_only else i.num_output_tokens or n_out[k]
                 reason[k] = i.finish_reason or reason[k]
                 if not seen[k]:
@@ -391,12 +401,14 @@ class Ingress:
                 body = pending[k] or protocol.chunk_body(p, created, "", reason[k], [], index=k)
                 pending[k] = None
                 body["keyacc"] = i.to_dict()
+                timer.finish(k, body["keyacc"], reason[k], n_out[k])
                 if p.include_usage:
                     body["usage"] = None
                 usage_so_far(body, k)
                 yield _sse(body)
         for body in filter(None, pending):
             yield _sse(body)
+        timer.prompt(p.num_prompt_tokens)
         if p.include_usage:
             body = protocol.chunk_body(p, created, "", None)
             body["choices"] = []

@@ -1,77 +1,305 @@
-"""Prometheus text for GET /metrics, rendered from the monitor's snapshot and counters."""
+"""GET /metrics through prometheus_client: vLLM's metric names for what vLLM measures, with `pool`
+(and per replica `deployment`, `replica`, `device`) labels, beside the keyacc-specific series.
+
+Two sources, one registry per ingress replica:
+- what the ingress measures itself, per request (`RequestTimer`): time to first token,
+  inter-token latency and end-to-end latency (each token's gap is put on the pool that made the
+  token, by the request's trace), prompt and generation tokens, finished requests by reason;
+- the router's load snapshot (`SnapshotCollector`, the monitor's per-replica reports and the
+  router's counters): running and waiting requests, KV cache use, preemptions, prefix cache,
+  queue time (each engine's own histogram), moves by direction and reason, and the rest.
+Every series a dashboard reads exists from start-up, at zero until something happens. The
+snapshot is the last one the router gave: while the router does not answer, /metrics still
+answers, with `keyacc_router_up 0` and that snapshot's figures (and its age).
+"""
 from __future__ import annotations
 
+import os
+import time
 
-def _esc(v) -> str:
-    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
+os.environ.setdefault("PROMETHEUS_DISABLE_CREATED_SERIES", "True")  # no *_created series (as vLLM)
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest  # noqa: E402
+from prometheus_client.core import (  # noqa: E402
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
-def _labels(d: dict) -> str:
-    return "{" + ",".join(f'{k}="{_esc(v)}"' for k, v in d.items()) + "}" if d else ""
+from keyacc_ray.histogram import ITL_BUCKETS, REQUEST_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS  # noqa: E402
 
-
-REPLICA_GAUGES = {
+POOLS = ("gpu", "cpu")
+REASONS = ("stop", "length", "abort", "tool_calls")
+# the router's counters a dashboard reads, with every label set they take: present at zero from start-up
+KNOWN_COUNTERS = {
+    "moves_total": [{"from": "gpu", "to": "cpu", "reason": r} for r in ("offload", "pinned", "backpressure")]
+                   + [{"from": "cpu", "to": "gpu", "reason": r} for r in ("return", "pinned", "recall")],
+    "requests_started_total": [{"route": r, "reason": w} for r in ("gpu", "cpu", "stage") for w in ("policy", "pinned")],
+    "pool_seconds_total": [{"pool": p} for p in POOLS],
+    "requests_held_total": [{}],
+    "recoveries_total": [],
+    "rejected_total": [],
+}
+REPLICA_GAUGES = {  # report field -> keyacc name (kept for the bench's timeline and older dashboards)
     "num_waiting": "keyacc_queue_depth", "num_running": "keyacc_running_sequences",
     "num_free_blocks": "keyacc_free_kv_blocks", "num_total_blocks": "keyacc_total_kv_blocks",
     "tokens_per_s": "keyacc_tokens_per_second",
 }
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def render(snap_info: dict, ingress_counts: dict) -> str:
-    families: dict[str, list[str]] = {}  # a family's samples must stay together
+class Metrics:
+    """One ingress replica's registry: its request histograms and the snapshot's series."""
 
-    def emit(name, kind, labels, value, help_=""):
-        if name not in families:
-            families[name] = [f"# HELP {name} {help_ or name}", f"# TYPE {name} {kind}"]
-        families[name].append(f"{name}{_labels(labels)} {float(value)}")
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = r = CollectorRegistry(auto_describe=False)
+        mp = ["model_name", "pool"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token, by the pool that made it",
+                              mp, buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Gap before each output token, by the pool that "
+                             "made the token", mp, buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, by the pool it finished on",
+                             mp, buckets=REQUEST_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests", ["model_name"],
+                                     registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Output tokens streamed, by the pool that "
+                                         "made them", mp, registry=r)
+        self.success = Counter("vllm:request_success", "Finished requests (choices), by finish reason",
+                               ["model_name", "finished_reason"], registry=r)
+        self.req_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request", ["model_name"],
+                                    buckets=TOKEN_BUCKETS, registry=r)
+        self.req_generation = Histogram("vllm:request_generation_tokens", "Output tokens per choice",
+                                        ["model_name"], buckets=TOKEN_BUCKETS, registry=r)
+        self.router_up = Gauge("keyacc_router_up", "1 if the router answered this scrape", registry=r)
+        for pool in POOLS:  # present from start-up
+            for m in (self.ttft, self.itl, self.e2e, self.generation_tokens):
+                m.labels(model_name, pool)
+        for reason in REASONS:
+            self.success.labels(model_name, reason)
+        self.prompt_tokens.labels(model_name)
+        self.req_prompt.labels(model_name)
+        self.req_generation.labels(model_name)
+        self.snapshot = SnapshotCollector(model_name)
+        r.register(self.snapshot)
 
-    snap = (snap_info or {}).get("snapshot") or {}
-    emit("keyacc_monitor_snapshot_age_seconds", "gauge", {}, min(snap_info.get("snapshot_age_s", 0), 1e9),
-         "age of the router's load snapshot")
-    emit("keyacc_requests_held", "gauge", {}, snap_info.get("held", 0),
-         "new requests waiting at the router for a place on either pool")
-    for r in snap.get("replicas", []):
-        labels = {"deployment": r["deployment"], "pool": r["pool"], "replica": r["replica"],
-                  "emulated": "1" if r["emulated"] else "0"}
-        for field, name in REPLICA_GAUGES.items():
-            emit(name, "gauge", labels, r[field], f"per replica: {field}")
-        emit("keyacc_tokens_generated_total", "counter", labels, r["tokens_generated"])
-        emit("keyacc_preemptions_total", "counter", labels, r.get("num_preemptions", 0),
-             "per replica: sequences that gave up their KV blocks (lazy KV) and are recomputed")
-        emit("keyacc_prefix_cache_queries_total", "counter", labels, r.get("prefix_cache_queries", 0),
-             "per replica: prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries)")
-        emit("keyacc_prefix_cache_hits_total", "counter", labels, r.get("prefix_cache_hits", 0),
-             "per replica: prompt tokens found in the prefix cache (vLLM's prefix_cache_hits)")
-        emit("keyacc_prefix_cache_evictions_total", "counter", labels, r.get("prefix_cache_evictions", 0),
-             "per replica: cached KV blocks whose memory was taken for new tokens")
-        emit("keyacc_cached_kv_blocks", "gauge", labels, r.get("num_cached_blocks", 0),
-             "per replica: KV blocks holding a cached prefix (in use or free)")
-        tiers = r.get("kv_tiers") or {}
-        for tier, t in (tiers.get("tiers") or {}).items():
-            tl = {**labels, "tier": tier}
-            emit("keyacc_kv_tier_hits_total", "counter", tl, t["hits"],
-                 "per replica and lower tier: prompt tokens whose KV was loaded from it")
-            emit("keyacc_kv_tier_loaded_bytes_total", "counter", tl, t["loaded_blocks"] * tiers["block_bytes"],
-                 "per replica and lower tier: KV bytes loaded from it into the block pool")
-            emit("keyacc_kv_tier_stored_bytes_total", "counter", tl, t["stored_blocks"] * tiers["block_bytes"],
-                 "per replica and lower tier: KV bytes stored into it (evicted from the tier above)")
-            emit("keyacc_kv_tier_evictions_total", "counter", tl, t["evictions"],
-                 "per replica and lower tier: blocks pushed out of it (down a tier, or dropped)")
-            emit("keyacc_kv_tier_blocks", "gauge", tl, t["blocks"], "per replica and lower tier: blocks held")
-        if tiers:
-            emit("keyacc_kv_tier_recomputed_blocks_total", "counter", labels, tiers["recomputed_blocks"],
-                 "per replica: blocks held in a lower tier but computed again (cheaper than loading them)")
-    gpu = snap.get("gpu") or {}
-    emit("keyacc_gpu_available", "gauge", {}, 1 if gpu.get("available") else 0, "1 if pynvml sees a GPU")
-    for g in gpu.get("gpus", []):
-        emit("keyacc_gpu_utilization_percent", "gauge", {"gpu": g["index"]}, g["util_pct"])
-        emit("keyacc_gpu_memory_free_bytes", "gauge", {"gpu": g["index"]}, g["mem_free_bytes"])
-    for n in snap.get("cpu_numa", []):
-        emit("keyacc_cpu_utilization_percent", "gauge", {"numa_node": n["node"]}, n["util_pct"])
-    for key, v in sorted((snap.get("counters") or {}).items()):
-        name, _, lab = key.partition("|")
-        labels = dict(kv.split("=", 1) for kv in lab.split(",") if kv)
-        emit(f"keyacc_{name}", "counter", labels, v)
-    for key, v in sorted(ingress_counts.items()):
-        emit("keyacc_http_requests_total", "counter", {"kind": key}, v)
-    return "\n".join(line for fam in families.values() for line in fam) + "\n"
+    def render(self, snap_info: dict | None, http_counts: dict) -> bytes:
+        """The exposition; `snap_info`: the router's snapshot_dict, or None when it did not
+        answer (the last one given is used)."""
+        self.router_up.set(0 if snap_info is None else 1)
+        self.snapshot.update(snap_info, http_counts)
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """One request's token arrivals at the ingress, observed into `Metrics` when each choice ends
+    (its trace tells which pool made which tokens)."""
+
+    __slots__ = ("m", "t0", "arrivals")
+
+    def __init__(self, metrics: Metrics, n_choices: int):
+        self.m, self.t0 = metrics, time.monotonic()
+        self.arrivals: list[list] = [[] for _ in range(n_choices)]  # per choice: (time, tokens) per chunk
+
+    def tokens(self, k: int, n: int) -> None:
+        if n:
+            self.arrivals[k].append((time.monotonic(), n))
+
+    def finish(self, k: int, trace: dict, reason: str | None, num_output: int) -> None:
+        m, name = self.m, self.m.model_name
+        pools = [p for s in trace.get("segments", []) for p in [s["pool"]] * int(s.get("tokens", 0))]
+        at, last, i = self.arrivals[k], self.t0, 0
+        itl: dict[str, list[float]] = {}
+        for t, n in at:
+            gap = (t - last) / n  # a chunk of n tokens: n gaps of equal share
+            for _ in range(n):
+                pool = pools[i] if i < len(pools) else (pools[-1] if pools else "gpu")
+                if i == 0:
+                    m.ttft.labels(name, pool).observe(t - self.t0)
+                else:
+                    itl.setdefault(pool, []).append(gap)
+                i += 1
+            last = t
+        for pool, gaps in itl.items():
+            h = m.itl.labels(name, pool)
+            for g in gaps:
+                h.observe(g)
+        counts: dict[str, int] = {}
+        for p in pools:
+            counts[p] = counts.get(p, 0) + 1
+        for pool, n in counts.items():
+            m.generation_tokens.labels(name, pool).inc(n)
+        m.e2e.labels(name, pools[-1] if pools else "gpu").observe(time.monotonic() - self.t0)
+        m.success.labels(name, reason or "abort").inc()
+        m.req_generation.labels(name).observe(num_output)
+
+    def prompt(self, num_prompt_tokens: int) -> None:
+        self.m.prompt_tokens.labels(self.m.model_name).inc(num_prompt_tokens)
+        self.m.req_prompt.labels(self.m.model_name).observe(num_prompt_tokens)
+
+
+class SnapshotCollector:
+    """The router's snapshot as metric families, built at each scrape."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.info: dict = {}
+        self.http: dict = {}
+        self.last_ok = 0.0
+
+    def update(self, snap_info: dict | None, http_counts: dict) -> None:
+        if snap_info is not None:
+            self.info, self.last_ok = snap_info, time.monotonic()
+        self.http = dict(http_counts)
+
+    def collect(self):
+        fams: dict = {}
+
+        def fam(cls, name, help_, labels=(), **kw):
+            key = name + "_total" if cls is CounterMetricFamily else name  # (what the exposition names it)
+            if key not in fams:
+                fams[key] = cls(name, help_, labels=list(labels), **kw)
+            return fams[key]
+
+        info = self.info
+        snap = info.get("snapshot") or {}
+        age = info.get("snapshot_age_s", 0) + (time.monotonic() - self.last_ok if self.last_ok else 0)
+        fam(GaugeMetricFamily, "keyacc_monitor_snapshot_age_seconds", "age of the router's load snapshot").add_metric(
+            [], min(age, 1e9))
+        fam(GaugeMetricFamily, "keyacc_requests_held", "new requests waiting at the router for a place on either "
+            "pool").add_metric([], info.get("held", 0))
+        self._pools(fam, snap)
+        self._replicas(fam, snap)
+        gpu = snap.get("gpu") or {}
+        fam(GaugeMetricFamily, "keyacc_gpu_available", "1 if pynvml sees a GPU").add_metric(
+            [], 1 if gpu.get("available") else 0)
+        g_util = fam(GaugeMetricFamily, "keyacc_gpu_utilization_percent", "GPU utilization", ["gpu"])
+        g_free = fam(GaugeMetricFamily, "keyacc_gpu_memory_free_bytes", "GPU memory free", ["gpu"])
+        for g in gpu.get("gpus", []):
+            g_util.add_metric([str(g["index"])], g["util_pct"])
+            g_free.add_metric([str(g["index"])], g["mem_free_bytes"])
+        c_util = fam(GaugeMetricFamily, "keyacc_cpu_utilization_percent", "CPU utilization per NUMA node",
+                     ["numa_node"])
+        for n in snap.get("cpu_numa", []):
+            c_util.add_metric([str(n["node"])], n["util_pct"])
+        self._counters(fam, snap.get("counters") or {})
+        http = fam(CounterMetricFamily, "keyacc_http_requests", "HTTP requests and errors at this ingress", ["kind"])
+        for kind, v in sorted({"completion_requests": 0, "chat_requests": 0, **self.http}.items()):
+            http.add_metric([kind], v)
+        yield from fams.values()
+
+    def _pools(self, fam, snap: dict) -> None:
+        """Per pool, summed over its deployments' replicas (vLLM's gauges, one engine per pool)."""
+        run = fam(GaugeMetricFamily, "vllm:num_requests_running", "Sequences running, per pool", ["model_name", "pool"])
+        wait = fam(GaugeMetricFamily, "vllm:num_requests_waiting", "Sequences waiting, per pool", ["model_name", "pool"])
+        use = fam(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV cache usage (1 = full), per pool",
+                  ["model_name", "pool"])
+        pre = fam(CounterMetricFamily, "vllm:num_preemptions", "Preemptions, per pool", ["model_name", "pool"])
+        q = fam(CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                ["model_name", "pool"])
+        h = fam(CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                ["model_name", "pool"])
+        qt = fam(HistogramMetricFamily, "vllm:request_queue_time_seconds", "Time from arrival at a pool's engine to "
+                 "first scheduled there, per pool", ["model_name", "pool"])
+        tot: dict = {p: {"run": 0, "wait": 0, "free": 0, "blocks": 0, "pre": 0, "q": 0, "h": 0, "qt": None}
+                     for p in POOLS}
+        for r in snap.get("replicas", []):
+            t = tot.setdefault(r["pool"], {"run": 0, "wait": 0, "free": 0, "blocks": 0, "pre": 0, "q": 0, "h": 0,
+                                           "qt": None})
+            t["run"] += r["num_running"]
+            t["wait"] += r["num_waiting"]
+            t["free"] += r["num_free_blocks"]
+            t["blocks"] += r["num_total_blocks"]
+            t["pre"] += r.get("num_preemptions", 0)
+            t["q"] += r.get("prefix_cache_queries", 0)
+            t["h"] += r.get("prefix_cache_hits", 0)
+            t["qt"] = _merge(t["qt"], r.get("queue_time"))
+        for pool, t in tot.items():
+            lab = [self.model_name, pool]
+            run.add_metric(lab, t["run"])
+            wait.add_metric(lab, t["wait"])
+            use.add_metric(lab, 1 - t["free"] / t["blocks"] if t["blocks"] else 0.0)
+            pre.add_metric(lab, t["pre"])
+            q.add_metric(lab, t["q"])
+            h.add_metric(lab, t["h"])
+            qt.add_metric(lab, *_buckets(t["qt"]))
+
+    def _replicas(self, fam, snap: dict) -> None:
+        keys = ["deployment", "pool", "replica", "emulated"]
+        for r in snap.get("replicas", []):
+            lab = [r["deployment"], r["pool"], r["replica"], "1" if r["emulated"] else "0"]
+            for field, name in REPLICA_GAUGES.items():
+                fam(GaugeMetricFamily, name, f"per replica: {field}", keys).add_metric(lab, r[field])
+            for field, name, kind, help_ in (
+                    ("tokens_generated", "keyacc_tokens_generated", CounterMetricFamily, "per replica: output tokens"),
+                    ("num_preemptions", "keyacc_preemptions", CounterMetricFamily,
+                     "per replica: sequences that gave up their KV blocks (lazy KV) and are recomputed"),
+                    ("prefix_cache_queries", "keyacc_prefix_cache_queries", CounterMetricFamily,
+                     "per replica: prompt tokens looked up in the prefix cache"),
+                    ("prefix_cache_hits", "keyacc_prefix_cache_hits", CounterMetricFamily,
+                     "per replica: prompt tokens found in the prefix cache"),
+                    ("prefix_cache_evictions", "keyacc_prefix_cache_evictions", CounterMetricFamily,
+                     "per replica: cached KV blocks whose memory was taken for new tokens"),
+                    ("num_cached_blocks", "keyacc_cached_kv_blocks", GaugeMetricFamily,
+                     "per replica: KV blocks holding a cached prefix (in use or free)")):
+                fam(kind, name, help_, keys).add_metric(lab, r.get(field, 0))
+            fam(GaugeMetricFamily, "keyacc_replica_info", "per replica: its device (value 1)",
+                keys + ["device"]).add_metric(lab + [str(r.get("device", ""))], 1)
+            tiers = r.get("kv_tiers") or {}
+            for tier, t in (tiers.get("tiers") or {}).items():
+                tl, tk = lab + [tier], keys + ["tier"]
+                fam(CounterMetricFamily, "keyacc_kv_tier_hits", "per replica and lower tier: prompt tokens whose "
+                    "KV was loaded from it", tk).add_metric(tl, t["hits"])
+                fam(CounterMetricFamily, "keyacc_kv_tier_loaded_bytes", "per replica and lower tier: KV bytes "
+                    "loaded from it", tk).add_metric(tl, t["loaded_blocks"] * tiers["block_bytes"])
+                fam(CounterMetricFamily, "keyacc_kv_tier_stored_bytes", "per replica and lower tier: KV bytes "
+                    "stored into it", tk).add_metric(tl, t["stored_blocks"] * tiers["block_bytes"])
+                fam(CounterMetricFamily, "keyacc_kv_tier_evictions", "per replica and lower tier: blocks pushed "
+                    "out of it", tk).add_metric(tl, t["evictions"])
+                fam(GaugeMetricFamily, "keyacc_kv_tier_blocks", "per replica and lower tier: blocks held",
+                    tk).add_metric(tl, t["blocks"])
+            if tiers:
+                fam(CounterMetricFamily, "keyacc_kv_tier_recomputed_blocks", "per replica: blocks held in a lower "
+                    "tier but computed again", keys).add_metric(lab, tiers["recomputed_blocks"])
+
+    @staticmethod
+    def _counters(fam, counters: dict) -> None:
+        """The router's counters (`name|k=v,...` keys), the known label sets at zero if absent."""
+        seen: dict[str, dict[tuple, float]] = {}
+        for key, v in counters.items():
+            name, _, lab = key.partition("|")
+            labels = dict(kv.split("=", 1) for kv in lab.split(",") if kv)
+            seen.setdefault(name, {})[tuple(sorted(labels.items()))] = v
+        for name, sets in KNOWN_COUNTERS.items():
+            got = seen.setdefault(name, {})
+            for s in sets:
+                got.setdefault(tuple(sorted(s.items())), 0)
+        for name, samples in sorted(seen.items()):
+            base = name[:-len("_total")] if name.endswith("_total") else name
+            names = sorted({k for labels in samples for k, _ in labels})
+            f = fam(CounterMetricFamily, f"keyacc_{base}", f"router: {name}", names)
+            for labels, v in sorted(samples.items()):
+                d = dict(labels)
+                f.add_metric([d.get(k, "") for k in names], v)
+
+
+def _merge(a: dict | None, b: dict | None) -> dict | None:
+    if not b:
+        return a
+    if not a:
+        return {"buckets": list(b["buckets"]), "counts": list(b["counts"]), "sum": b["sum"]}
+    if a["buckets"] != b["buckets"]:
+        return a
+    return {"buckets": a["buckets"], "counts": [x + y for x, y in zip(a["counts"], b["counts"])],
+            "sum": a["sum"] + b["sum"]}
+
+
+def _buckets(h: dict | None) -> tuple[list, float]:
+    """(cumulative [(le, count)...], sum) for HistogramMetricFamily.add_metric."""
+    bounds = h["buckets"] if h else list(REQUEST_BUCKETS)
+    counts = h["counts"] if h else [0] * (len(bounds) + 1)
+    out, run = [], 0
+    for le, c in zip([*map(str, map(float, bounds)), "+Inf"], counts):
+        run += c
+        out.append((le, run))
+    return out, (h["sum"] if h else 0.0)

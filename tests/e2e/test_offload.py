@@ -196,7 +196,7 @@ def test_requests_queued_on_the_cpu_pool_move_to_the_gpu_when_it_frees_up(app_ur
 
 
 def recall_moves(app_url) -> float:
-    return metric(app_url, 'keyacc_moves_total{from="cpu",to="gpu",reason="recall"} ')
+    return metric(app_url, 'keyacc_moves_total{from="cpu",reason="recall",to="gpu"} ')
 
 
 def greedy(app_url, prompt, max_tokens):

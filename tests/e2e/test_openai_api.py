@@ -550,10 +550,49 @@ def test_chat_errors_and_good_requests_alongside(app_url, client):
 
 def test_metrics_show_pools_and_emulation(app_url):
     text = httpx.get(f"{app_url}/metrics", timeout=10).text
-    assert 'keyacc_free_kv_blocks{deployment="GpuDecode",pool="gpu"' in text
+    assert 'keyacc_free_kv_blocks{deployment="GpuDecode",emulated="1",pool="gpu"' in text  # (labels sorted)
     assert 'emulated="1"' in text  # no CUDA here: the GPU role is emulated, and says so
     assert "keyacc_requests_started_total" in text
     assert "keyacc_gpu_available 0.0" in text or "keyacc_gpu_available 1.0" in text
+
+
+def test_vllm_metrics_and_the_dashboard(app_url, client):
+    """vLLM's series with pool labels, the request histograms fed by requests on each pool (a
+    pinned CPU request's tokens on the CPU pool), the engines' queue time; every query of the
+    Grafana dashboard names a series this server exports."""
+    from keyacc_ray.bench.timeline import parse_prometheus
+    from tests.serve.test_metrics import dashboard_metrics
+
+    def scrape():
+        text = httpx.get(f"{app_url}/metrics", timeout=10).text
+        got: dict = {}
+        for name, labels, v in parse_prometheus(text):
+            key = (name, labels.get("pool"))
+            got[key] = got.get(key, 0) + v
+        declared = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
+        return got, declared
+
+    before, _ = scrape()
+    for route in ("gpu", "cpu"):
+        client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True, "keyacc": {"route": route}})
+    list(client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=4, temperature=0, stream=True,
+                                   extra_body={"ignore_eos": True, "keyacc": {"route": "cpu"}}))
+    time.sleep(1.5)  # the pools' next load reports
+    after, declared = scrape()
+
+    def grew(name, pool, by):
+        return after.get((name, pool), 0) - before.get((name, pool), 0) >= by
+
+    assert grew("vllm:generation_tokens_total", "cpu", 9) and grew("vllm:generation_tokens_total", "gpu", 5)
+    assert grew("vllm:time_to_first_token_seconds_count", "cpu", 2)
+    assert grew("vllm:inter_token_latency_seconds_count", "cpu", 7)
+    assert grew("vllm:e2e_request_latency_seconds_count", "gpu", 1)
+    assert grew("vllm:request_queue_time_seconds_count", "cpu", 2)
+    assert grew("vllm:prompt_tokens_total", None, 3)
+    assert after[("keyacc_router_up", None)] == 1 and ("vllm:kv_cache_usage_perc", "gpu") in after
+    exported = {n for n, _ in after} | declared
+    assert not dashboard_metrics() - exported, dashboard_metrics() - exported
 
 
 @pytest.mark.parametrize("route", ["gpu", "stage", "cpu"])
