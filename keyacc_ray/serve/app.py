@@ -167,8 +167,9 @@ class AppConfig:
     # ones (temperature 1, no top-k / top-p / min-p, no repetition penalty).
     generation_config: str = "auto"
     # How `tool_choice: auto` reads tool calls from the output (vLLM's --tool-call-parser): "hermes"
-    # (<tool_call>{...}</tool_call>: Qwen2.5 / Qwen3, Hermes and many others), or null (auto tool
-    # choice off; required and named tool choice still work, by grammar)
+    # (<tool_call>{...}</tool_call>: Qwen2.5 / Qwen3, Hermes and many others), "llama3_json" (Llama
+    # 3.1-3.3), "mistral" ([TOOL_CALLS]), or null (auto tool choice off; required and named tool
+    # choice still work, by grammar)
     tool_call_parser: str | None = "hermes"
 
     def __post_init__(self):

@@ -178,6 +178,8 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
     _type(ignore_eos, (bool,), "ignore_eos", "a boolean")
     text_opts = {k: _type(data[k], (bool,), k, "a boolean") for k in ("include_stop_str_in_output", "skip_special_tokens")
                  if data.get(k) is not None}
+    if tool_req is not None and tool_req.choice == "auto" and tools.PARSERS[tool_req.parser].KEEP_SPECIAL:
+        text_opts.setdefault("skip_special_tokens", False)  # the parser reads a special token (as vLLM)
     min_tokens = data.get("min_tokens")
     min_tokens = 0 if min_tokens is None else _type(min_tokens, (int,), "min_tokens", "an integer")
     penalties = {k: _type(data[k], (int, float), k, "a number") for k in PENALTIES if data.get(k) is not None}

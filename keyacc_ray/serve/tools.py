@@ -4,8 +4,9 @@
   function), checked; the tools go to the model's chat template (`tools=`), which shows them to
   the model in its own format.
 - `tool_choice: "auto"`: the model decides; its output is read by the tool-call parser the app
-  names (`tool_call_parser`; `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-  the format of Qwen2.5 / Qwen3, Hermes and many others).
+  names (`tool_call_parser`): `hermes` (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+  Qwen2.5 / Qwen3, Hermes and many others), `llama3_json` (Llama 3.1-3.3's JSON calls),
+  `mistral` (`[TOOL_CALLS]`).
 - `required` and a named function constrain decoding (a grammar, engine/structured.py), so the
   output is a valid call whatever the model: `required` a JSON array of {"name", "parameters"}
   objects of the declared tools (vLLM's form), a named function its arguments object.
@@ -161,25 +162,94 @@ def call(name: str, arguments) -> dict:
     return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function", "function": {"name": name, "arguments": args}}
 
 
+def _call_of(obj) -> dict | None:
+    """A call from a parsed {"name", "arguments" (or "parameters")} object, else None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return call(obj["name"], args if isinstance(args, (dict, str)) else json.dumps(args))
+
+
+def _json_values(text: str, sep: str = "") -> list | None:
+    """The JSON values of `text`, one after another (separated by whitespace and `sep`), or None
+    if anything else is there."""
+    dec, out, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(text) and (text[i].isspace() or text[i] in sep):
+            i += 1
+        if i == len(text):
+            return out
+        try:
+            v, i = dec.raw_decode(text, i)
+        except ValueError:
+            return None
+        out.append(v)
+
+
 class HermesParser:
-    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in the text; what lies
-    outside them is content."""
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks anywhere in the text
+    (Qwen2.5 / Qwen3, Hermes 2 / 3, and many fine-tunes); what lies outside them is content."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    KEEP_SPECIAL = False  # the tags are plain text (or tokens that are not special)
 
     @staticmethod
     def parse_block(body: str) -> dict | None:
         try:
-            obj = json.loads(body)
+            return _call_of(json.loads(body))
         except ValueError:
             return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return None
-        args = obj.get("arguments", obj.get("parameters", {}))
-        return call(obj["name"], args)
 
 
-PARSERS = {"hermes": HermesParser}
+class Llama3JsonParser:
+    """Llama 3.1-3.3's JSON tool calls: the output is `{"name": ..., "parameters": {...}}`
+    (after `<|python_tag|>` or at once), several separated by `;`. Text before it is not a call."""
+
+    OPEN, CLOSE = ("<|python_tag|>", "{"), None
+    AT_START = True  # a call is the whole output (after whitespace), or there is none
+    KEEP_SPECIAL = True  # <|python_tag|> is a special token
+
+    @staticmethod
+    def parse_payload(text: str) -> list[dict] | None:
+        text = text.removeprefix("<|python_tag|>")
+        values = _json_values(text, ";")
+        calls = [_call_of(v) for v in values or []]
+        return calls if values and all(calls) else None
+
+
+class MistralParser:
+    """Mistral's `[TOOL_CALLS]` followed by a JSON array of {"name", "arguments"} (v3 tokenizers)
+    or by `name[ARGS]{...}` calls (v11 and later); content may come before it."""
+
+    OPEN, CLOSE = ("[TOOL_CALLS]",), None
+    AT_START = False
+    KEEP_SPECIAL = True  # [TOOL_CALLS] is a special token
+
+    @staticmethod
+    def parse_payload(text: str) -> list[dict] | None:
+        parts = [x for x in text.split("[TOOL_CALLS]") if x.strip()]
+        calls: list = []
+        for part in parts:
+            if "[ARGS]" in part:
+                name, _, args = part.partition("[ARGS]")
+                values = _json_values(args)
+                if not values or len(values) != 1 or not name.strip():
+                    return None
+                calls.append(call(name.strip(), values[0]))
+                continue
+            values = _json_values(part)
+            if not values:
+                return None
+            for v in values:
+                for obj in v if isinstance(v, list) else [v]:
+                    c = _call_of(obj)
+                    if c is None:
+                        return None
+                    calls.append(c)
+        return calls or None
+
+
+PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
 
 
 @dataclass
@@ -192,6 +262,8 @@ class ToolOutput:
     calls: list[dict] = field(default_factory=list)
     raw: str = ""  # required / named: the whole output (a JSON value)
     gap: str = ""  # whitespace after a call, sent only if more content follows
+    tail: bool = False  # a parser whose calls end the output (CLOSE None): the marker was seen
+    sent: bool = False  # some content was sent (a call only at the start cannot come any more)
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         if self.tr.choice in ("required", "named"):
@@ -201,6 +273,8 @@ class ToolOutput:
             return text, []
         p = PARSERS[self.tr.parser]
         self.buf += text
+        if p.CLOSE is None:
+            return self._feed_tail(p), []
         content, new = [], []
         while True:
             start = self.buf.find(p.OPEN)
@@ -223,6 +297,31 @@ class ToolOutput:
                 self.calls.append(got)
             self.buf = self.buf[end + len(p.CLOSE):]
         return "".join(content), new
+
+    def _feed_tail(self, p) -> str:
+        """A parser whose calls run to the end of the output: content until its marker (held
+        back while the text may still become one), then everything is kept for finish()."""
+        if self.tail:
+            return ""
+        if p.AT_START:
+            if self.sent:
+                out, self.buf = self.buf, ""
+                return out
+            head = self.buf.lstrip()
+            if any(head.startswith(m) for m in p.OPEN):
+                self.tail, self.buf = True, head
+                return ""
+            if not head or any(m.startswith(head) for m in p.OPEN):
+                return ""  # whitespace, or the start of a marker: wait
+            out, self.buf, self.sent = self.buf, "", True
+            return out
+        at = min((i for i in (self.buf.find(m) for m in p.OPEN) if i >= 0), default=-1)
+        if at >= 0:
+            out, self.buf, self.tail = self.buf[:at], self.buf[at:], True
+            return out
+        keep = max(_partial_tail(self.buf, m) for m in p.OPEN)
+        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        return out
 
     def _content(self, piece: str) -> str:
         """Text outside the calls: after a call, whitespace waits until more content follows
@@ -250,6 +349,13 @@ class ToolOutput:
                 if isinstance(it, dict) and isinstance(it.get("name"), str):
                     new.append(call(it["name"], it.get("parameters", {})))
         else:
+            if self.tr.choice == "auto" and self.buf and PARSERS[self.tr.parser].CLOSE is None:
+                p, rest, self.buf = PARSERS[self.tr.parser], self.buf, ""
+                got = p.parse_payload(rest) if self.tail else None
+                if got is None:  # not calls after all (or cut short): content, as written
+                    return rest, []
+                self.calls += got
+                return "", got
             if self.tr.choice == "auto" and self.buf:
                 p = PARSERS[self.tr.parser]
                 if self.buf.startswith(p.OPEN) and (got := p.parse_block(self.buf[len(p.OPEN):].strip())):

@@ -179,3 +179,36 @@ def test_constraint_fields():
         assert e.value.param == param, bad
     compact = constraints.grammar_of({"structured_outputs": {"json": {"type": "object"}, "disable_any_whitespace": True}})
     assert compact and compact != constraints.grammar_of({"guided_json": {"type": "object"}})
+
+
+@pytest.mark.parametrize("parser, text, content, want", [
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [("get_weather", {"city": "Paris"})]),
+    ("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": '
+                    '{"city": "Oslo"}}', "", [("get_time", {}), ("get_weather", {"city": "Oslo"})]),
+    ("llama3_json", "  It is sunny. {\"name\": \"x\"}", "  It is sunny. {\"name\": \"x\"}", []),  # not at the start
+    ("llama3_json", '{"name": "get_time", "param', '{"name": "get_time", "param', []),  # cut: content
+    ("llama3_json", '{"a": 1} and more', '{"a": 1} and more', []),
+    ("mistral", 'Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}]', "Sure.",
+     [("get_weather", {"city": "Rome"})]),
+    ("mistral", '[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{"city": "Bonn"}', "",
+     [("get_time", {}), ("get_weather", {"city": "Bonn"})]),
+    ("mistral", "no calls [TOOL_CA", "no calls [TOOL_CA", []),
+    ("mistral", "[TOOL_CALLS][{\"name\": 3}]", "[TOOL_CALLS][{\"name\": 3}]", []),
+])
+def test_llama3_json_and_mistral_parsers(parser, text, content, want):
+    tr = ToolRequest([WEATHER, TIME], "auto", parser=parser)
+    got, calls, _ = whole(tr, text)
+    assert got == content and plain(calls) == want
+    for seed in range(10):
+        s_content, s_calls = streamed(tr, text, seed)
+        assert s_content == content and plain(s_calls) == want
+
+
+def test_parsers_that_read_special_tokens_keep_them(tok):
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER]}
+    for parser, keep in (("hermes", True), ("mistral", False), ("llama3_json", False)):
+        p = parse(dict(body), "chat", tokenizer=tok, served_names={"m"}, max_model_len=1024, tool_parser=parser)
+        assert p.request.params["skip_special_tokens"] is keep
+    p = parse({**body, "skip_special_tokens": True}, "chat", tokenizer=tok, served_names={"m"}, max_model_len=1024,
+              tool_parser="mistral")
+    assert p.request.params["skip_special_tokens"] is True
