@@ -14,6 +14,8 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 
+MONITOR_NAME = "keyacc_load_monitor"  # the detached actor's name (pools report to it, the router reads it)
+MONITOR_NAMESPACE = "keyacc"
 STALE_AFTER_S = 5.0
 SYSTEM_EVERY_S = 1.0
 

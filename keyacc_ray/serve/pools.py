@@ -33,6 +33,7 @@ from keyacc_ray.errors import KeyaccError
 from keyacc_ray.hw.pinning import pin_process
 from keyacc_ray.hw.topology import gpu_info, gpu_local_cpus, numa_nodes
 from keyacc_ray.serve.engine_loop import AsyncEngine, Checkpoint
+from keyacc_ray.serve.monitor import MONITOR_NAME, MONITOR_NAMESPACE  # noqa: F401 - also imported from here
 from keyacc_ray.serve.kv_directory import NAME as KV_DIRECTORY, KVDirectory
 from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopEnd, SegmentStart, Ticket,
                                        TicketUpdate)
@@ -42,8 +43,6 @@ log = logging.getLogger("ray.serve")
 KV_FETCH_TIMEOUT_S = 20.0
 KV_TAKE_TIMEOUT_S = 5.0  # how long a hand-off's KV reference may take to reach the directory
 KV_HOLD_S = 60.0
-MONITOR_NAME = "keyacc_load_monitor"
-MONITOR_NAMESPACE = "keyacc"
 ROUTER_NAME = "Router"  # the Router deployment's name in the app (app.py binds it; pools look it up)
 REPORT_EVERY_S = 0.2
 ROUTER_CHECK_TIMEOUT_S = 10.0

@@ -20,14 +20,11 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import ray
-
 from keyacc_ray.policies import LoadView, PoolLoad, RequestView, make_policy
 from keyacc_ray.policies.base import HOLD, OutputLengths
 from keyacc_ray.serve.driver import FAILOVER, MAX_RECOVERIES, error_item as _err
 from keyacc_ray.serve.messages import HopEnd, Ticket
-from keyacc_ray.serve.monitor import LoadMonitor
-from keyacc_ray.serve.pools import MONITOR_NAME, MONITOR_NAMESPACE
+from keyacc_ray.serve.monitor import MONITOR_NAME, MONITOR_NAMESPACE, LoadMonitor
 
 log = logging.getLogger("ray.serve")
 REFRESH_EVERY_S = 0.1
@@ -56,17 +53,19 @@ def hop_keys(num_cpu_deployments: int) -> list[str]:
 class Router:
     def __init__(self, cpu_deployments: list[str] | None = None, policy: str = "gpu_only",
                  policy_options: dict | None = None, allow_route_pinning: bool = True, monitor=None,
-                 colocated_gpu: bool = False):
+                 colocated_gpu: bool = False, clock=None):
         """cpu_deployments: the CPU decode deployments' names (one per NUMA node where there are
         several): each is separate capacity and the router balances across them. colocated_gpu:
         one GPU engine (GpuDecode) serves both phases of a GPU request, prefill included, and
-        GpuPrefill gets nothing (README "One copy of the weights per GPU")."""
+        GpuPrefill gets nothing (README "One copy of the weights per GPU"). clock: the request
+        path's and the policy's time (time.monotonic; the simulator's own time in keyacc_ray.sim)."""
+        self.clock = clock or time.monotonic
         self.colocated = colocated_gpu
         cpu_names = cpu_deployments or ["CpuDecode"]
         self.cpu_keys = hop_keys(len(cpu_names))[2:]
         self.deployment_of = {"gpu_prefill": "GpuPrefill", "gpu_decode": "GpuDecode",
                               **dict(zip(self.cpu_keys, cpu_names))}
-        self.policy = make_policy(policy, policy_options)
+        self.policy = make_policy(policy, policy_options, clock=self.clock)
         self.allow_pinning = allow_route_pinning
         self.inflight = {h: 0 for h in self.deployment_of}  # requests on each hop, right now
         self._active: dict[str, tuple[str, float, int]] = {}  # request id -> (hop, since, tokens)
@@ -81,9 +80,13 @@ class Router:
         self.snapshot_age_s = float("inf")
         self._counters: dict[str, float] = {}
         self._refresher: asyncio.Task | None = None
-        self.monitor = monitor if monitor is not None else ray.remote(LoadMonitor).options(
-            name=MONITOR_NAME, namespace=MONITOR_NAMESPACE, get_if_exists=True, lifetime="detached",
-            max_restarts=-1, num_cpus=0).remote()
+        if monitor is None:
+            import ray  # (here: the simulator runs this class without Ray)
+
+            monitor = ray.remote(LoadMonitor).options(
+                name=MONITOR_NAME, namespace=MONITOR_NAMESPACE, get_if_exists=True, lifetime="detached",
+                max_restarts=-1, num_cpus=0).remote()
+        self.monitor = monitor
 
     # ---- monitor snapshot --------------------------------------------------------------
     def _ensure_refresher(self) -> None:
@@ -109,16 +112,14 @@ class Router:
                 since = self.snapshot.version if self.snapshot is not None else None
                 snap = await asyncio.wait_for(self.monitor.snapshot.remote(since), timeout=2.0)
                 last_ok = time.monotonic()
-                if snap is not None:  # None: nothing changed since the one this router holds
-                    self.snapshot = snap
-                    self._pending_blocks = {h: 0 for h in self.deployment_of}
-                self.policy.observe(self.load_view())
-                self._collect_policy_counters()
+                self.take_snapshot(snap)
                 if self._counters:
                     deltas, self._counters = self._counters, {}
                     self.monitor.add_counters.remote(deltas)
             except Exception:  # noqa: BLE001 - monitor restarting or gone: keep the last snapshot
                 try:
+                    import ray
+
                     if ray.is_initialized():
                         self.monitor = ray.get_actor(MONITOR_NAME, namespace=MONITOR_NAMESPACE)
                 except Exception:  # noqa: BLE001
@@ -128,10 +129,19 @@ class Router:
             self._release_held()  # places the new snapshot shows; holds that ran out
             await asyncio.sleep(REFRESH_EVERY_S)
 
+    def take_snapshot(self, snap) -> None:
+        """The monitor's answer (None: nothing changed since the one held): the policy observes the
+        load (the refresher calls this every REFRESH_EVERY_S; so does the simulator)."""
+        if snap is not None:
+            self.snapshot = snap
+            self._pending_blocks = {h: 0 for h in self.deployment_of}
+        self.policy.observe(self.load_view())
+        self._collect_policy_counters()
+
     def reconfigure(self, user_config: dict) -> None:
         """Serve user_config: switch the policy without restarting anything."""
         if user_config and "policy" in user_config:
-            self.policy = make_policy(user_config["policy"], user_config.get("policy_options") or {})
+            self.policy = make_policy(user_config["policy"], user_config.get("policy_options") or {}, clock=self.clock)
             self._policy_counted = {}
             log.info("keyacc router: policy is now %s %s", self.policy.name, self.policy.options)
             self._release_held()  # the new policy may not hold at all
@@ -152,7 +162,7 @@ class Router:
         views = self.snapshot.deployments if self.snapshot is not None else {}
         gpu = (self.snapshot.gpu or {}) if self.snapshot is not None else {}
         if self._recalled:  # recalls whose requests never arrived lapse
-            now = time.monotonic()
+            now = self.clock()
             self._recalled = {r: t for r, t in self._recalled.items() if now - t < RECALL_HOLD_S}
         loads = {}
         first_gpu = "gpu_decode" if self.colocated else "gpu_prefill"
@@ -220,7 +230,7 @@ class Router:
         t.hop, t.export_after, t.error = hop, export_after, None
         t.move_on_preempt = hop == "gpu_decode" and t.pinned_route is None and self.policy.offload_on_preemption()
         tokens = self._view(t, 0).total_tokens
-        self._active[t.request_id] = (hop, time.monotonic(), tokens)
+        self._active[t.request_id] = (hop, self.clock(), tokens)
         self.inflight[hop] += 1
         self.inflight_tokens[hop] += tokens
         return t
@@ -237,7 +247,7 @@ class Router:
 
     def _expire(self) -> None:
         """Forget requests whose ingress never reported back (it died): they stop counting."""
-        now = time.monotonic()
+        now = self.clock()
         for rid, (hop, since, tokens) in list(self._active.items()):
             if now - since > ACTIVE_TTL_S:
                 del self._active[rid]
@@ -285,7 +295,7 @@ class Router:
         """Wait here until `_release_held` admits the request (a place freed on either pool, or
         the policy's `max_hold_s` ran out). A driver that goes away meanwhile (its client hung up)
         cancels this call: the request leaves the line, or its hop if it was just admitted."""
-        held = _Held(t, time.monotonic(), asyncio.get_running_loop().create_future())
+        held = _Held(t, self.clock(), asyncio.get_running_loop().create_future())
         self._held.append(held)
         self._count("requests_held_total")
         try:
@@ -302,7 +312,7 @@ class Router:
         """Admit held requests, oldest first, for as long as the policy finds the oldest a place.
         Called whenever places may have freed: a request finished or moved on, a new snapshot,
         a new policy."""
-        now = time.monotonic()
+        now = self.clock()
         while self._held:
             held = self._held[0]
             if held.admitted.done():  # its caller went away
@@ -380,7 +390,7 @@ class Router:
         n = self.policy.recall([self._view(t, 0) for t in waiting], self.load_view())
         if n is None:
             return None
-        now = time.monotonic()
+        now = self.clock()
         for t in waiting[:n]:
             self._recalled[t.request_id] = now
         return [t.request_id for t in waiting[:n]]

@@ -1,0 +1,272 @@
+"""The simulated server: the real Router (keyacc_ray/serve/router.py, with its policy) deciding
+every hop on simulated time, fed by the real LoadState (the load monitor's plain core) from the
+simulated engines' reports, over SimEngines whose steps take modelled time.
+
+What the serving graph does is walked as its pieces do it: the ingress's driver asks the router
+(`begin`, `advance`, `finish`), a pool checks with the router after each CPU period and after a
+colocated prefill (in place when the answer names the same hop), a sequence the GPU engine
+preempts leaves with its KV where the router marked it movable, a full engine queue answers with
+backpressure, CPU pools offer unstarted requests for recall, replicas report every
+REPORT_EVERY_S and the router refreshes its snapshot every REFRESH_EVERY_S. A hand-off costs its
+KV bytes over a bandwidth plus a fixed time. The GPU pool is colocated (one engine for both
+phases, the default graph). No Ray, no torch.
+"""
+from __future__ import annotations
+
+import asyncio
+import heapq
+from dataclasses import dataclass, field
+
+from keyacc_ray.engine.request import SeqStatus
+from keyacc_ray.serve.messages import HopEnd, Ticket
+from keyacc_ray.serve.monitor import LoadState
+from keyacc_ray.serve.router import REFRESH_EVERY_S, Router
+from keyacc_ray.sim.engine import SimEngine
+from keyacc_ray.sim.steptime import StepTime
+from keyacc_ray.sim.workload import SimRequest
+
+REPORT_EVERY_S = 0.2  # as keyacc_ray/serve/pools.py
+RECALL_AFTER_S = 0.5
+RECALL_EVERY_S = 0.5
+
+
+@dataclass
+class PoolSpec:
+    steptime: StepTime
+    replicas: int = 1
+    max_num_seqs: int = 64
+    num_blocks: int = 1024
+    block_size: int = 16
+    max_prefill_tokens: int = 4096
+    lazy: bool = True
+    max_waiting: int = 1024
+
+
+@dataclass
+class ServerSpec:
+    gpu: PoolSpec
+    cpu: PoolSpec
+    kv_bytes_per_token: int = 0  # a hand-off moves (prompt + generated) x this
+    handoff_bw_bytes_s: float = 10e9  # device -> host -> object store -> host (-> device)
+    handoff_fixed_s: float = 0.005  # the hops' calls, export and import
+    max_model_len: int = 1 << 20
+
+
+@dataclass
+class Live:
+    req: SimRequest
+    ticket: Ticket
+    generated: int = 0
+    first_t: float | None = None
+    done_t: float | None = None
+    hop_t: float = 0.0  # when its current hop began
+    produced: int = 0  # tokens on the current hop since its last check
+    export_after: int | None = None
+    segments: list = field(default_factory=list)  # [pool, tokens]
+    moves: int = 0
+    error: str | None = None
+
+
+async def _ready():
+    return None
+
+
+class SimServer:
+    def __init__(self, spec: ServerSpec, policy: str, policy_options: dict | None = None):
+        self.spec = spec
+        self.now = 0.0
+        self._q: list = []
+        self._n = 0
+        clock = self.clock
+        self.state = LoadState(clock=clock)
+        cpu_names = [f"CpuDecode{i}" if spec.cpu.replicas > 1 else "CpuDecode" for i in range(max(1, spec.cpu.replicas))]
+        self.router = Router(cpu_names, policy, policy_options or {}, monitor=object(), colocated_gpu=True,
+                             clock=clock)
+        self.router._ready = _ready  # no refresher task: snapshots come from this loop (below)
+        g = spec.gpu
+        self.hops: dict[str, SimEngine] = {"gpu_decode": SimEngine(
+            "gpu0", "GpuDecode", "gpu", g.steptime, g.max_num_seqs, g.num_blocks, g.block_size, g.max_prefill_tokens,
+            g.lazy, g.max_waiting, spec.max_model_len)}
+        c = spec.cpu
+        for i, name in enumerate(cpu_names if c.replicas > 0 else []):
+            self.hops[f"cpu_decode/{i}"] = SimEngine(f"cpu{i}", name, "cpu", c.steptime, c.max_num_seqs,
+                                                     c.num_blocks, c.block_size, c.max_prefill_tokens, c.lazy,
+                                                     c.max_waiting, spec.max_model_len)
+        self.live: dict[str, Live] = {}
+        self.done: list[Live] = []
+        self._suspended = 0
+        self._next_of_client: dict[int, list[SimRequest]] = {}
+
+    def clock(self) -> float:
+        return self.now
+
+    # ---- events ------------------------------------------------------------------------
+    def at(self, t: float, fn, *args) -> None:
+        heapq.heappush(self._q, (t, self._n, fn, args))
+        self._n += 1
+
+    def run(self, requests: list[SimRequest], until_s: float | None = None) -> list[Live]:
+        """Simulate until every request is done (or `until_s`); the requests that finished."""
+        return asyncio.run(self._run(requests, until_s))
+
+    async def _run(self, requests: list[SimRequest], until_s: float | None) -> list[Live]:
+        for r in requests:
+            if r.client is None:
+                self.at(r.arrival, self._arrive, r)
+            else:
+                self._next_of_client.setdefault(r.client, []).append(r)
+        for c, reqs in self._next_of_client.items():
+            self.at(0.0, self._arrive, reqs.pop(0))
+        self.at(0.0, self._report)
+        self.at(0.0, self._refresh)
+        self.at(RECALL_EVERY_S, self._recall)
+        total = len(requests)
+        while self._q and len(self.done) < total:
+            t, _, fn, args = heapq.heappop(self._q)
+            if until_s is not None and t > until_s:
+                break
+            self.now = t
+            fn(*args)
+            while self._suspended:  # a router call waits on a held request's admission: let it resume
+                before = self._suspended
+                await asyncio.sleep(0)
+                if self._suspended == before:
+                    break
+        return self.done
+
+    # ---- the router's calls, as the driver and the pools make them ---------------------------
+    def _call(self, coro, then, *args) -> None:
+        try:
+            fut = coro.send(None)
+        except StopIteration as e:
+            then(e.value, *args)
+            return
+        self._suspended += 1  # held at the router: resumes when its place is found
+
+        def resume(_):
+            self._suspended -= 1
+            self._call(coro, then, *args)
+
+        fut.add_done_callback(resume)
+
+    def _arrive(self, r: SimRequest) -> None:
+        r.arrival = self.now
+        live = Live(r, Ticket(r.rid, r.prompt_tokens, r.max_tokens))
+        self.live[r.rid] = live
+        self._call(self.router.begin(live.ticket), self._enter, live)
+
+    def _enter(self, t: Ticket, live: Live) -> None:
+        if t.error is not None or t.hop is None:
+            live.error = t.error.body["error"]["message"] if t.error is not None else "no hop"
+            self._end(live)
+            return
+        e = self.hops[t.hop]
+        with_kv = live.generated > 0
+        if not e.add(live.req.rid, live.req.prompt_tokens, live.generated, live.req.max_tokens, with_kv,
+                     movable=t.move_on_preempt):
+            end = HopEnd("backpressure", 0.0, live.generated, has_handoff=with_kv)
+            self._call(self.router.advance(t, end), self._enter, live)
+            return
+        if live.segments and live.segments[-1][0] != e.pool:
+            live.moves += 1
+        live.ticket, live.hop_t, live.produced, live.export_after = t, self.now, 0, t.export_after
+        live.segments.append([e.pool, 0])
+        self._kick(e)
+
+    def _end(self, live: Live) -> None:
+        live.done_t = self.now
+        self.live.pop(live.req.rid, None)
+        self.done.append(live)
+        nxt = self._next_of_client.get(live.req.client) if live.req.client is not None else None
+        if nxt:
+            self.at(self.now, self._arrive, nxt.pop(0))
+
+    # ---- engines -------------------------------------------------------------------------
+    def _kick(self, e: SimEngine) -> None:
+        if e.busy:
+            return
+        r = e.step()
+        if r is None:
+            return
+        for s in r.preempted_out:  # preempted on the GPU, marked movable: decode elsewhere, with its KV
+            self._move(self.live[s.request_id], "handoff")
+        if r.seconds > 0:
+            e.busy = True
+            self.at(self.now + r.seconds, self._step_done, e, r)
+
+    def _step_done(self, e: SimEngine, r) -> None:
+        e.busy = False
+        e.busy_s += r.seconds
+        e.recent.append((self.now, len(r.produced)))
+        for s in r.produced:
+            live = self.live.get(s.request_id)
+            if live is None or s.request_id not in e.seqs:
+                continue
+            live.generated += 1
+            live.produced += 1
+            live.segments[-1][1] += 1
+            if live.first_t is None:
+                live.first_t = self.now
+            if live.generated >= live.req.output_tokens:
+                e.remove(s.request_id, SeqStatus.FINISHED_STOPPED)
+                end = HopEnd("done", self.now - live.hop_t, live.generated, finished=True)
+                self._call(self.router.finish(live.ticket, end), lambda _, lv: self._end(lv), live)
+            elif live.export_after and live.produced >= live.export_after:
+                self._check(e, live)
+        self._kick(e)
+
+    def _check(self, e: SimEngine, live: Live) -> None:
+        """The pool's check with the router after a period (or a colocated prefill): the same
+        hop goes on in place; another one takes the sequence, its KV moved."""
+        end = HopEnd("handoff", self.now - live.hop_t, live.generated, True)
+
+        def answered(nt: Ticket, live: Live) -> None:
+            if nt.hop == live.ticket.hop:
+                live.ticket, live.produced, live.export_after = nt, 0, nt.export_after
+                return
+            if live.req.rid in e.seqs:
+                e.remove(live.req.rid)
+            self.at(self.now + self._handoff_s(live), self._enter, nt, live)
+
+        self._call(self.router.advance(live.ticket, end), answered, live)
+
+    def _move(self, live: Live, outcome: str) -> None:
+        end = HopEnd(outcome, self.now - live.hop_t, live.generated, live.generated > 0)
+        delay = self._handoff_s(live) if outcome == "handoff" else 0.0
+        self._call(self.router.advance(live.ticket, end), lambda nt, lv: self.at(self.now + delay, self._enter, nt, lv),
+                   live)
+
+    def _handoff_s(self, live: Live) -> float:
+        kv = (live.req.prompt_tokens + live.generated) * self.spec.kv_bytes_per_token
+        return self.spec.handoff_fixed_s + kv / self.spec.handoff_bw_bytes_s
+
+    # ---- reports, snapshots, recalls ---------------------------------------------------------
+    def _report(self) -> None:
+        for e in self.hops.values():
+            self.state.report(e.report(self.now))
+        self.at(self.now + REPORT_EVERY_S, self._report)
+
+    def _refresh(self) -> None:
+        self.router.take_snapshot(self.state.snapshot())
+        self.router._release_held()
+        self.at(self.now + REFRESH_EVERY_S, self._refresh)
+
+    def _recall(self) -> None:
+        """As each CPU pool does: its requests queued unstarted for RECALL_AFTER_S, offered to the
+        router every RECALL_EVERY_S."""
+        for e in self.hops.values():
+            if e.pool != "cpu":
+                continue
+            due = [self.live[r] for r in e.waiting_unstarted()
+                   if r in self.live and self.now - self.live[r].hop_t >= RECALL_AFTER_S]
+            if due:
+                self._call(self.router.recall([lv.ticket for lv in due]), self._recalled, e, due)
+        if self.live or self._q:
+            self.at(self.now + RECALL_EVERY_S, self._recall)
+
+    def _recalled(self, ids, e: SimEngine, due: list[Live]) -> None:
+        for live in due:
+            if ids and live.req.rid in ids and live.req.rid in e.waiting_unstarted():
+                e.remove(live.req.rid, SeqStatus.FINISHED_ABORTED)
+                live.segments.pop()  # it never ran there
+                self._move(live, "withdrawn")
