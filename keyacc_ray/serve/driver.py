@@ -126,6 +126,7 @@ class RequestDriver:
         t = await self._ask(Ticket.of(req), None)
         trace = Trace()
         handoff: Handoff | None = None
+        handed_at = 0.0
         generated: list[int] = []  # every token streamed to the client so far
         emitted_chars = 0
         finish_reason = None
@@ -158,7 +159,11 @@ class RequestDriver:
                             else:
                                 decided = it.ticket
                         elif isinstance(it, SegmentStart):
-                            trace.start(it)
+                            if trace.start(it) and handoff is not None and it.kv == "received":
+                                # the hand-off that brought it: its KV bytes, and from the end of the
+                                # last hop to this one's start (export, object store, import)
+                                trace.segments[-1]["kv_bytes"] = handoff.kv_bytes
+                                trace.segments[-1]["handoff_ms"] = round((time.monotonic() - handed_at) * 1e3, 2)
                             segment_started = True
                         elif isinstance(it, Handoff):
                             next_handoff = it
@@ -198,7 +203,7 @@ class RequestDriver:
                 self._finish(t, end)
                 break
             if outcome == "handoff":
-                handoff = next_handoff
+                handoff, handed_at = next_handoff, time.monotonic()
                 if decided is not None:  # the router already chose (and counted) the next hop
                     t = decided
                     continue

@@ -106,17 +106,19 @@ class Trace:
 
     segments: list[dict] = field(default_factory=list)
 
-    def start(self, s: SegmentStart) -> None:
+    def start(self, s: SegmentStart) -> bool:
+        """A hop's replica says where it runs; True if that begins a new segment."""
         last = self.segments[-1] if self.segments else None
         if last and s.phase == "decode" and (last["replica"], last["deployment"]) == (s.replica, s.deployment):
             last["periods"] += 1  # the next decode period on the same replica: not a move
             if s.kv == "recomputed":
                 last["kv"] = "recomputed"
-            return
+            return False
         self.segments.append({"pool": s.pool, "phase": s.phase, "replica": s.replica,
                               "deployment": s.deployment, "node": s.node, "tokens": 0, "periods": 1})
         if s.kv:
             self.segments[-1]["kv"] = s.kv
+        return True
 
     def add_tokens(self, n: int) -> None:
         if self.segments:

@@ -29,6 +29,7 @@ from prometheus_client.core import (  # noqa: E402
 from keyacc_ray.histogram import ITL_BUCKETS, REQUEST_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS  # noqa: E402
 
 POOLS = ("gpu", "cpu")
+HANDOFF_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 REASONS = ("stop", "length", "abort", "tool_calls")
 # the router's counters a dashboard reads, with every label set they take: present at zero from start-up
 KNOWN_COUNTERS = {
@@ -72,11 +73,21 @@ class Metrics:
         self.req_generation = Histogram("vllm:request_generation_tokens", "Output tokens per choice",
                                         ["model_name"], buckets=TOKEN_BUCKETS, registry=r)
         self.router_up = Gauge("keyacc_router_up", "1 if the router answered this scrape", registry=r)
+        ft = ["from", "to"]
+        self.handoffs = Counter("keyacc_handoffs", "KV hand-offs between pools (the KV went along)", ft, registry=r)
+        self.handoff_bytes = Counter("keyacc_handoff_bytes", "KV bytes handed off between pools", ft, registry=r)
+        self.handoff_s = Histogram("keyacc_handoff_seconds", "From the end of a hop to the start of the next one "
+                                   "with its KV (export, object store, import)", ft, buckets=HANDOFF_BUCKETS,
+                                   registry=r)
         for pool in POOLS:  # present from start-up
             for m in (self.ttft, self.itl, self.e2e, self.generation_tokens):
                 m.labels(model_name, pool)
         for reason in REASONS:
             self.success.labels(model_name, reason)
+        for a in POOLS:
+            for b in POOLS:
+                for m in (self.handoffs, self.handoff_bytes, self.handoff_s):
+                    m.labels(a, b)
         self.prompt_tokens.labels(model_name)
         self.req_prompt.labels(model_name)
         self.req_generation.labels(model_name)
@@ -129,6 +140,12 @@ class RequestTimer:
             counts[p] = counts.get(p, 0) + 1
         for pool, n in counts.items():
             m.generation_tokens.labels(name, pool).inc(n)
+        segs = trace.get("segments", [])
+        for prev, seg in zip(segs, segs[1:]):
+            if "kv_bytes" in seg:
+                m.handoffs.labels(prev["pool"], seg["pool"]).inc()
+                m.handoff_bytes.labels(prev["pool"], seg["pool"]).inc(seg["kv_bytes"])
+                m.handoff_s.labels(prev["pool"], seg["pool"]).observe(seg.get("handoff_ms", 0.0) / 1e3)
         m.e2e.labels(name, pools[-1] if pools else "gpu").observe(time.monotonic() - self.t0)
         m.success.labels(name, reason or "abort").inc()
         m.req_generation.labels(name).observe(num_output)
@@ -189,23 +206,22 @@ class SnapshotCollector:
         yield from fams.values()
 
     def _pools(self, fam, snap: dict) -> None:
-        """Per pool, summed over its deployments' replicas (vLLM's gauges, one engine per pool)."""
-        run = fam(GaugeMetricFamily, "vllm:num_requests_running", "Sequences running, per pool", ["model_name", "pool"])
-        wait = fam(GaugeMetricFamily, "vllm:num_requests_waiting", "Sequences waiting, per pool", ["model_name", "pool"])
-        use = fam(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV cache usage (1 = full), per pool",
-                  ["model_name", "pool"])
-        pre = fam(CounterMetricFamily, "vllm:num_preemptions", "Preemptions, per pool", ["model_name", "pool"])
-        q = fam(CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                ["model_name", "pool"])
-        h = fam(CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                ["model_name", "pool"])
+        """Per pool and device kind, summed over the replicas (vLLM's series; vLLM has one engine);
+        a pool no replica has reported from yet shows zeros with an empty device."""
+        lab = ["model_name", "pool", "device"]
+        run = fam(GaugeMetricFamily, "vllm:num_requests_running", "Sequences running, per pool", lab)
+        wait = fam(GaugeMetricFamily, "vllm:num_requests_waiting", "Sequences waiting, per pool", lab)
+        use = fam(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV cache usage (1 = full), per pool", lab)
+        pre = fam(CounterMetricFamily, "vllm:num_preemptions", "Preemptions, per pool", lab)
+        q = fam(CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", lab)
+        h = fam(CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", lab)
         qt = fam(HistogramMetricFamily, "vllm:request_queue_time_seconds", "Time from arrival at a pool's engine to "
-                 "first scheduled there, per pool", ["model_name", "pool"])
-        tot: dict = {p: {"run": 0, "wait": 0, "free": 0, "blocks": 0, "pre": 0, "q": 0, "h": 0, "qt": None}
-                     for p in POOLS}
+                 "first scheduled there, per pool", lab)
+        tot: dict = {}
         for r in snap.get("replicas", []):
-            t = tot.setdefault(r["pool"], {"run": 0, "wait": 0, "free": 0, "blocks": 0, "pre": 0, "q": 0, "h": 0,
-                                           "qt": None})
+            key = (r["pool"], _device_kind(r.get("device", "")))
+            t = tot.setdefault(key, {"run": 0, "wait": 0, "free": 0, "blocks": 0, "pre": 0, "q": 0, "h": 0,
+                                     "qt": None})
             t["run"] += r["num_running"]
             t["wait"] += r["num_waiting"]
             t["free"] += r["num_free_blocks"]
@@ -214,8 +230,11 @@ class SnapshotCollector:
             t["q"] += r.get("prefix_cache_queries", 0)
             t["h"] += r.get("prefix_cache_hits", 0)
             t["qt"] = _merge(t["qt"], r.get("queue_time"))
-        for pool, t in tot.items():
-            lab = [self.model_name, pool]
+        for pool in POOLS:
+            if not any(p == pool for p, _ in tot):
+                tot[(pool, "")] = {"run": 0, "wait": 0, "free": 0, "blocks": 0, "pre": 0, "q": 0, "h": 0, "qt": None}
+        for (pool, device), t in sorted(tot.items()):
+            lab = [self.model_name, pool, device]
             run.add_metric(lab, t["run"])
             wait.add_metric(lab, t["wait"])
             use.add_metric(lab, 1 - t["free"] / t["blocks"] if t["blocks"] else 0.0)
@@ -281,6 +300,12 @@ class SnapshotCollector:
             for labels, v in sorted(samples.items()):
                 d = dict(labels)
                 f.add_metric([d.get(k, "") for k in names], v)
+
+
+def _device_kind(device: str) -> str:
+    """A replica's device as a label: "cuda", "cpu", or what it says ("cpu (emulated GPU ...)")."""
+    d = str(device)
+    return "cuda" if d.startswith("cuda") else d.split(" ")[0] or "unknown"
 
 
 def _merge(a: dict | None, b: dict | None) -> dict | None:

@@ -50,6 +50,12 @@ class ServerSpec:
     handoff_bw_bytes_s: float = 10e9  # device -> host -> object store -> host (-> device)
     handoff_fixed_s: float = 0.005  # the hops' calls, export and import
     max_model_len: int = 1 << 20
+    # the serving stack's CPU per streamed token (HTTP, ingress, router, the pools' Serve side),
+    # taken from `stack_cores` cores the engines run on too: each step then takes 1 / (1 - u) of
+    # its time, u = stack_s_per_token x the tokens/s of the last second / stack_cores (0: a stack
+    # on cores of its own, as on a GPU host with spare cores)
+    stack_s_per_token: float = 0.0
+    stack_cores: float = 1.0
 
 
 @dataclass
@@ -65,6 +71,7 @@ class Live:
     segments: list = field(default_factory=list)  # [pool, tokens]
     moves: int = 0
     error: str | None = None
+    token_times: list = field(default_factory=list)  # seconds after arrival of each token
 
 
 async def _ready():
@@ -96,6 +103,9 @@ class SimServer:
         self.done: list[Live] = []
         self._suspended = 0
         self._next_of_client: dict[int, list[SimRequest]] = {}
+        self._closed = None  # a time-bound closed loop: (workload's request maker, clients stop at)
+        self._expected = 0
+        self._recent_tokens: list[tuple[float, int]] = []  # (time, tokens) of the last second, every engine
 
     def clock(self) -> float:
         return self.now
@@ -109,6 +119,19 @@ class SimServer:
         """Simulate until every request is done (or `until_s`); the requests that finished."""
         return asyncio.run(self._run(requests, until_s))
 
+    def run_closed(self, clients: int, send_for_s: float, make) -> list[Live]:
+        """The bench's closed loop: `clients` clients each send a request (`make(i)`: the i-th
+        SimRequest), and the next one as soon as it ends, until `send_for_s`; then the last ones
+        finish."""
+        self._closed = (make, send_for_s, [0])
+        first = []
+        for c in range(clients):
+            r = make(self._closed[2][0])
+            self._closed[2][0] += 1
+            r.client = c
+            first.append(r)
+        return asyncio.run(self._run(first, None))
+
     async def _run(self, requests: list[SimRequest], until_s: float | None) -> list[Live]:
         for r in requests:
             if r.client is None:
@@ -120,8 +143,8 @@ class SimServer:
         self.at(0.0, self._report)
         self.at(0.0, self._refresh)
         self.at(RECALL_EVERY_S, self._recall)
-        total = len(requests)
-        while self._q and len(self.done) < total:
+        self._expected = len(requests)
+        while self._q and len(self.done) < self._expected:
             t, _, fn, args = heapq.heappop(self._q)
             if until_s is not None and t > until_s:
                 break
@@ -151,7 +174,7 @@ class SimServer:
 
     def _arrive(self, r: SimRequest) -> None:
         r.arrival = self.now
-        live = Live(r, Ticket(r.rid, r.prompt_tokens, r.max_tokens))
+        live = Live(r, Ticket(r.rid, r.prompt_tokens, r.max_tokens, r.route))
         self.live[r.rid] = live
         self._call(self.router.begin(live.ticket), self._enter, live)
 
@@ -180,6 +203,13 @@ class SimServer:
         nxt = self._next_of_client.get(live.req.client) if live.req.client is not None else None
         if nxt:
             self.at(self.now, self._arrive, nxt.pop(0))
+        elif self._closed is not None and live.req.client is not None and self.now < self._closed[1]:
+            make, _, count = self._closed
+            r = make(count[0])
+            count[0] += 1
+            r.client = live.req.client
+            self._expected += 1
+            self.at(self.now, self._arrive, r)
 
     # ---- engines -------------------------------------------------------------------------
     def _kick(self, e: SimEngine) -> None:
@@ -192,12 +222,25 @@ class SimServer:
             self._move(self.live[s.request_id], "handoff")
         if r.seconds > 0:
             e.busy = True
+            r.seconds /= 1 - self._stack_share()
             self.at(self.now + r.seconds, self._step_done, e, r)
+
+    def _stack_share(self) -> float:
+        """The share of the engines' cores the serving stack takes now (its CPU per token x the
+        tokens of the last second)."""
+        sp = self.spec
+        if not sp.stack_s_per_token:
+            return 0.0
+        self._recent_tokens = [(t, n) for t, n in self._recent_tokens if self.now - t <= 1.0]
+        rate = sum(n for _, n in self._recent_tokens)
+        return min(0.9, sp.stack_s_per_token * rate / sp.stack_cores)
 
     def _step_done(self, e: SimEngine, r) -> None:
         e.busy = False
         e.busy_s += r.seconds
         e.recent.append((self.now, len(r.produced)))
+        if self.spec.stack_s_per_token:
+            self._recent_tokens.append((self.now, len(r.produced)))
         for s in r.produced:
             live = self.live.get(s.request_id)
             if live is None or s.request_id not in e.seqs:
@@ -205,6 +248,7 @@ class SimServer:
             live.generated += 1
             live.produced += 1
             live.segments[-1][1] += 1
+            live.token_times.append(self.now - live.req.arrival)
             if live.first_t is None:
                 live.first_t = self.now
             if live.generated >= live.req.output_tokens:

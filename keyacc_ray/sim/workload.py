@@ -17,6 +17,7 @@ class SimRequest:
     max_tokens: int  # what it asks for (the router's KV estimate reads it)
     arrival: float = 0.0
     client: int | None = None  # closed loop: the client that sends it
+    route: str | None = None  # a client's pin (keyacc.route): "gpu", "cpu" or "stage"
 
 
 @dataclass

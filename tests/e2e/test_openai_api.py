@@ -567,7 +567,7 @@ def test_vllm_metrics_and_the_dashboard(app_url, client):
         text = httpx.get(f"{app_url}/metrics", timeout=10).text
         got: dict = {}
         for name, labels, v in parse_prometheus(text):
-            key = (name, labels.get("pool"))
+            key = (name, labels.get("pool") or (f"{labels['from']}->{labels['to']}" if "from" in labels else None))
             got[key] = got.get(key, 0) + v
         declared = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
         return got, declared
@@ -578,6 +578,10 @@ def test_vllm_metrics_and_the_dashboard(app_url, client):
                                   extra_body={"ignore_eos": True, "keyacc": {"route": route}})
     list(client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=4, temperature=0, stream=True,
                                    extra_body={"ignore_eos": True, "keyacc": {"route": "cpu"}}))
+    staged = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True, "keyacc": {"route": "stage"}})
+    moved = staged.model_extra["keyacc"]["segments"][1]
+    assert moved["pool"] == "cpu" and moved["kv_bytes"] > 0 and moved["handoff_ms"] >= 0
     time.sleep(1.5)  # the pools' next load reports
     after, declared = scrape()
 
@@ -585,6 +589,8 @@ def test_vllm_metrics_and_the_dashboard(app_url, client):
         return after.get((name, pool), 0) - before.get((name, pool), 0) >= by
 
     assert grew("vllm:generation_tokens_total", "cpu", 9) and grew("vllm:generation_tokens_total", "gpu", 5)
+    assert grew("keyacc_handoffs_total", "gpu->cpu", 1) and grew("keyacc_handoff_bytes_total", "gpu->cpu", moved["kv_bytes"])
+    assert grew("keyacc_handoff_seconds_count", "gpu->cpu", 1)
     assert grew("vllm:time_to_first_token_seconds_count", "cpu", 2)
     assert grew("vllm:inter_token_latency_seconds_count", "cpu", 7)
     assert grew("vllm:e2e_request_latency_seconds_count", "gpu", 1)

@@ -119,3 +119,18 @@ def test_dashboard_queries_name_exported_series():
     names = {n for n, _ in samples(Metrics("m").render(snapshot(), {}))}
     missing = dashboard_metrics() - names
     assert not missing, missing
+
+
+def test_handoffs_counted_from_the_trace():
+    m = Metrics("m")
+    t = RequestTimer(m, 1)
+    t.tokens(0, 5)
+    trace = {"segments": [{"pool": "gpu", "tokens": 1}, {"pool": "cpu", "tokens": 3, "kv_bytes": 4096,
+                                                          "handoff_ms": 12.0},
+                          {"pool": "gpu", "tokens": 1, "kv_bytes": 8192, "handoff_ms": 3.0}]}
+    t.finish(0, trace, "stop", 5)
+    s = samples(m.render(None, {}))
+    assert value(s, "keyacc_handoffs_total", **{"from": "gpu", "to": "cpu"}) == 1
+    assert value(s, "keyacc_handoff_bytes_total", **{"from": "cpu", "to": "gpu"}) == 8192
+    assert value(s, "keyacc_handoff_seconds_bucket", **{"from": "gpu", "to": "cpu", "le": "0.01"}) == 0
+    assert value(s, "keyacc_handoff_seconds_bucket", **{"from": "gpu", "to": "cpu", "le": "0.025"}) == 1

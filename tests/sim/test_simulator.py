@@ -104,3 +104,51 @@ def test_engine_model_steps_as_the_real_engine(qwen3_path):
         preempted = real.scheduler.num_preemptions
         steps += 1
     assert not sim.seqs and preempted > 0 and steps > 20
+
+
+def test_time_bound_closed_loop_as_the_bench_runs_it():
+    """run_closed: each client sends again as soon as its request ends, until send_for_s; every
+    request sent finishes; a serving stack that shares the engines' cores slows the steps."""
+    from keyacc_ray.sim.workload import SimRequest
+
+    def make(i):
+        return SimRequest(f"r{i}", 64, 96, 96)
+    srv = SimServer(spec(), "auto", FAST)
+    done = srv.run_closed(12, 5.0, make)
+    assert done and all(lv.error is None and lv.generated == 96 for lv in done)
+    assert max(lv.req.arrival for lv in done) < 5.0 <= max(lv.done_t for lv in done)
+    per_client = {}
+    for lv in sorted(done, key=lambda lv: lv.req.arrival):
+        if lv.req.client in per_client:  # the next one left when the last one ended
+            assert abs(lv.req.arrival - per_client[lv.req.client]) < 1e-9
+        per_client[lv.req.client] = lv.done_t
+    slow = SimServer(spec(stack_s_per_token=0.002, stack_cores=2.0), "auto", FAST).run_closed(12, 5.0, make)
+    assert summarize(slow)["output_tokens_per_s"] < 0.9 * summarize(done)["output_tokens_per_s"]
+
+
+def test_validation_arithmetic():
+    """scripts/simulate.py's comparison: MAPE over (policy, level), the largest harvest error,
+    the ranking by peak throughput."""
+    import importlib.util
+
+    from tests.conftest import ROOT
+
+    spec_ = importlib.util.spec_from_file_location("simulate", ROOT / "scripts" / "simulate.py")
+    sim_mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(sim_mod)
+
+    def run(tok, ttft, tpot):
+        return {"output_tok_per_s": tok, "ttft_p50_ms": ttft, "tpot_p50_ms": tpot}
+    real = {"runs": {"gpu_only": {"2": run(100, 10, 5), "8": run(200, 20, 10)}, "auto": {"2": run(100, 10, 5),
+                                                                                       "8": run(400, 20, 10)}},
+            "harvest_efficiency": {"gpu_only": 0.0, "auto": 0.5}, "peak_output_tok_per_s": {"gpu_only": 200, "auto": 400},
+            "cpu_alone": {"output_tok_per_s": 400}}
+    sim = {"runs": {"gpu_only": {2: run(110, 10, 5), 8: run(200, 30, 10)}, "auto": {2: run(100, 10, 5),
+                                                                                 8: run(300, 20, 10)}},
+           "harvest_efficiency": {"gpu_only": 0.0, "auto": 0.3}, "peak_output_tok_per_s": {"gpu_only": 200, "auto": 300},
+           "cpu_alone": {"output_tok_per_s": 380}}
+    got = sim_mod.compare(real, sim)
+    assert got["throughput_mape"] == round((0.1 + 0 + 0 + 0.25) / 4, 4)
+    assert got["ttft_p50_mape"] == round(0.5 / 4, 4) and got["tpot_p50_mape"] == 0.0
+    assert got["harvest_abs_err"] == 0.2 and got["ranking_agrees"] is True
+    assert got["tok_s_real_sim"]["auto"]["8"] == [400, 300] and got["tok_s_real_sim"]["cpu_alone"] == [400, 380]

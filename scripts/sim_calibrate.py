@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Fit the simulator's step-time model (keyacc_ray/sim/steptime.py) for one device from the real
+engine's own steps: LLMEngine.step() timed on a grid of prompt chunks, decode batches and
+context lengths, then least squares (non-negative) of
+
+    t = b0 + b_prefill x prompt tokens + b_decode x decode rows + b_kv x KV tokens read
+
+Writes the profile (with each measured point's relative residual) as JSON and prints it; its
+last line is one JSON object: the coefficients, `residual_mean`, `residual_max`.
+
+    python scripts/sim_calibrate.py --model models/medium-qwen3 --device cpu --threads 1 \\
+        --out keyacc_ray/sim/profiles/this-box-medium-cpu.json
+    python scripts/sim_calibrate.py --model models/bench-qwen3 --device cuda --name h200-bench   # GPU host
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+PREFILLS = (32, 128, 512)
+DECODES = ((1, 64), (4, 64), (8, 64), (16, 64), (32, 64), (1, 384), (8, 384), (16, 384), (32, 384))  # (rows, context)
+MIXED = ((8, 64, 64), (31, 64, 64), (16, 128, 128), (31, 128, 256))  # (rows decoding, their context, a prompt joining)
+
+
+def measure(args) -> list[dict]:
+    from keyacc_ray.config import EngineConfig
+    from keyacc_ray.engine.llm_engine import LLMEngine
+    from keyacc_ray.engine.request import SamplingParams
+
+    if args.cpu_affinity is not None:
+        os.sched_setaffinity(0, set(args.cpu_affinity))
+    cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, num_threads=args.threads,
+                       max_num_seqs=max(r for r, _ in DECODES), max_model_len=1024, enable_prefix_caching=False,
+                       num_kv_blocks=args.num_kv_blocks)
+    eng = LLMEngine(cfg)
+    sync = (lambda: __import__("torch").cuda.synchronize()) if args.device == "cuda" else (lambda: None)
+    points, n = [], [0]
+
+    def rid() -> str:
+        n[0] += 1
+        return f"c{n[0]}"
+
+    def prompt(k: int) -> list[int]:
+        return [(7 * i + n[0]) % 200 + 10 for i in range(k)]
+
+    for p in PREFILLS:  # one prompt, fed in one step (its first token made)
+        times = []
+        for _ in range(args.reps + 1):
+            eng.add_request(rid(), prompt(p), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+            sync()
+            t = time.perf_counter()
+            eng.step()
+            sync()
+            times.append(time.perf_counter() - t)
+        points.append({"prefill_tokens": p, "decode_rows": 0, "kv_tokens": 0, "seconds": statistics.median(times[1:])})
+    for rows, ctx in DECODES:  # rows sequences at about ctx tokens, decoding together
+        ids = [rid() for _ in range(rows)]
+        for r in ids:
+            eng.add_request(r, prompt(ctx), SamplingParams(max_tokens=args.reps + 3, temperature=0, ignore_eos=True))
+        while any(s.num_cached < s.num_prompt_tokens for s in eng.seqs.values()):
+            eng.step()
+        eng.step()  # the first decode step (warm)
+        times = []
+        for _ in range(args.reps):
+            sync()
+            t = time.perf_counter()
+            eng.step()
+            sync()
+            times.append(time.perf_counter() - t)
+        points.append({"prefill_tokens": 0, "decode_rows": rows, "kv_tokens": rows * (ctx + 2),
+                       "seconds": statistics.median(times)})
+        for r in ids:
+            eng.abort(r)
+    for rows, ctx, p in MIXED:  # a prompt's prefill in the same step as running decodes (continuous batching)
+        ids = [rid() for _ in range(rows)]
+        for r in ids:
+            eng.add_request(r, prompt(ctx), SamplingParams(max_tokens=4 * args.reps + 8, temperature=0, ignore_eos=True))
+        while any(s.num_cached < s.num_prompt_tokens for s in eng.seqs.values()):
+            eng.step()
+        times = []
+        for _ in range(args.reps):
+            eng.add_request(rid(), prompt(p), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+            sync()
+            t = time.perf_counter()
+            eng.step()
+            sync()
+            times.append(time.perf_counter() - t)
+        points.append({"prefill_tokens": p, "decode_rows": rows, "kv_tokens": rows * (ctx + args.reps),
+                       "seconds": statistics.median(times)})
+        for r in list(eng.seqs):
+            eng.abort(r)
+    return points
+
+
+def fit(points: list[dict]) -> tuple[list[float], list[float]]:
+    """Non-negative least squares on relative errors (each point weighted by 1/its time), by
+    dropping the most negative coefficient until none is (four unknowns: a few passes)."""
+    X = np.array([[1.0, p["prefill_tokens"], p["decode_rows"], p["kv_tokens"]] for p in points])
+    y = np.array([p["seconds"] for p in points])
+    w = 1.0 / y
+    active = [0, 1, 2, 3]
+    while True:
+        coef = np.zeros(4)
+        sol, *_ = np.linalg.lstsq(X[:, active] * w[:, None], y * w, rcond=None)
+        coef[active] = sol
+        if (coef >= 0).all() or len(active) == 1:
+            break
+        active.remove(int(np.argmin(np.where(np.isin(range(4), active), coef, np.inf))))
+    coef = np.clip(coef, 0, None)
+    pred = X @ coef
+    return coef.tolist(), ((pred - y) / y).tolist()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(ROOT / "models" / "medium-qwen3"))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cpu-affinity", type=int, nargs="*", default=None)
+    ap.add_argument("--num-kv-blocks", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--name", default=None, help="the profile's name (default: the --out file's stem)")
+    ap.add_argument("--out", default=None, help="write the profile here (e.g. keyacc_ray/sim/profiles/NAME.json)")
+    args = ap.parse_args()
+    if not (Path(args.model) / "config.json").exists() and Path(args.model).name == "medium-qwen3":
+        subprocess.run([sys.executable, str(ROOT / "scripts/make_tiny_model.py"), "--size", "medium", "--out",
+                        args.model], check=True)
+    points = measure(args)
+    coef, res = fit(points)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    name = args.name or (Path(args.out).stem if args.out else f"{Path(args.model).name}-{args.device}")
+    prof = {"name": name, "b0": coef[0], "b_prefill": coef[1], "b_decode": coef[2], "b_kv": coef[3],
+            "source": f"scripts/sim_calibrate.py --model {Path(args.model).name} --device {args.device} "
+                      f"--threads {args.threads} at {commit}",
+            "residuals": {f"p{p['prefill_tokens']}_r{p['decode_rows']}_kv{p['kv_tokens']}": round(r, 4)
+                          for p, r in zip(points, res)},
+            "points": points}
+    for p, r in zip(points, res):
+        print(f"prefill {p['prefill_tokens']:4d}  rows {p['decode_rows']:3d}  kv {p['kv_tokens']:6d}  "
+              f"{p['seconds'] * 1e3:9.2f} ms  residual {r:+.3f}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(prof, indent=1) + "\n")
+    print(json.dumps({"name": name, "b0": coef[0], "b_prefill": coef[1], "b_decode": coef[2], "b_kv": coef[3],
+                      "residual_mean": round(float(np.mean(np.abs(res))), 4),
+                      "residual_max": round(float(np.max(np.abs(res))), 4)}))
+
+
+if __name__ == "__main__":
+    main()

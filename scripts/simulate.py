@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""The serving graph in the simulator (keyacc_ray/sim): the real router and policies on simulated
+time over engines timed by a calibrated step-time profile.
+
+Side by side, as scripts/bench.py measures it (policies x closed-loop levels, the same windows
+and figures: keyacc_ray/bench/loadgen.summarize and side_by_side.derive), on this box's graph:
+
+    python scripts/simulate.py --profile this-box-medium-cpu --levels 2 8 24 40 --duration 10
+
+Against a real run (scripts/bench.py's report.json; the same plan, workload and options are
+simulated) with the errors of the simulation as the last line's JSON (throughput_mape,
+ttft_p50_mape, tpot_p50_mape, harvest_abs_err, ranking_agrees):
+
+    python scripts/simulate.py --validate results/bench-XXXX/report.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from keyacc_ray.bench.loadgen import Result, summarize  # noqa: E402
+from keyacc_ray.bench.side_by_side import POLICIES, Plan, derive, window  # noqa: E402
+from keyacc_ray.sim.server import PoolSpec, ServerSpec, SimServer  # noqa: E402
+from keyacc_ray.sim.steptime import StepTime  # noqa: E402
+from keyacc_ray.sim.workload import SimRequest  # noqa: E402
+
+
+def this_box(args, gpu: StepTime, cpu: StepTime) -> ServerSpec:
+    """scripts/bench.py's graph on this box: the emulated GPU pool (8 sequences, a small KV
+    budget) and the CPU pool, one core and one thread each, the serving stack over both cores."""
+    return ServerSpec(PoolSpec(gpu, max_num_seqs=8, num_blocks=args.gpu_kv_blocks, block_size=16),
+                      PoolSpec(cpu, max_num_seqs=args.cpu_seqs, num_blocks=args.cpu_seqs * 64, block_size=16),
+                      kv_bytes_per_token=args.kv_bytes_per_token, handoff_bw_bytes_s=args.handoff_gbs * 1e9,
+                      handoff_fixed_s=args.handoff_fixed_ms / 1e3, max_model_len=1024,
+                      stack_s_per_token=args.stack_ms_per_token / 1e3, stack_cores=args.stack_cores)
+
+
+def maker(wl: dict, seed: int, route: str | None = None):
+    """The bench's request lengths (loadgen.Workload: a length uniform in n x (1 +- spread))."""
+    rng = random.Random(seed)
+
+    def length(n: int, spread: float) -> int:
+        return max(1, round(rng.uniform(n * (1 - spread), n * (1 + spread)))) if spread else n
+
+    def make(i: int) -> SimRequest:
+        p, o = length(wl["prompt_tokens"], wl["prompt_spread"]), length(wl["output_tokens"], wl["output_spread"])
+        return SimRequest(f"r{i}", p, o, o, route=route)
+    return make
+
+
+def as_results(done) -> list[Result]:
+    return [Result(lv.error is None, 200 if lv.error is None else 503, lv.req.arrival,
+                   (lv.first_t - lv.req.arrival) if lv.first_t is not None else 0.0,
+                   (lv.done_t - lv.req.arrival), list(lv.token_times), lv.generated,
+                   [{"pool": p, "tokens": n} for p, n in lv.segments], lv.error or "") for lv in done]
+
+
+def one_run(spec, policy, options, clients, plan: Plan, wl: dict, route=None) -> dict:
+    srv = SimServer(spec, policy, {} if policy == "gpu_only" else options)
+    done = srv.run_closed(clients, plan.ramp_s + plan.duration_s, maker(wl, clients, route))
+    return summarize(as_results(done), plan.ramp_s + plan.duration_s, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3,
+                     window(plan))
+
+
+def side_by_side(spec, plan: Plan, wl: dict, options: dict, log=print) -> dict:
+    runs = {}
+    for pol in plan.policies:
+        runs[pol] = {}
+        for c in plan.levels:
+            s = runs[pol][c] = one_run(spec, pol, options, c, plan, wl)
+            log(f"{pol:<14} c={c:<3} tok/s={s['output_tok_per_s']:<7} ttft p50/p99={s['ttft_p50_ms']}/{s['ttft_p99_ms']}"
+                f" tpot p50/p99={s['tpot_p50_ms']}/{s['tpot_p99_ms']} share={s['token_share']} moves={s['moves']}")
+    alone = one_run(spec, "gpu_only", {}, max(plan.levels), plan, wl, route="cpu")
+    log(f"{'cpu alone':<14} c={max(plan.levels):<3} tok/s={alone['output_tok_per_s']}")
+    report = {"runs": runs, "cpu_alone": alone}
+    report.update(derive(runs, alone, plan))
+    return report
+
+
+def compare(real: dict, sim: dict) -> dict:
+    """The simulation's errors against a real report: mean absolute percentage errors over every
+    (policy, level) of throughput, p50 TTFT and p50 TPOT; the largest harvest error; whether the
+    policies rank the same by peak throughput."""
+    def mape(key):
+        errs = [abs(sim["runs"][p][c][key] - r[key]) / r[key] for p, lv in real["runs"].items()
+                for c, r in ((int(k), v) for k, v in lv.items()) if r.get(key)]
+        return round(sum(errs) / len(errs), 4) if errs else None
+    harvest = [abs((sim["harvest_efficiency"].get(p) or 0) - (h or 0)) for p, h in real["harvest_efficiency"].items()
+               if p != "gpu_only" and h is not None]
+    rank = lambda rep: sorted(rep["peak_output_tok_per_s"], key=lambda p: -rep["peak_output_tok_per_s"][p])
+    pairs = {p: {c: [r["output_tok_per_s"], sim["runs"][p][int(c)]["output_tok_per_s"]] for c, r in lv.items()}
+             for p, lv in real["runs"].items()}
+    pairs["cpu_alone"] = [real["cpu_alone"]["output_tok_per_s"], sim["cpu_alone"]["output_tok_per_s"]]
+    return {"tok_s_real_sim": pairs, "throughput_mape": mape("output_tok_per_s"), "ttft_p50_mape": mape("ttft_p50_ms"),
+            "tpot_p50_mape": mape("tpot_p50_ms"), "harvest_abs_err": round(max(harvest), 4) if harvest else None,
+            "ranking_agrees": rank(real) == rank(sim), "real_ranking": rank(real), "sim_ranking": rank(sim)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", default="this-box-medium-cpu", help="step-time profile of both pools' devices")
+    ap.add_argument("--gpu-profile", default=None, help="the GPU pool's profile, if another")
+    ap.add_argument("--validate", metavar="REPORT", help="a scripts/bench.py report.json to simulate and compare")
+    ap.add_argument("--levels", type=int, nargs="+", default=[2, 8, 24, 40])
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--ramp", type=float, default=4.0)
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--output-tokens", type=int, default=96)
+    ap.add_argument("--period", type=int, default=32)
+    ap.add_argument("--gpu-kv-blocks", type=int, default=40)
+    ap.add_argument("--cpu-seqs", type=int, default=32)
+    ap.add_argument("--kv-bytes-per-token", type=int, default=16384, help="medium-qwen3 in float32: 8 x 4 x 64 x 2 x 4")
+    ap.add_argument("--handoff-gbs", type=float, default=1.0, help="KV hand-off bandwidth, GB/s (object store here)")
+    ap.add_argument("--handoff-fixed-ms", type=float, default=10.0, help="fixed cost of a hand-off (calls, export)")
+    ap.add_argument("--stack-ms-per-token", type=float, default=0.7, help="serving stack CPU per token (#22's figure)")
+    ap.add_argument("--stack-cores", type=float, default=2.0, help="cores the stack shares with the engines")
+    args = ap.parse_args()
+    cpu = StepTime.load(args.profile)
+    gpu = StepTime.load(args.gpu_profile) if args.gpu_profile else cpu
+    spec = this_box(args, gpu, cpu)
+    t0 = time.time()
+    if args.validate:
+        real = json.loads(Path(args.validate).read_text())
+        plan = Plan(**{k: v for k, v in real["plan"].items() if k in Plan.__dataclass_fields__})
+        wl = real["workload"]
+        sim = side_by_side(spec, plan, wl, real.get("policy_options") or {})
+        out = {**compare(real, sim), "sim_wall_s": round(time.time() - t0, 2), "profile": cpu.name,
+               "real_report": args.validate}
+    else:
+        plan = Plan(levels=args.levels, duration_s=args.duration, ramp_s=args.ramp, policies=args.policies)
+        wl = {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "prompt_spread": 0.0,
+              "output_spread": 0.0}
+        options = {"trigger_window_s": 0.3, "return_window_s": 1.0, "decode_period_tokens": args.period}
+        rep = side_by_side(spec, plan, wl, options)
+        out = {k: rep[k] for k in ("concurrency_gain", "throughput_gain", "harvest_efficiency", "peak_output_tok_per_s")}
+        out.update({"sim_wall_s": round(time.time() - t0, 2), "profile": cpu.name})
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
