@@ -148,6 +148,10 @@ class AppConfig:
     cpu: PoolConfig = field(default_factory=PoolConfig)
     router_num_cpus: float = 0.1
     ingress_num_cpus: float = 0.1
+    # Ingress replicas (vLLM's --api-server-count): HTTP parsing, tokenization and streaming
+    # grow with cores. One router decides for all of them (in-flight counts, policy state), and
+    # /metrics sums every replica's request figures whichever one answers.
+    ingress_replicas: int = 1
     control_resources: dict = field(default_factory=dict)  # Router and Ingress, e.g. {keyacc_head_node: 0.01}
     max_queued_requests: int = 256  # at the ingress: past it, clients get 503 at once
     api_keys_file: str | None = None  # one key per line; also KEYACC_API_KEYS(_FILE)
@@ -183,6 +187,9 @@ class AppConfig:
 
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ConfigError(f"tool_call_parser must be one of {sorted(PARSERS)} or null, got {self.tool_call_parser!r}")
+        if isinstance(self.ingress_replicas, bool) or not isinstance(self.ingress_replicas, int) or not (
+                1 <= self.ingress_replicas <= 64):
+            raise ConfigError(f"ingress_replicas must be an integer in [1, 64], got {self.ingress_replicas!r}")
         if self.access_log not in ACCESS_LOG:
             raise ConfigError(f"access_log must be one of {sorted(ACCESS_LOG)}, got {self.access_log!r}")
 
@@ -328,6 +335,7 @@ def build_app(args: dict | None = None):
     if colocated:  # the ingress's drivers never call it (their fallback starts on GpuDecode)
         pools.pop("gpu_prefill")
     return serve.deployment(Ingress, name="Ingress").options(
+        num_replicas=cfg.ingress_replicas,
         max_ongoing_requests=4096, max_queued_requests=cfg.max_queued_requests, **logs("ingress"),
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus, "resources": dict(cfg.control_resources), **env},
     ).bind(router, pools, cfg.model, cfg.served_model_name, max_len, cfg.allow_route_pinning, cfg.max_body_bytes,

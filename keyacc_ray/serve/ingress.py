@@ -9,6 +9,7 @@ import hmac
 import json
 import logging
 import time
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -125,12 +126,12 @@ class Ingress:
                         "(generation_config: vllm for neutral ones)", self.sampling_defaults)
         self.model_name = served_model_name
         self.tool_call_parser = tool_call_parser
-        self.prom = prom.Metrics(served_model_name)
+        self.prom = prom.Metrics(served_model_name, f"ingress-{uuid.uuid4().hex[:8]}")
+        self._pusher: asyncio.Task | None = None  # ships this replica's request figures to the monitor
         self.max_model_len = max_model_len
         self.allow_pinning = allow_route_pinning
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
-        self.counts: dict[str, int] = {}
         self._ignored_seen: set[str] = set()  # request fields already warned about
         self.operator_keys = env_operator_keys(operator_keys_file)
         self.api_keys = env_api_keys(api_keys_file) | self.operator_keys
@@ -160,7 +161,27 @@ class Ingress:
         return bool(self.allow_pinning)
 
     def _count(self, key: str) -> None:
-        self.counts[key] = self.counts.get(key, 0) + 1
+        self.prom.count_http(key)
+
+    def _ensure_pusher(self) -> None:
+        if self._pusher is None or self._pusher.done():
+            self._pusher = asyncio.get_running_loop().create_task(self._push_loop())
+
+    async def _push_loop(self) -> None:
+        """Every INGRESS_REPORT_S, this replica's cumulative request figures to the load monitor
+        (fire and forget): any ingress replica's /metrics then shows every replica's requests."""
+        import ray
+
+        from keyacc_ray.serve.monitor import MONITOR_NAME, MONITOR_NAMESPACE
+
+        monitor = None
+        while True:
+            await asyncio.sleep(prom.INGRESS_REPORT_S)
+            try:
+                monitor = monitor or ray.get_actor(MONITOR_NAME, namespace=MONITOR_NAMESPACE)
+                monitor.report_ingress.remote(self.prom.replica, self.prom.local.to_dict())
+            except Exception:  # noqa: BLE001 - the monitor restarting: next time
+                monitor = None
 
     # ---- endpoints ---------------------------------------------------------------------
     @app.get("/health")
@@ -196,7 +217,8 @@ class Ingress:
             snap = await asyncio.wait_for(self.router.snapshot_dict.remote(), timeout=METRICS_ROUTER_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - any failure of the router's answer
             snap = None
-        return PlainTextResponse(self.prom.render(snap, self.counts), media_type=prom.CONTENT_TYPE)
+        self._ensure_pusher()
+        return PlainTextResponse(self.prom.render(snap), media_type=prom.CONTENT_TYPE)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
@@ -255,6 +277,7 @@ class Ingress:
 
     # ---- the request path --------------------------------------------------------------
     async def _handle(self, request: Request, kind: str):
+        self._ensure_pusher()
         self._count(f"{kind}_requests")
         if (err := self._auth_error(request)) is not None:
             return err

@@ -2,9 +2,12 @@
 (and per replica `deployment`, `replica`, `device`) labels, beside the keyacc-specific series.
 
 Two sources, one registry per ingress replica:
-- what the ingress measures itself, per request (`RequestTimer`): time to first token,
-  inter-token latency and end-to-end latency (each token's gap is put on the pool that made the
-  token, by the request's trace), prompt and generation tokens, finished requests by reason;
+- what the ingress replicas measure themselves, per request (`RequestTimer` into `RequestStats`):
+  time to first token, inter-token latency and end-to-end latency (each token's gap is put on the
+  pool that made the token, by the request's trace), prompt and generation tokens, finished
+  requests by reason, KV hand-offs, HTTP requests; each replica ships its cumulative figures to
+  the load monitor every INGRESS_REPORT_S, so whichever replica answers a scrape sums them all
+  (its own as of now);
 - the router's load snapshot (`SnapshotCollector`, the monitor's per-replica reports and the
   router's counters): running and waiting requests, KV cache use, preemptions, prefix cache,
   queue time (each engine's own histogram), moves by direction and reason, and the rest.
@@ -19,14 +22,14 @@ import time
 
 os.environ.setdefault("PROMETHEUS_DISABLE_CREATED_SERIES", "True")  # no *_created series (as vLLM)
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest  # noqa: E402
+from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 from prometheus_client.core import (  # noqa: E402
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
 )
 
-from keyacc_ray.histogram import ITL_BUCKETS, REQUEST_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS  # noqa: E402
+from keyacc_ray.histogram import ITL_BUCKETS, REQUEST_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS, Histogram  # noqa: E402
 
 POOLS = ("gpu", "cpu")
 HANDOFF_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -47,64 +50,128 @@ REPLICA_GAUGES = {  # report field -> keyacc name (kept for the bench's timeline
     "tokens_per_s": "keyacc_tokens_per_second",
 }
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+INGRESS_REPORT_S = 1.0
+
+
+# What each ingress replica measures itself: name -> (label names, buckets or None for a counter, help).
+# Plain cumulative figures (RequestStats), shipped to the load monitor, so that whichever ingress
+# replica answers a scrape shows every replica's requests.
+REQUEST_SERIES = {
+    "vllm:time_to_first_token_seconds": (("model_name", "pool"), TTFT_BUCKETS, "Time to first token, by the pool "
+                                         "that made it"),
+    "vllm:inter_token_latency_seconds": (("model_name", "pool"), ITL_BUCKETS, "Gap before each output token, by the "
+                                         "pool that made the token"),
+    "vllm:e2e_request_latency_seconds": (("model_name", "pool"), REQUEST_BUCKETS, "Request latency, by the pool it "
+                                         "finished on"),
+    "vllm:request_prompt_tokens": (("model_name",), TOKEN_BUCKETS, "Prompt tokens per request"),
+    "vllm:request_generation_tokens": (("model_name",), TOKEN_BUCKETS, "Output tokens per choice"),
+    "keyacc_handoff_seconds": (("from", "to"), HANDOFF_BUCKETS, "From the end of a hop to the start of the next one "
+                               "with its KV (export, object store, import)"),
+    "vllm:prompt_tokens": (("model_name",), None, "Prompt tokens of finished requests"),
+    "vllm:generation_tokens": (("model_name", "pool"), None, "Output tokens streamed, by the pool that made them"),
+    "vllm:request_success": (("model_name", "finished_reason"), None, "Finished requests (choices), by finish reason"),
+    "keyacc_handoffs": (("from", "to"), None, "KV hand-offs between pools (the KV went along)"),
+    "keyacc_handoff_bytes": (("from", "to"), None, "KV bytes handed off between pools"),
+    "keyacc_http_requests": (("kind",), None, "HTTP requests and errors at the ingress"),
+}
+
+
+class RequestStats:
+    """Cumulative counters and histograms by (series, label values); `to_dict` / `merge` carry
+    them between processes."""
+
+    def __init__(self):
+        self.counts: dict[tuple, float] = {}
+        self.hists: dict[tuple, Histogram] = {}
+
+    def inc(self, name: str, labels: tuple, n: float = 1.0) -> None:
+        key = (name, labels)
+        self.counts[key] = self.counts.get(key, 0.0) + n
+
+    def observe(self, name: str, labels: tuple, v: float) -> None:
+        h = self.hists.get((name, labels))
+        if h is None:
+            h = self.hists[(name, labels)] = Histogram(REQUEST_SERIES[name][1])
+        h.observe(v)
+
+    def touch(self, name: str, labels: tuple) -> None:
+        """The series exists (at zero) from now on."""
+        if REQUEST_SERIES[name][1] is None:
+            self.counts.setdefault((name, labels), 0.0)
+        elif (name, labels) not in self.hists:
+            self.hists[(name, labels)] = Histogram(REQUEST_SERIES[name][1])
+
+    def to_dict(self) -> dict:
+        return {"counts": [[n, list(lab), v] for (n, lab), v in self.counts.items()],
+                "hists": [[n, list(lab), h.to_dict()] for (n, lab), h in self.hists.items()]}
+
+    @staticmethod
+    def merged(dicts: list[dict]) -> tuple[dict, dict]:
+        """(counts, hists) summed over several replicas' to_dict()s."""
+        counts: dict[tuple, float] = {}
+        hists: dict[tuple, dict] = {}
+        for d in dicts:
+            for n, lab, v in d.get("counts", []):
+                counts[(n, tuple(lab))] = counts.get((n, tuple(lab)), 0.0) + v
+            for n, lab, h in d.get("hists", []):
+                hists[(n, tuple(lab))] = _merge(hists.get((n, tuple(lab))), h)
+        return counts, hists
 
 
 class Metrics:
-    """One ingress replica's registry: its request histograms and the snapshot's series."""
+    """One ingress replica's /metrics: its own request figures merged with the other ingress
+    replicas' (from the monitor's snapshot) and the snapshot's pool and router series."""
 
-    def __init__(self, model_name: str):
-        self.model_name = model_name
-        self.registry = r = CollectorRegistry(auto_describe=False)
-        mp = ["model_name", "pool"]
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token, by the pool that made it",
-                              mp, buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Gap before each output token, by the pool that "
-                             "made the token", mp, buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, by the pool it finished on",
-                             mp, buckets=REQUEST_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests", ["model_name"],
-                                     registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Output tokens streamed, by the pool that "
-                                         "made them", mp, registry=r)
-        self.success = Counter("vllm:request_success", "Finished requests (choices), by finish reason",
-                               ["model_name", "finished_reason"], registry=r)
-        self.req_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request", ["model_name"],
-                                    buckets=TOKEN_BUCKETS, registry=r)
-        self.req_generation = Histogram("vllm:request_generation_tokens", "Output tokens per choice",
-                                        ["model_name"], buckets=TOKEN_BUCKETS, registry=r)
-        self.router_up = Gauge("keyacc_router_up", "1 if the router answered this scrape", registry=r)
-        ft = ["from", "to"]
-        self.handoffs = Counter("keyacc_handoffs", "KV hand-offs between pools (the KV went along)", ft, registry=r)
-        self.handoff_bytes = Counter("keyacc_handoff_bytes", "KV bytes handed off between pools", ft, registry=r)
-        self.handoff_s = Histogram("keyacc_handoff_seconds", "From the end of a hop to the start of the next one "
-                                   "with its KV (export, object store, import)", ft, buckets=HANDOFF_BUCKETS,
-                                   registry=r)
+    def __init__(self, model_name: str, replica: str = "ingress"):
+        self.model_name, self.replica = model_name, replica
+        self.local = RequestStats()
         for pool in POOLS:  # present from start-up
-            for m in (self.ttft, self.itl, self.e2e, self.generation_tokens):
-                m.labels(model_name, pool)
+            for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                         "vllm:e2e_request_latency_seconds", "vllm:generation_tokens"):
+                self.local.touch(name, (model_name, pool))
+            for other in POOLS:
+                for name in ("keyacc_handoffs", "keyacc_handoff_bytes", "keyacc_handoff_seconds"):
+                    self.local.touch(name, (pool, other))
         for reason in REASONS:
-            self.success.labels(model_name, reason)
-        for a in POOLS:
-            for b in POOLS:
-                for m in (self.handoffs, self.handoff_bytes, self.handoff_s):
-                    m.labels(a, b)
-        self.prompt_tokens.labels(model_name)
-        self.req_prompt.labels(model_name)
-        self.req_generation.labels(model_name)
-        self.snapshot = SnapshotCollector(model_name)
+            self.local.touch("vllm:request_success", (model_name, reason))
+        for name in ("vllm:prompt_tokens", "vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
+            self.local.touch(name, (model_name,))
+        for kind in ("completion_requests", "chat_requests"):
+            self.local.touch("keyacc_http_requests", (kind,))
+        self.registry = r = CollectorRegistry(auto_describe=False)
+        self.snapshot = SnapshotCollector(model_name, self)
         r.register(self.snapshot)
 
-    def render(self, snap_info: dict | None, http_counts: dict) -> bytes:
+    def count_http(self, kind: str) -> None:
+        self.local.inc("keyacc_http_requests", (kind,))
+
+    def render(self, snap_info: dict | None) -> bytes:
         """The exposition; `snap_info`: the router's snapshot_dict, or None when it did not
-        answer (the last one given is used)."""
-        self.router_up.set(0 if snap_info is None else 1)
-        self.snapshot.update(snap_info, http_counts)
+        answer (the last one given is used, and keyacc_router_up is 0)."""
+        self.snapshot.update(snap_info)
         return generate_latest(self.registry)
+
+    def request_families(self, others: list[dict]):
+        """The request series, this replica's figures (now) plus the other replicas' (as last
+        reported to the monitor)."""
+        counts, hists = RequestStats.merged([self.local.to_dict(), *others])
+        for name, (labels, buckets, help_) in REQUEST_SERIES.items():
+            if buckets is None:
+                f = CounterMetricFamily(name, help_, labels=list(labels))
+                for (n, lab), v in sorted(counts.items()):
+                    if n == name:
+                        f.add_metric(list(lab), v)
+            else:
+                f = HistogramMetricFamily(name, help_, labels=list(labels))
+                for (n, lab), h in sorted(hists.items(), key=lambda x: x[0]):
+                    if n == name:
+                        f.add_metric(list(lab), *_buckets(h))
+            yield f
 
 
 class RequestTimer:
-    """One request's token arrivals at the ingress, observed into `Metrics` when each choice ends
-    (its trace tells which pool made which tokens)."""
+    """One request's token arrivals at the ingress, observed into its replica's RequestStats when
+    each choice ends (its trace tells which pool made which tokens)."""
 
     __slots__ = ("m", "t0", "arrivals")
 
@@ -117,57 +184,54 @@ class RequestTimer:
             self.arrivals[k].append((time.monotonic(), n))
 
     def finish(self, k: int, trace: dict, reason: str | None, num_output: int) -> None:
-        m, name = self.m, self.m.model_name
+        st, name = self.m.local, self.m.model_name
         pools = [p for s in trace.get("segments", []) for p in [s["pool"]] * int(s.get("tokens", 0))]
-        at, last, i = self.arrivals[k], self.t0, 0
-        itl: dict[str, list[float]] = {}
-        for t, n in at:
+        last, i = self.t0, 0
+        for t, n in self.arrivals[k]:
             gap = (t - last) / n  # a chunk of n tokens: n gaps of equal share
             for _ in range(n):
                 pool = pools[i] if i < len(pools) else (pools[-1] if pools else "gpu")
                 if i == 0:
-                    m.ttft.labels(name, pool).observe(t - self.t0)
+                    st.observe("vllm:time_to_first_token_seconds", (name, pool), t - self.t0)
                 else:
-                    itl.setdefault(pool, []).append(gap)
+                    st.observe("vllm:inter_token_latency_seconds", (name, pool), gap)
                 i += 1
             last = t
-        for pool, gaps in itl.items():
-            h = m.itl.labels(name, pool)
-            for g in gaps:
-                h.observe(g)
         counts: dict[str, int] = {}
         for p in pools:
             counts[p] = counts.get(p, 0) + 1
         for pool, n in counts.items():
-            m.generation_tokens.labels(name, pool).inc(n)
+            st.inc("vllm:generation_tokens", (name, pool), n)
         segs = trace.get("segments", [])
         for prev, seg in zip(segs, segs[1:]):
             if "kv_bytes" in seg:
-                m.handoffs.labels(prev["pool"], seg["pool"]).inc()
-                m.handoff_bytes.labels(prev["pool"], seg["pool"]).inc(seg["kv_bytes"])
-                m.handoff_s.labels(prev["pool"], seg["pool"]).observe(seg.get("handoff_ms", 0.0) / 1e3)
-        m.e2e.labels(name, pools[-1] if pools else "gpu").observe(time.monotonic() - self.t0)
-        m.success.labels(name, reason or "abort").inc()
-        m.req_generation.labels(name).observe(num_output)
+                ft = (prev["pool"], seg["pool"])
+                st.inc("keyacc_handoffs", ft)
+                st.inc("keyacc_handoff_bytes", ft, seg["kv_bytes"])
+                st.observe("keyacc_handoff_seconds", ft, seg.get("handoff_ms", 0.0) / 1e3)
+        st.observe("vllm:e2e_request_latency_seconds", (name, pools[-1] if pools else "gpu"), time.monotonic() - self.t0)
+        st.inc("vllm:request_success", (name, reason or "abort"))
+        st.observe("vllm:request_generation_tokens", (name,), num_output)
 
     def prompt(self, num_prompt_tokens: int) -> None:
-        self.m.prompt_tokens.labels(self.m.model_name).inc(num_prompt_tokens)
-        self.m.req_prompt.labels(self.m.model_name).observe(num_prompt_tokens)
+        st, name = self.m.local, self.m.model_name
+        st.inc("vllm:prompt_tokens", (name,), num_prompt_tokens)
+        st.observe("vllm:request_prompt_tokens", (name,), num_prompt_tokens)
 
 
 class SnapshotCollector:
     """The router's snapshot as metric families, built at each scrape."""
 
-    def __init__(self, model_name: str):
-        self.model_name = model_name
+    def __init__(self, model_name: str, owner: Metrics):
+        self.model_name, self.owner = model_name, owner
         self.info: dict = {}
-        self.http: dict = {}
+        self.up = False
         self.last_ok = 0.0
 
-    def update(self, snap_info: dict | None, http_counts: dict) -> None:
+    def update(self, snap_info: dict | None) -> None:
+        self.up = snap_info is not None
         if snap_info is not None:
             self.info, self.last_ok = snap_info, time.monotonic()
-        self.http = dict(http_counts)
 
     def collect(self):
         fams: dict = {}
@@ -180,6 +244,10 @@ class SnapshotCollector:
 
         info = self.info
         snap = info.get("snapshot") or {}
+        others = [st for rid, (t, st) in (snap.get("ingress") or {}).items() if rid != self.owner.replica]
+        yield from self.owner.request_families(others)
+        fam(GaugeMetricFamily, "keyacc_router_up", "1 if the router answered this scrape").add_metric(
+            [], 1 if self.up else 0)
         age = info.get("snapshot_age_s", 0) + (time.monotonic() - self.last_ok if self.last_ok else 0)
         fam(GaugeMetricFamily, "keyacc_monitor_snapshot_age_seconds", "age of the router's load snapshot").add_metric(
             [], min(age, 1e9))
@@ -200,9 +268,6 @@ class SnapshotCollector:
         for n in snap.get("cpu_numa", []):
             c_util.add_metric([str(n["node"])], n["util_pct"])
         self._counters(fam, snap.get("counters") or {})
-        http = fam(CounterMetricFamily, "keyacc_http_requests", "HTTP requests and errors at this ingress", ["kind"])
-        for kind, v in sorted({"completion_requests": 0, "chat_requests": 0, **self.http}.items()):
-            http.add_metric([kind], v)
         yield from fams.values()
 
     def _pools(self, fam, snap: dict) -> None:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 MONITOR_NAME = "keyacc_load_monitor"  # the detached actor's name (pools report to it, the router reads it)
 MONITOR_NAMESPACE = "keyacc"
 STALE_AFTER_S = 5.0
+INGRESS_KEEP_S = 60.0
 SYSTEM_EVERY_S = 1.0
 
 
@@ -81,6 +82,7 @@ class Snapshot:
     cpu_numa: list[dict] = field(default_factory=list)
     counters: dict = field(default_factory=dict)
     version: int = 0
+    ingress: dict = field(default_factory=dict)  # ingress replica -> (time, its request figures: metrics.RequestStats)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -91,6 +93,7 @@ class LoadState:
         self.clock = clock
         self.reports: dict[str, ReplicaReport] = {}
         self.counters: dict[str, float] = {}
+        self.ingress: dict[str, tuple[float, dict]] = {}
         self._system_probe = system_probe
         self._system: tuple[float, dict, list] = (-1e9, {}, [])
         # a random start: a router holding a version from a monitor that restarted never mistakes
@@ -103,6 +106,12 @@ class LoadState:
         if old is None or old.content() != r.content():
             self.version += 1
         self.reports[r.replica] = r
+
+    def report_ingress(self, replica: str, stats: dict) -> None:
+        """An ingress replica's cumulative request figures (kept INGRESS_KEEP_S after its last
+        report: a replica that is gone stops counting then)."""
+        self.ingress[replica] = (self.clock(), stats)
+        self.version += 1
 
     def add_counters(self, deltas: dict[str, float]) -> None:
         for k, v in deltas.items():
@@ -125,7 +134,10 @@ class LoadState:
         stale = [k for k, r in self.reports.items() if now - r.time_s > STALE_AFTER_S]
         for rid in stale:
             del self.reports[rid]
-        self.version += bool(stale)
+        gone = [k for k, (t, _) in self.ingress.items() if now - t > INGRESS_KEEP_S]
+        for k in gone:
+            del self.ingress[k]
+        self.version += bool(stale or gone)
         gpu, cpu = self._system_view()
         if since is not None and since == self.version:
             return None
@@ -142,7 +154,7 @@ class LoadState:
             v.max_free_blocks = max(v.max_free_blocks, r.num_free_blocks)
             v.tokens_per_s += r.tokens_per_s
         return Snapshot(now, views, [asdict(r) for r in self.reports.values()], gpu, cpu, dict(self.counters),
-                        self.version)
+                        self.version, dict(self.ingress))
 
 
 def _system_probe():
@@ -162,6 +174,9 @@ class LoadMonitor:
 
     def add_counters(self, deltas: dict) -> None:
         self.state.add_counters(deltas)
+
+    def report_ingress(self, replica: str, stats: dict) -> None:
+        self.state.report_ingress(replica, stats)
 
     def snapshot(self, since: int | None = None) -> Snapshot | None:
         return self.state.snapshot(since)

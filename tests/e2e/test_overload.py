@@ -51,3 +51,41 @@ def test_burst_past_capacity_gets_fast_503s_and_the_rest_completes(small_app):
     for p, r in ok:
         assert r.json()["choices"][0]["token_ids"] == hf_greedy(tiny_model("qwen3"), tok(p)["input_ids"], 120)
     assert httpx.get(f"{small_app}/health", timeout=10).status_code == 200
+
+
+def test_two_ingress_replicas_share_one_router(app_url):
+    """ingress_replicas: 2 (issue #22's scale-out): requests spread over both replicas; the one
+    router's in-flight counts settle to zero; a burst still offloads by policy; whichever replica
+    answers /metrics shows every request, and its counters never go backwards."""
+    from keyacc_ray.bench.timeline import parse_prometheus
+    from tests.e2e.test_offload import router_inflight_settles
+
+    serve.run(build_app({**APP_ARGS, "ingress_replicas": 2, "policy": "full_offload",
+                         "policy_options": {"trigger_window_s": 0.05, "return_window_s": 0.3}}),
+              name="keyacc", route_prefix="/")
+    try:
+        wait_for_monitor(app_url)
+        status = serve.status().applications["keyacc"].deployments["Ingress"]
+        assert sum(status.replica_states.values()) == 2, status.replica_states
+
+        def success() -> float:
+            text = httpx.get(f"{app_url}/metrics", timeout=10).text
+            return sum(v for n, lab, v in parse_prometheus(text) if n == "vllm:request_success_total")
+
+        before = success()
+
+        def one(i):
+            return httpx.post(f"{app_url}/v1/completions", timeout=120, json={
+                "model": "tiny-qwen3", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 60, "temperature": 0,
+                "ignore_eos": True})
+        with cf.ThreadPoolExecutor(16) as ex:
+            rs = list(ex.map(one, range(32)))
+        assert all(r.status_code == 200 for r in rs)
+        assert any(s["pool"] == "cpu" for r in rs for s in r.json()["keyacc"]["segments"]), "nothing offloaded"
+        assert router_inflight_settles()
+        time.sleep(2.5)  # each replica's next report to the monitor, and the router's next snapshot
+        seen = [success() - before for _ in range(6)]  # scrapes land on either replica
+        assert all(x == 32 for x in seen), seen
+    finally:
+        serve.run(build_app(APP_ARGS), name="keyacc", route_prefix="/")
+        wait_for_monitor(app_url)

@@ -53,7 +53,7 @@ def snapshot():
 
 
 def test_every_series_exists_from_start_up():
-    s = samples(Metrics("m").render(None, {}))
+    s = samples(Metrics("m").render(None))
     names = {n for n, _ in s}
     assert set(VLLM) <= names
     assert value(s, "keyacc_router_up") == 0
@@ -65,7 +65,9 @@ def test_every_series_exists_from_start_up():
 
 def test_snapshot_per_pool_and_replica_and_kept_while_the_router_is_down():
     m = Metrics("m")
-    s = samples(m.render(snapshot(), {"errors_400": 2}))
+    m.count_http("errors_400")
+    m.count_http("errors_400")
+    s = samples(m.render(snapshot()))
     assert value(s, "keyacc_router_up") == 1
     assert value(s, "vllm:num_requests_waiting", pool="cpu") == 1 and value(s, "vllm:num_requests_running", pool="cpu") == 6
     assert abs(value(s, "vllm:kv_cache_usage_perc", pool="gpu") - 38 / 48) < 1e-9
@@ -79,7 +81,7 @@ def test_snapshot_per_pool_and_replica_and_kept_while_the_router_is_down():
     assert value(s, "keyacc_queue_depth", deployment="GpuDecode", replica="a") == 3
     assert value(s, "keyacc_http_requests_total", kind="errors_400") == 2
     assert value(s, "keyacc_requests_held") == 2 and value(s, "keyacc_cpu_utilization_percent") == 55
-    down = samples(m.render(None, {}))  # the router did not answer: the last snapshot, router_up 0
+    down = samples(m.render(None))  # the router did not answer: the last snapshot, router_up 0
     assert value(down, "keyacc_router_up") == 0
     assert value(down, "vllm:num_requests_running", pool="cpu") == 6
 
@@ -92,7 +94,7 @@ def test_a_request_is_put_on_the_pools_that_made_its_tokens():
     trace = {"segments": [{"pool": "gpu", "tokens": 1}, {"pool": "cpu", "tokens": 7}, {"pool": "gpu", "tokens": 2}]}
     t.finish(0, trace, "length", 10)
     t.prompt(12)
-    s = samples(m.render(None, {}))
+    s = samples(m.render(None))
     assert value(s, "vllm:time_to_first_token_seconds_count", pool="gpu") == 1
     assert value(s, "vllm:time_to_first_token_seconds_count", pool="cpu") == 0
     assert value(s, "vllm:inter_token_latency_seconds_count", pool="cpu") == 7
@@ -116,7 +118,7 @@ def dashboard_metrics() -> set[str]:
 
 
 def test_dashboard_queries_name_exported_series():
-    names = {n for n, _ in samples(Metrics("m").render(snapshot(), {}))}
+    names = {n for n, _ in samples(Metrics("m").render(snapshot()))}
     missing = dashboard_metrics() - names
     assert not missing, missing
 
@@ -129,8 +131,33 @@ def test_handoffs_counted_from_the_trace():
                                                           "handoff_ms": 12.0},
                           {"pool": "gpu", "tokens": 1, "kv_bytes": 8192, "handoff_ms": 3.0}]}
     t.finish(0, trace, "stop", 5)
-    s = samples(m.render(None, {}))
+    s = samples(m.render(None))
     assert value(s, "keyacc_handoffs_total", **{"from": "gpu", "to": "cpu"}) == 1
     assert value(s, "keyacc_handoff_bytes_total", **{"from": "cpu", "to": "gpu"}) == 8192
     assert value(s, "keyacc_handoff_seconds_bucket", **{"from": "gpu", "to": "cpu", "le": "0.01"}) == 0
     assert value(s, "keyacc_handoff_seconds_bucket", **{"from": "gpu", "to": "cpu", "le": "0.025"}) == 1
+
+
+def test_every_ingress_replicas_requests_whichever_answers():
+    """Two ingress replicas: each ships its figures to the monitor (the snapshot's `ingress`);
+    either one's /metrics sums both, its own as of now."""
+    a, b = Metrics("m", "ingress-a"), Metrics("m", "ingress-b")
+    for m, n in ((a, 3), (b, 5)):
+        for _ in range(n):
+            t = RequestTimer(m, 1)
+            t.tokens(0, 4)
+            t.finish(0, {"segments": [{"pool": "gpu", "tokens": 4}]}, "stop", 4)
+            t.prompt(10)
+        m.count_http("completion_requests")
+    snap = snapshot()
+    snap["snapshot"]["ingress"] = {"ingress-a": (0.0, a.local.to_dict()), "ingress-b": (0.0, b.local.to_dict())}
+    for m in (a, b):
+        s = samples(m.render(snap))
+        assert value(s, "vllm:request_success_total", finished_reason="stop") == 8
+        assert value(s, "vllm:e2e_request_latency_seconds_count", pool="gpu") == 8
+        assert value(s, "vllm:prompt_tokens_total") == 80
+        assert value(s, "keyacc_http_requests_total", kind="completion_requests") == 2
+    t = RequestTimer(a, 1)  # a's newest request counts at once in its own scrape (the monitor's copy is older)
+    t.tokens(0, 1)
+    t.finish(0, {"segments": [{"pool": "cpu", "tokens": 1}]}, "length", 1)
+    assert value(samples(a.render(snap)), "vllm:request_success_total", finished_reason="length") == 1
