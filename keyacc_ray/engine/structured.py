@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from collections import OrderedDict
 
 import numpy as np
 
@@ -30,7 +31,8 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # printing all fit, and a model cannot spend its max_tokens on whitespace (unbounded whitespace
 # lets a weak or random model loop on it; vLLM's disable_any_whitespace is the other cure)
 BOUNDED_WHITESPACE = r"[ ]?|\n[ \t]{0,20}"
-MAX_GRAMMAR_CHARS = 1 << 20  # a compiled grammar larger than this is refused (the request body is capped too)
+MAX_GRAMMAR_CHARS = 1 << 20
+COMPILED_CACHE = 64  # fresh matchers kept per engine, by grammar text  # a compiled grammar larger than this is refused (the request body is capped too)
 
 
 def _llg():
@@ -130,6 +132,10 @@ class Grammars:
         self.eos_ids = sorted(eos_ids)
         self._tok = None
         self._live: dict[str, list] = {}  # request id -> [grammar text, matcher, output tokens consumed]
+        # grammar text -> a fresh matcher, copied for each request (requests that share a schema pay
+        # for its compilation once; the compilation runs on the engine thread, so a new complex
+        # schema still costs a step its time)
+        self._compiled: OrderedDict[str, object] = OrderedDict()
 
     def _tokenizer(self):
         if self._tok is None:
@@ -146,11 +152,18 @@ class Grammars:
         return self._tok
 
     def _matcher(self, grammar: str):
-        m = _llg().LLMatcher(self._tokenizer(), grammar, log_level=0)
-        if m.is_error():
-            raise InvalidRequest(f"the grammar cannot be used with this model's tokenizer: {m.get_error()}",
-                                 code="invalid_grammar")
-        return m
+        m = self._compiled.get(grammar)
+        if m is None:
+            m = _llg().LLMatcher(self._tokenizer(), grammar, log_level=0)
+            if m.is_error():
+                raise InvalidRequest(f"the grammar cannot be used with this model's tokenizer: {m.get_error()}",
+                                     code="invalid_grammar")
+            self._compiled[grammar] = m
+            if len(self._compiled) > COMPILED_CACHE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(grammar)
+        return m.deep_copy()
 
     def add(self, request_id: str, grammar: str) -> None:
         """A constrained request arrives (an InvalidRequest if its grammar does not compile here)."""

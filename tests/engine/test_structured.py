@@ -172,3 +172,19 @@ def test_hand_off_in_the_middle_of_a_value_continues_it(qwen3_path, k):
         assert got == ref
         jsonschema.validate(json.loads(text(b, got)), SCHEMA)
         assert "s" not in a.sampler.grammars and "s" not in b.sampler.grammars
+
+
+def test_matchers_compiled_once_per_grammar_and_independent(engine):
+    """Requests with one schema share its compilation (a copy each); their states stay apart."""
+    g = compile_grammar("choice", ["alpha", "beta"], param="c")
+    gr = engine.sampler.grammars
+    gr.add("x1", g)
+    gr.add("x2", g)
+    assert list(gr._compiled).count(g) == 1
+    tok = engine.tokenizer
+    a = tok.encode("alpha")
+    allowed = gr.allowed([("x1", g, a[:1]), ("x2", g, [])], engine.runner.vocab_size)
+    assert allowed[1][tok.encode("alpha")[0]] and allowed[1][tok.encode("beta")[0]]  # x2 is still at the start
+    assert allowed[0].tolist() != allowed[1].tolist()  # x1 has moved on: its copy is its own
+    gr.remove("x1")
+    gr.remove("x2")
