@@ -265,16 +265,6 @@ class Ingress:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    @staticmethod
-    def _tool_delta(out: tools.ToolOutput, text: str, last: bool) -> tuple[str, list[dict] | None]:
-        """A choice's streamed text read for tool calls: (content to send, tool-call deltas)."""
-        before = len(out.calls)
-        content, _ = out.feed(text)
-        if last:
-            content += out.finish()[0]
-        new = out.calls[before:]
-        return content, [{"index": before + j, **c} for j, c in enumerate(new)] or None
-
     # ---- the request path --------------------------------------------------------------
     async def _handle(self, request: Request, kind: str):
         self._ensure_pusher()
@@ -402,7 +392,7 @@ class Ingress:
                 seen[k] = True
                 calls = None
                 if outs is not None:  # tool calls read from the text as it comes
-                    text, calls = self._tool_delta(outs[k], text, i.finish_reason is not None)
+                    text, calls = outs[k].stream(text, i.finish_reason is not None)
                     reason[k] = outs[k].finish_reason(reason[k])
                 lps = protocol.logprobs_body(p.kind, covered, entries, self._token_text, offset[k])
                 if lps is not None and p.kind != "chat" and lps["tokens"]:

@@ -11,8 +11,8 @@
   output is a valid call whatever the model: `required` a JSON array of {"name", "parameters"}
   objects of the declared tools (vLLM's form), a named function its arguments object.
 - `ToolOutput`: a choice's text in, OpenAI's `content` and `tool_calls` out, whole or as stream
-  deltas (a call is sent whole once its closing tag is read; text that may start a tag is held
-  back until it is known not to).
+  deltas (`stream`: a named call's arguments as they come; other calls whole once read; text
+  that may start a tag is held back until it is known not to).
 """
 from __future__ import annotations
 
@@ -264,6 +264,8 @@ class ToolOutput:
     gap: str = ""  # whitespace after a call, sent only if more content follows
     tail: bool = False  # a parser whose calls end the output (CLOSE None): the marker was seen
     sent: bool = False  # some content was sent (a call only at the start cannot come any more)
+    named_id: str = ""  # a named call's id (its stream's deltas and the final call share it)
+    named_sent: bool = False  # its first delta (with the function's name) went out
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         if self.tr.choice in ("required", "named"):
@@ -338,7 +340,7 @@ class ToolOutput:
         """The rest: an unclosed block is content (the output was cut); required / named output
         becomes its calls."""
         if self.tr.choice == "named":
-            new = [call(self.tr.name, self.raw)] if self.raw.strip() else []
+            new = [{**call(self.tr.name, self.raw), "id": self._named_id()}] if self.raw.strip() else []
         elif self.tr.choice == "required":
             new = []
             try:
@@ -366,6 +368,32 @@ class ToolOutput:
             return rest, []
         self.calls += new
         return "", new
+
+    def _named_id(self) -> str:
+        if not self.named_id:
+            self.named_id = call(self.tr.name or "", "").get("id")
+        return self.named_id
+
+    def stream(self, text: str, last: bool) -> tuple[str, list[dict] | None]:
+        """A streamed chunk's text: (content to send, OpenAI tool_calls deltas, each with its
+        `index`). A named call streams its arguments as they come (its first delta names the
+        function, the next ones carry more of the arguments, as vLLM and OpenAI stream them);
+        other calls go whole, once read."""
+        before = len(self.calls)
+        content, _ = self.feed(text)
+        deltas: list[dict] = []
+        if self.tr.choice == "named" and text:
+            if not self.named_sent:
+                self.named_sent = True
+                deltas.append({"index": 0, "id": self._named_id(), "type": "function",
+                               "function": {"name": self.tr.name, "arguments": text}})
+            else:
+                deltas.append({"index": 0, "function": {"arguments": text}})
+        if last:
+            content += self.finish()[0]
+        if self.tr.choice != "named":
+            deltas += [{"index": before + j, **c} for j, c in enumerate(self.calls[before:])]
+        return content, deltas or None
 
     def finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's: tool_calls where the model called tools (a forced named call ends in stop)."""

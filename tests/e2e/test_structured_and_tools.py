@@ -112,6 +112,20 @@ def test_named_tool_choice_and_parallel_off(client):
                                        temperature=1.0, seed=9)
     (name, args), = calls_of(r.choices[0].message)
     assert name == "get_time" and args.get("tz", "UTC") in ("UTC", "CET")
+    # streamed: the named call's arguments arrive as they are generated, under one id
+    got, finish, ids = {"name": "", "arguments": ""}, None, set()
+    for ch in client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, CLOCK], max_tokens=100,
+                                             tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                             temperature=1.0, seed=9, stream=True):
+        for c in ch.choices:
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                assert d.index == 0
+                ids |= {d.id} if d.id else set()
+                got["name"] += d.function.name or ""
+                got["arguments"] += d.function.arguments or ""
+    assert finish == "stop" and len(ids) == 1
+    assert got["name"] == "get_time" and json.loads(got["arguments"]) == args
     r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, CLOCK], tool_choice="required",
                                        parallel_tool_calls=False, max_tokens=250, temperature=1.0, seed=4)
     assert len(r.choices[0].message.tool_calls) == 1

@@ -212,3 +212,30 @@ def test_parsers_that_read_special_tokens_keep_them(tok):
     p = parse({**body, "skip_special_tokens": True}, "chat", tokenizer=tok, served_names={"m"}, max_model_len=1024,
               tool_parser="mistral")
     assert p.request.params["skip_special_tokens"] is True
+
+
+def test_streamed_deltas_accumulate_to_the_calls():
+    """What a client accumulates from the deltas equals the whole response's calls: a named call
+    streamed argument by argument (one id, the name first), other calls whole."""
+    def accumulate(tr, text, seed):
+        rng, out, pos, got, content = random.Random(seed), ToolOutput(tr), 0, {}, ""
+        while pos < len(text):
+            step = rng.randint(1, 6)
+            piece, pos = text[pos:pos + step], pos + step
+            c, deltas = out.stream(piece, pos >= len(text))
+            content += c
+            for d in deltas or []:
+                g = got.setdefault(d["index"], {"id": None, "name": "", "arguments": ""})
+                g["id"] = d.get("id") or g["id"]
+                g["name"] += d.get("function", {}).get("name") or ""
+                g["arguments"] += d.get("function", {}).get("arguments") or ""
+        return content, [got[i] for i in sorted(got)], out
+    named = ToolRequest([WEATHER], "named", "get_weather")
+    args = '{"city": "Rome, Italy"}'
+    for seed in range(8):
+        content, got, out = accumulate(named, args, seed)
+        assert content == "" and got == [{"id": out.calls[0]["id"], "name": "get_weather", "arguments": args}]
+    for seed in range(8):
+        content, got, out = accumulate(AUTO, TEXT, seed)
+        assert content == "Let me check.\n"
+        assert [(g["name"], json.loads(g["arguments"])) for g in got] == plain(out.calls) and len(got) == 2
