@@ -9,7 +9,7 @@ import psutil
 
 COMPONENTS = [("GpuPrefill", "gpu_prefill"), ("GpuDecode", "gpu_decode"), ("CpuDecode", "cpu_decode"),
               ("Router", "router"), ("Ingress", "ingress"), ("ProxyActor", "proxy"),
-              ("ServeController", "controller"), ("LoadMonitor", "monitor")]
+              ("ServeController", "controller"), ("LoadMonitor", "monitor"), ("haproxy", "haproxy")]
 
 
 def _component(cmdline: str) -> str | None:

@@ -88,7 +88,15 @@ class EnginePool:
         self.cpus = pin_process(cpu_affinity) if cpu_affinity else None
         if cfg.num_threads:
             os.environ["OMP_NUM_THREADS"] = str(cfg.num_threads)
-        self.engine = LLMEngine(cfg)
+        stand_in = os.environ.get("KEYACC_TOKEN_SOURCE")  # scripts/bench_stack.py only: no model at all
+        if stand_in:
+            from keyacc_ray.bench.token_source import TokenSourceEngine
+
+            self.engine = TokenSourceEngine(cfg, float(stand_in))
+            log.warning("keyacc %s: a TOKEN SOURCE stands in for the engine (benchmark of the serving stack)",
+                        self.deployment)
+        else:
+            self.engine = LLMEngine(cfg)
         self.emulated = self.pool == "gpu" and self.engine.runner.device.type != "cuda"
         if self.pool == "gpu" and self.emulated and not emulated_gpu:
             raise RuntimeError(f"{self.deployment}: no CUDA device and emulation is off (gpu.emulate_if_no_cuda)")
