@@ -11,6 +11,21 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0)  # end to end, queue time
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+# What each engine measures of its own sequences (in its load reports; per pool in /metrics, vLLM's
+# names): name -> (buckets, help). A sequence that moves between pools is measured by each engine
+# for its part (a hop).
+ENGINE_HISTOGRAMS = {
+    "vllm:request_queue_time_seconds": (REQUEST_BUCKETS, "From arrival at a pool's engine to first scheduled there"),
+    "vllm:request_prefill_time_seconds": (REQUEST_BUCKETS, "From first scheduled to the first token, for the "
+                                          "prompts a pool's engine prefilled"),
+    "vllm:request_decode_time_seconds": (REQUEST_BUCKETS, "From the first token on a pool's engine to leaving it "
+                                         "(finished, or handed off), per hop"),
+    "vllm:request_inference_time_seconds": (REQUEST_BUCKETS, "From first scheduled on a pool's engine to leaving it, "
+                                            "per hop"),
+    "vllm:iteration_tokens_total": (ITERATION_BUCKETS, "Tokens fed per engine step (prompt chunks and decode rows)"),
+}
 
 
 class Histogram:

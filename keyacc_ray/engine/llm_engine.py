@@ -20,7 +20,7 @@ from keyacc_ray.engine.scheduler import Scheduler
 from keyacc_ray.engine.structured import Grammars
 from keyacc_ray.engine.tiers import LowerTiers
 from keyacc_ray.errors import InvalidRequest, ModelLoadError, Overloaded
-from keyacc_ray.histogram import REQUEST_BUCKETS, Histogram
+from keyacc_ray.histogram import ENGINE_HISTOGRAMS, Histogram
 
 # Scoring a prompt (prompt logprobs) takes every position's logits: prefilled in chunks whose
 # float32 logits stay under this (about 440 positions of a 151k vocabulary).
@@ -67,7 +67,7 @@ class EngineStats:
     # lower tiers (host, disk): per tier the tokens found there, blocks loaded from / stored into it,
     # blocks held; blocks held below but computed again (cheaper than loading them)
     kv_tiers: dict | None = None
-    queue_time: dict | None = None  # histogram.Histogram.to_dict(): seconds from arrival to first scheduled
+    histograms: dict | None = None  # histogram.ENGINE_HISTOGRAMS' names -> Histogram.to_dict()
 
 
 class LLMEngine:
@@ -116,7 +116,8 @@ class LLMEngine:
         # the CPU kernels sample too, where built; grammars: structured outputs' token masks
         self.sampler = Sampler(self.runner.kernels, Grammars(self.tokenizer, self.runner.vocab_size, self.eos_ids))
         self.tokens_generated = 0
-        self.queue_time = Histogram(REQUEST_BUCKETS)  # seconds each sequence waited to be first scheduled
+        # vLLM's queue / prefill / decode / inference times and tokens per step, as this engine sees them
+        self.histograms = {name: Histogram(b) for name, (b, _) in ENGINE_HISTOGRAMS.items()}
         # Lazy KV: sequences that leave (exported, KV and all) when preempted instead of being
         # recomputed here; their packages wait in preempt_exports for the driver of the engine.
         self.move_on_preempt: set[str] = set()
@@ -227,8 +228,8 @@ class LLMEngine:
         now = time.monotonic()
         for s in sched.admitted:
             if s.arrival is not None:  # vLLM's queue time: from arrival to first scheduled
-                self.queue_time.observe(now - s.arrival)
-                s.arrival = None
+                self.histograms["vllm:request_queue_time_seconds"].observe(now - s.arrival)
+                s.arrival, s.scheduled_at = None, now
             if s.imported is not None:
                 self._write_imported(s)
         table, row = self.blocks.table_ref, self.blocks.row.get
@@ -240,6 +241,7 @@ class LLMEngine:
                                   logits))
         if not items:
             return []
+        self.histograms["vllm:iteration_tokens_total"].observe(sum(len(it.tokens) for it in items))
         t0 = time.perf_counter()
         nd = len(sched.decode)
         if self.config.batched_prefill:
@@ -348,6 +350,12 @@ class LLMEngine:
                     stopped.setdefault(i, SeqStatus.FINISHED_STOPPED)
         outs = []
         scores = self._prompt_scores
+        now = time.monotonic()
+        for seq in seqs:
+            if seq.first_token_at is None:  # its first token here: a prompt's ends its prefill
+                seq.first_token_at = now
+                if seq.num_output_tokens == 1 and seq.scheduled_at is not None:
+                    self.histograms["vllm:request_prefill_time_seconds"].observe(now - seq.scheduled_at)
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
             rid = seq.request_id
             n = len(seq.token_ids)
@@ -365,6 +373,11 @@ class LLMEngine:
         return outs
 
     def _finish(self, seq: Sequence, status: SeqStatus) -> None:
+        if status != SeqStatus.FINISHED_ABORTED and seq.scheduled_at is not None:  # its part here
+            now = time.monotonic()
+            self.histograms["vllm:request_inference_time_seconds"].observe(now - seq.scheduled_at)
+            if seq.first_token_at is not None:
+                self.histograms["vllm:request_decode_time_seconds"].observe(now - seq.first_token_at)
         self.move_on_preempt.discard(seq.request_id)
         self.scheduler.finish(seq, status)
         self.seqs.pop(seq.request_id, None)
@@ -442,7 +455,7 @@ class LLMEngine:
                            self.config.max_num_seqs, self.tokens_generated, self.runner.device_label(),
                            self.scheduler.num_preemptions, self.blocks.queries, self.blocks.hits,
                            self.blocks.num_cached_blocks, self.blocks.evictions, self._tier_stats(),
-                           self.queue_time.to_dict())
+                           {name: h.to_dict() for name, h in self.histograms.items()})
 
     def _tier_stats(self) -> dict | None:
         t = self.tiers

@@ -173,6 +173,8 @@ class Sequence:
     share_prefix: bool = True
     num_cached_prompt_tokens: int = 0
     arrival: float | None = None  # when it joined this engine's queue (monotonic); None once first scheduled
+    scheduled_at: float | None = None  # when this engine first scheduled it
+    first_token_at: float | None = None  # when this engine made its first token
 
     @property
     def num_tokens(self) -> int:

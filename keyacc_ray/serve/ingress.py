@@ -342,7 +342,7 @@ class Ingress:
             elif isinstance(i, Trace):
                 traces[k] = i.to_dict()
                 timer.finish(k, traces[k], reason[k], n_out[k])
-        timer.prompt(p.num_prompt_tokens)
+        timer.prompt(p.num_prompt_tokens, p.n, p.request.params.get("max_tokens"))
         calls: list = [None] * n
         if p.tools is not None:  # the calls in each choice's output; what is left is its content
             for k in range(n):
@@ -421,7 +421,7 @@ class Ingress:
                 yield _sse(body)
         for body in filter(None, pending):
             yield _sse(body)
-        timer.prompt(p.num_prompt_tokens)
+        timer.prompt(p.num_prompt_tokens, p.n, p.request.params.get("max_tokens"))
         if p.include_usage:
             body = protocol.chunk_body(p, created, "", None)
             body["choices"] = []

@@ -29,7 +29,15 @@ from prometheus_client.core import (  # noqa: E402
     HistogramMetricFamily,
 )
 
-from keyacc_ray.histogram import ITL_BUCKETS, REQUEST_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS, Histogram  # noqa: E402
+from keyacc_ray.histogram import (  # noqa: E402
+    ENGINE_HISTOGRAMS,
+    ITL_BUCKETS,
+    N_BUCKETS,
+    REQUEST_BUCKETS,
+    TOKEN_BUCKETS,
+    TTFT_BUCKETS,
+    Histogram,
+)
 
 POOLS = ("gpu", "cpu")
 HANDOFF_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -65,6 +73,8 @@ REQUEST_SERIES = {
                                          "finished on"),
     "vllm:request_prompt_tokens": (("model_name",), TOKEN_BUCKETS, "Prompt tokens per request"),
     "vllm:request_generation_tokens": (("model_name",), TOKEN_BUCKETS, "Output tokens per choice"),
+    "vllm:request_params_n": (("model_name",), N_BUCKETS, "Choices asked for per prompt (n)"),
+    "vllm:request_params_max_tokens": (("model_name",), TOKEN_BUCKETS, "max_tokens per request"),
     "keyacc_handoff_seconds": (("from", "to"), HANDOFF_BUCKETS, "From the end of a hop to the start of the next one "
                                "with its KV (export, object store, import)"),
     "vllm:prompt_tokens": (("model_name",), None, "Prompt tokens of finished requests"),
@@ -134,7 +144,8 @@ class Metrics:
                     self.local.touch(name, (pool, other))
         for reason in REASONS:
             self.local.touch("vllm:request_success", (model_name, reason))
-        for name in ("vllm:prompt_tokens", "vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
+        for name in ("vllm:prompt_tokens", "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
+                     "vllm:request_params_n", "vllm:request_params_max_tokens"):
             self.local.touch(name, (model_name,))
         for kind in ("completion_requests", "chat_requests"):
             self.local.touch("keyacc_http_requests", (kind,))
@@ -213,10 +224,14 @@ class RequestTimer:
         st.inc("vllm:request_success", (name, reason or "abort"))
         st.observe("vllm:request_generation_tokens", (name,), num_output)
 
-    def prompt(self, num_prompt_tokens: int) -> None:
+    def prompt(self, num_prompt_tokens: int, n: int = 1, max_tokens: int | None = None) -> None:
+        """The request's prompt tokens (each prompt once) and its parameters."""
         st, name = self.m.local, self.m.model_name
         st.inc("vllm:prompt_tokens", (name,), num_prompt_tokens)
         st.observe("vllm:request_prompt_tokens", (name,), num_prompt_tokens)
+        st.observe("vllm:request_params_n", (name,), n)
+        if max_tokens is not None:
+            st.observe("vllm:request_params_max_tokens", (name,), max_tokens)
 
 
 class SnapshotCollector:
@@ -280,13 +295,12 @@ class SnapshotCollector:
         pre = fam(CounterMetricFamily, "vllm:num_preemptions", "Preemptions, per pool", lab)
         q = fam(CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", lab)
         h = fam(CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", lab)
-        qt = fam(HistogramMetricFamily, "vllm:request_queue_time_seconds", "Time from arrival at a pool's engine to "
-                 "first scheduled there, per pool", lab)
+        hf = {name: fam(HistogramMetricFamily, name, help_, lab) for name, (_, help_) in ENGINE_HISTOGRAMS.items()}
         tot: dict = {}
         for r in snap.get("replicas", []):
             key = (r["pool"], _device_kind(r.get("device", "")))
             t = tot.setdefault(key, {"run": 0, "wait": 0, "free": 0, "blocks": 0, "pre": 0, "q": 0, "h": 0,
-                                     "qt": None})
+                                     "hist": {}})
             t["run"] += r["num_running"]
             t["wait"] += r["num_waiting"]
             t["free"] += r["num_free_blocks"]
@@ -294,10 +308,11 @@ class SnapshotCollector:
             t["pre"] += r.get("num_preemptions", 0)
             t["q"] += r.get("prefix_cache_queries", 0)
             t["h"] += r.get("prefix_cache_hits", 0)
-            t["qt"] = _merge(t["qt"], r.get("queue_time"))
+            for name, hist in (r.get("histograms") or {}).items():
+                t["hist"][name] = _merge(t["hist"].get(name), hist)
         for pool in POOLS:
             if not any(p == pool for p, _ in tot):
-                tot[(pool, "")] = {"run": 0, "wait": 0, "free": 0, "blocks": 0, "pre": 0, "q": 0, "h": 0, "qt": None}
+                tot[(pool, "")] = {"run": 0, "wait": 0, "free": 0, "blocks": 0, "pre": 0, "q": 0, "h": 0, "hist": {}}
         for (pool, device), t in sorted(tot.items()):
             lab = [self.model_name, pool, device]
             run.add_metric(lab, t["run"])
@@ -306,7 +321,8 @@ class SnapshotCollector:
             pre.add_metric(lab, t["pre"])
             q.add_metric(lab, t["q"])
             h.add_metric(lab, t["h"])
-            qt.add_metric(lab, *_buckets(t["qt"]))
+            for name, (buckets, _) in ENGINE_HISTOGRAMS.items():
+                hf[name].add_metric(lab, *_buckets(t["hist"].get(name), buckets))
 
     def _replicas(self, fam, snap: dict) -> None:
         keys = ["deployment", "pool", "replica", "emulated"]
@@ -384,9 +400,10 @@ def _merge(a: dict | None, b: dict | None) -> dict | None:
             "sum": a["sum"] + b["sum"]}
 
 
-def _buckets(h: dict | None) -> tuple[list, float]:
-    """(cumulative [(le, count)...], sum) for HistogramMetricFamily.add_metric."""
-    bounds = h["buckets"] if h else list(REQUEST_BUCKETS)
+def _buckets(h: dict | None, empty=REQUEST_BUCKETS) -> tuple[list, float]:
+    """(cumulative [(le, count)...], sum) for HistogramMetricFamily.add_metric (`empty`: the
+    bounds of a histogram nothing reported yet)."""
+    bounds = h["buckets"] if h else list(empty)
     counts = h["counts"] if h else [0] * (len(bounds) + 1)
     out, run = [], 0
     for le, c in zip([*map(str, map(float, bounds)), "+Inf"], counts):

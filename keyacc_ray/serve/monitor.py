@@ -46,7 +46,7 @@ class ReplicaReport:
     prefix_cache_evictions: int = 0
     num_cached_blocks: int = 0
     kv_tiers: dict | None = None  # the lower tiers' figures (LLMEngine's EngineStats.kv_tiers)
-    queue_time: dict | None = None  # seconds from arrival to first scheduled (LLMEngine's EngineStats.queue_time)
+    histograms: dict | None = None  # vLLM's per-engine histograms (LLMEngine's EngineStats.histograms)
 
     def content(self) -> tuple:
         """Everything but the arrival time: equal content means nothing to tell anyone."""

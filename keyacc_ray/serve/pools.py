@@ -302,7 +302,8 @@ class EnginePool:
                              self.loop.tokens_per_s(), s.tokens_generated, self.emulated, s.device,
                              num_preemptions=s.num_preemptions, prefix_cache_queries=s.prefix_cache_queries,
                              prefix_cache_hits=s.prefix_cache_hits, prefix_cache_evictions=s.prefix_cache_evictions,
-                             num_cached_blocks=s.num_cached_blocks, kv_tiers=s.kv_tiers, queue_time=s.queue_time)
+                             num_cached_blocks=s.num_cached_blocks, kv_tiers=s.kv_tiers,
+                             histograms=s.histograms)
 
     def _report_loop(self) -> None:
         """A report every REPORT_EVERY_S while the load changes; an idle replica sends the same

@@ -595,6 +595,9 @@ def test_vllm_metrics_and_the_dashboard(app_url, client):
     assert grew("vllm:inter_token_latency_seconds_count", "cpu", 7)
     assert grew("vllm:e2e_request_latency_seconds_count", "gpu", 1)
     assert grew("vllm:request_queue_time_seconds_count", "cpu", 2)
+    assert grew("vllm:request_prefill_time_seconds_count", "cpu", 2)  # the CPU pool prefilled the pinned ones
+    assert grew("vllm:request_decode_time_seconds_count", "gpu", 1) and grew("vllm:iteration_tokens_total_count", "gpu", 5)
+    assert grew("vllm:request_params_max_tokens_count", None, 3)
     assert grew("vllm:prompt_tokens_total", None, 3)
     assert after[("keyacc_router_up", None)] == 1 and ("vllm:kv_cache_usage_perc", "gpu") in after
     exported = {n for n, _ in after} | declared

@@ -14,7 +14,10 @@ VLLM = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache
         "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
         "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
         "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
-        "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:request_success_total"]
+        "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:request_success_total",
+        "vllm:request_prefill_time_seconds_bucket", "vllm:request_decode_time_seconds_bucket",
+        "vllm:request_inference_time_seconds_bucket", "vllm:iteration_tokens_total_bucket",
+        "vllm:request_params_n_bucket", "vllm:request_params_max_tokens_bucket"]
 
 
 def samples(text: bytes) -> dict:
@@ -34,7 +37,7 @@ def replica(pool, dep, rid, waiting, running, free, total, qt=None, **kw):
     return {"deployment": dep, "pool": pool, "replica": rid, "emulated": pool == "gpu", "device": pool,
             "num_waiting": waiting, "num_running": running, "num_free_blocks": free, "num_total_blocks": total,
             "tokens_per_s": 10.0, "tokens_generated": 100, "num_preemptions": 2, "prefix_cache_queries": 50,
-            "prefix_cache_hits": 20, "queue_time": qt, **kw}
+            "prefix_cache_hits": 20, "histograms": {"vllm:request_queue_time_seconds": qt} if qt else None, **kw}
 
 
 def snapshot():
