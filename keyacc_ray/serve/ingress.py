@@ -174,12 +174,16 @@ class Ingress:
 
         from keyacc_ray.serve.monitor import MONITOR_NAME, MONITOR_NAMESPACE
 
-        monitor = None
+        monitor, sent, sent_at = None, None, 0.0
         while True:
             await asyncio.sleep(prom.INGRESS_REPORT_S)
+            stats, now = self.prom.local.to_dict(), time.monotonic()
+            if stats == sent and now - sent_at < prom.INGRESS_HEARTBEAT_S:
+                continue  # nothing new (an idle server sends next to nothing)
             try:
                 monitor = monitor or ray.get_actor(MONITOR_NAME, namespace=MONITOR_NAMESPACE)
-                monitor.report_ingress.remote(self.prom.replica, self.prom.local.to_dict())
+                monitor.report_ingress.remote(self.prom.replica, stats)
+                sent, sent_at = stats, now
             except Exception:  # noqa: BLE001 - the monitor restarting: next time
                 monitor = None
 

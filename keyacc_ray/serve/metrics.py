@@ -6,8 +6,8 @@ Two sources, one registry per ingress replica:
   time to first token, inter-token latency and end-to-end latency (each token's gap is put on the
   pool that made the token, by the request's trace), prompt and generation tokens, finished
   requests by reason, KV hand-offs, HTTP requests; each replica ships its cumulative figures to
-  the load monitor every INGRESS_REPORT_S, so whichever replica answers a scrape sums them all
-  (its own as of now);
+  the load monitor every INGRESS_REPORT_S when they changed (every INGRESS_HEARTBEAT_S when not),
+  so whichever replica answers a scrape sums them all (its own as of now);
 - the router's load snapshot (`SnapshotCollector`, the monitor's per-replica reports and the
   router's counters): running and waiting requests, KV cache use, preemptions, prefix cache,
   queue time (each engine's own histogram), moves by direction and reason, and the rest.
@@ -59,6 +59,7 @@ REPLICA_GAUGES = {  # report field -> keyacc name (kept for the bench's timeline
 }
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 INGRESS_REPORT_S = 1.0
+INGRESS_HEARTBEAT_S = 20.0  # unchanged figures are sent again this seldom (the monitor keeps them 60 s)
 
 
 # What each ingress replica measures itself: name -> (label names, buckets or None for a counter, help).
