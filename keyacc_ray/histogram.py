@@ -43,3 +43,29 @@ class Histogram:
 
     def to_dict(self) -> dict:
         return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.sum}
+
+
+def merge(a: dict | None, b: dict | None) -> dict | None:
+    """Two Histogram.to_dict()s summed (the first kept where their buckets differ)."""
+    if not b:
+        return a
+    if not a:
+        return {"buckets": list(b["buckets"]), "counts": list(b["counts"]), "sum": b["sum"]}
+    if a["buckets"] != b["buckets"]:
+        return a
+    return {"buckets": a["buckets"], "counts": [x + y for x, y in zip(a["counts"], b["counts"])],
+            "sum": a["sum"] + b["sum"]}
+
+
+def sum_stats(dicts: list[dict]) -> dict:
+    """Several cumulative request-figure dicts ({"counts": [[name, labels, value]...], "hists":
+    [[name, labels, Histogram.to_dict()]...]}, serve/metrics.RequestStats) as one."""
+    counts: dict[tuple, float] = {}
+    hists: dict[tuple, dict] = {}
+    for d in dicts:
+        for n, lab, v in d.get("counts", []):
+            counts[(n, tuple(lab))] = counts.get((n, tuple(lab)), 0.0) + v
+        for n, lab, h in d.get("hists", []):
+            hists[(n, tuple(lab))] = merge(hists.get((n, tuple(lab))), h)
+    return {"counts": [[n, list(lab), v] for (n, lab), v in counts.items()],
+            "hists": [[n, list(lab), h] for (n, lab), h in hists.items()]}

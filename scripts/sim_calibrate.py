@@ -54,50 +54,42 @@ def measure(args) -> list[dict]:
     def prompt(k: int) -> list[int]:
         return [(7 * i + n[0]) % 200 + 10 for i in range(k)]
 
-    for p in PREFILLS:  # one prompt, fed in one step (its first token made)
-        times = []
-        for _ in range(args.reps + 1):
-            eng.add_request(rid(), prompt(p), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-            sync()
-            t = time.perf_counter()
-            eng.step()
-            sync()
-            times.append(time.perf_counter() - t)
-        points.append({"prefill_tokens": p, "decode_rows": 0, "kv_tokens": 0, "seconds": statistics.median(times[1:])})
-    for rows, ctx in DECODES:  # rows sequences at about ctx tokens, decoding together
+    def timed_step(before=None) -> float:
+        """One engine step's seconds (after `before()`, untimed: a prompt joining)."""
+        if before:
+            before()
+        sync()
+        t = time.perf_counter()
+        eng.step()
+        sync()
+        return time.perf_counter() - t
+
+    def running(rows: int, ctx: int, max_tokens: int) -> list[str]:
+        """`rows` sequences of `ctx` prompt tokens, prefilled (untimed), decoding from now on."""
         ids = [rid() for _ in range(rows)]
         for r in ids:
-            eng.add_request(r, prompt(ctx), SamplingParams(max_tokens=args.reps + 3, temperature=0, ignore_eos=True))
+            eng.add_request(r, prompt(ctx), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
         while any(s.num_cached < s.num_prompt_tokens for s in eng.seqs.values()):
             eng.step()
+        return ids
+
+    def join(p: int):
+        return lambda: eng.add_request(rid(), prompt(p), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+
+    def point(p: int, rows: int, kv: int, times: list[float]) -> None:
+        points.append({"prefill_tokens": p, "decode_rows": rows, "kv_tokens": kv, "seconds": statistics.median(times)})
+
+    for p in PREFILLS:  # one prompt, fed in one step (its first token made); the first run warms up
+        point(p, 0, 0, [timed_step(join(p)) for _ in range(args.reps + 1)][1:])
+    for rows, ctx in DECODES:  # rows sequences at about ctx tokens, decoding together
+        ids = running(rows, ctx, args.reps + 3)
         eng.step()  # the first decode step (warm)
-        times = []
-        for _ in range(args.reps):
-            sync()
-            t = time.perf_counter()
-            eng.step()
-            sync()
-            times.append(time.perf_counter() - t)
-        points.append({"prefill_tokens": 0, "decode_rows": rows, "kv_tokens": rows * (ctx + 2),
-                       "seconds": statistics.median(times)})
+        point(0, rows, rows * (ctx + 2), [timed_step() for _ in range(args.reps)])
         for r in ids:
             eng.abort(r)
     for rows, ctx, p in MIXED:  # a prompt's prefill in the same step as running decodes (continuous batching)
-        ids = [rid() for _ in range(rows)]
-        for r in ids:
-            eng.add_request(r, prompt(ctx), SamplingParams(max_tokens=4 * args.reps + 8, temperature=0, ignore_eos=True))
-        while any(s.num_cached < s.num_prompt_tokens for s in eng.seqs.values()):
-            eng.step()
-        times = []
-        for _ in range(args.reps):
-            eng.add_request(rid(), prompt(p), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-            sync()
-            t = time.perf_counter()
-            eng.step()
-            sync()
-            times.append(time.perf_counter() - t)
-        points.append({"prefill_tokens": p, "decode_rows": rows, "kv_tokens": rows * (ctx + args.reps),
-                       "seconds": statistics.median(times)})
+        running(rows, ctx, 4 * args.reps + 8)
+        point(p, rows, rows * (ctx + args.reps), [timed_step(join(p)) for _ in range(args.reps)])
         for r in list(eng.seqs):
             eng.abort(r)
     return points

@@ -38,6 +38,7 @@ from keyacc_ray.histogram import (  # noqa: E402
     TTFT_BUCKETS,
     Histogram,
 )
+from keyacc_ray.histogram import merge as merge_hist  # noqa: E402
 
 POOLS = ("gpu", "cpu")
 HANDOFF_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -125,7 +126,7 @@ class RequestStats:
             for n, lab, v in d.get("counts", []):
                 counts[(n, tuple(lab))] = counts.get((n, tuple(lab)), 0.0) + v
             for n, lab, h in d.get("hists", []):
-                hists[(n, tuple(lab))] = _merge(hists.get((n, tuple(lab))), h)
+                hists[(n, tuple(lab))] = merge_hist(hists.get((n, tuple(lab))), h)
         return counts, hists
 
 
@@ -310,7 +311,7 @@ class SnapshotCollector:
             t["q"] += r.get("prefix_cache_queries", 0)
             t["h"] += r.get("prefix_cache_hits", 0)
             for name, hist in (r.get("histograms") or {}).items():
-                t["hist"][name] = _merge(t["hist"].get(name), hist)
+                t["hist"][name] = merge_hist(t["hist"].get(name), hist)
         for pool in POOLS:
             if not any(p == pool for p, _ in tot):
                 tot[(pool, "")] = {"run": 0, "wait": 0, "free": 0, "blocks": 0, "pre": 0, "q": 0, "h": 0, "hist": {}}
@@ -388,17 +389,6 @@ def _device_kind(device: str) -> str:
     """A replica's device as a label: "cuda", "cpu", or what it says ("cpu (emulated GPU ...)")."""
     d = str(device)
     return "cuda" if d.startswith("cuda") else d.split(" ")[0] or "unknown"
-
-
-def _merge(a: dict | None, b: dict | None) -> dict | None:
-    if not b:
-        return a
-    if not a:
-        return {"buckets": list(b["buckets"]), "counts": list(b["counts"]), "sum": b["sum"]}
-    if a["buckets"] != b["buckets"]:
-        return a
-    return {"buckets": a["buckets"], "counts": [x + y for x, y in zip(a["counts"], b["counts"])],
-            "sum": a["sum"] + b["sum"]}
 
 
 def _buckets(h: dict | None, empty=REQUEST_BUCKETS) -> tuple[list, float]:

@@ -14,10 +14,13 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 
+from keyacc_ray.histogram import sum_stats
+
 MONITOR_NAME = "keyacc_load_monitor"  # the detached actor's name (pools report to it, the router reads it)
 MONITOR_NAMESPACE = "keyacc"
 STALE_AFTER_S = 5.0
 INGRESS_KEEP_S = 60.0
+RETIRED = "retired"  # the ingress entry holding the figures of replicas that are gone
 SYSTEM_EVERY_S = 1.0
 
 
@@ -108,8 +111,9 @@ class LoadState:
         self.reports[r.replica] = r
 
     def report_ingress(self, replica: str, stats: dict) -> None:
-        """An ingress replica's cumulative request figures (kept INGRESS_KEEP_S after its last
-        report: a replica that is gone stops counting then)."""
+        """An ingress replica's cumulative request figures (a replica not heard of for
+        INGRESS_KEEP_S is gone: its figures are folded into the RETIRED entry, so the sums the
+        ingress replicas show never go back)."""
         self.ingress[replica] = (self.clock(), stats)
         self.version += 1
 
@@ -134,9 +138,10 @@ class LoadState:
         stale = [k for k, r in self.reports.items() if now - r.time_s > STALE_AFTER_S]
         for rid in stale:
             del self.reports[rid]
-        gone = [k for k, (t, _) in self.ingress.items() if now - t > INGRESS_KEEP_S]
-        for k in gone:
-            del self.ingress[k]
+        gone = [k for k, (t, _) in self.ingress.items() if now - t > INGRESS_KEEP_S and k != RETIRED]
+        if gone:  # a replica that is gone: its figures stay in the sum (counters never go back)
+            kept = [self.ingress.pop(k)[1] for k in gone] + ([self.ingress[RETIRED][1]] if RETIRED in self.ingress else [])
+            self.ingress[RETIRED] = (now, sum_stats(kept))
         self.version += bool(stale or gone)
         gpu, cpu = self._system_view()
         if since is not None and since == self.version:

@@ -94,3 +94,35 @@ def test_a_restarted_monitor_does_not_answer_none_to_an_old_version():
     fresh = LoadState(clock=Clock())  # the actor restarted: its state is new
     fresh.report(report("a"))
     assert fresh.snapshot(since=held) is not None
+
+
+def test_gone_ingress_replicas_figures_are_kept_in_the_sum():
+    """An ingress replica not heard of for INGRESS_KEEP_S is gone: its request figures move into
+    the RETIRED entry, so the sum every ingress replica shows never goes back."""
+    from keyacc_ray.serve.metrics import Metrics, RequestTimer
+    from keyacc_ray.serve.monitor import INGRESS_KEEP_S, RETIRED
+
+    now = [0.0]
+    st = LoadState(clock=lambda: now[0])
+    ms = {r: Metrics("m", r) for r in ("ingress-a", "ingress-b")}
+    for m, n in ((ms["ingress-a"], 3), (ms["ingress-b"], 2)):
+        for _ in range(n):
+            t = RequestTimer(m, 1)
+            t.tokens(0, 2)
+            t.finish(0, {"segments": [{"pool": "gpu", "tokens": 2}]}, "stop", 2)
+        st.report_ingress(m.replica, m.local.to_dict())
+
+    def total(snap) -> float:
+        return sum(v for _, stats in snap.ingress.values() for n, _, v in stats["counts"]
+                   if n == "vllm:request_success")
+    assert total(st.snapshot()) == 5
+    now[0] = INGRESS_KEEP_S / 2
+    st.report_ingress("ingress-b", ms["ingress-b"].local.to_dict())
+    now[0] = INGRESS_KEEP_S + 1  # a is gone, b reported lately
+    snap = st.snapshot()
+    assert set(snap.ingress) == {"ingress-b", RETIRED} and total(snap) == 5
+    now[0] = 3 * INGRESS_KEEP_S  # b gone too: both in RETIRED, still 5
+    snap = st.snapshot()
+    assert set(snap.ingress) == {RETIRED} and total(snap) == 5
+    now[0] = 5 * INGRESS_KEEP_S  # RETIRED itself never expires
+    assert total(st.snapshot()) == 5
