@@ -39,6 +39,7 @@ from keyacc_ray.histogram import (  # noqa: E402
     Histogram,
 )
 from keyacc_ray.histogram import merge as merge_hist  # noqa: E402
+from keyacc_ray.histogram import sum_stats  # noqa: E402
 
 POOLS = ("gpu", "cpu")
 HANDOFF_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -119,15 +120,10 @@ class RequestStats:
 
     @staticmethod
     def merged(dicts: list[dict]) -> tuple[dict, dict]:
-        """(counts, hists) summed over several replicas' to_dict()s."""
-        counts: dict[tuple, float] = {}
-        hists: dict[tuple, dict] = {}
-        for d in dicts:
-            for n, lab, v in d.get("counts", []):
-                counts[(n, tuple(lab))] = counts.get((n, tuple(lab)), 0.0) + v
-            for n, lab, h in d.get("hists", []):
-                hists[(n, tuple(lab))] = merge_hist(hists.get((n, tuple(lab))), h)
-        return counts, hists
+        """(counts, hists) summed over several replicas' to_dict()s, keyed by (name, labels)."""
+        total = sum_stats(dicts)
+        return ({(n, tuple(lab)): v for n, lab, v in total["counts"]},
+                {(n, tuple(lab)): h for n, lab, h in total["hists"]})
 
 
 class Metrics:
