@@ -351,12 +351,11 @@ class LLMEngine:
         outs = []
         scores = self._prompt_scores
         now = time.monotonic()
-        for seq in seqs:
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
             if seq.first_token_at is None:  # its first token here: a prompt's ends its prefill
                 seq.first_token_at = now
                 if seq.num_output_tokens == 1 and seq.scheduled_at is not None:
                     self.histograms["vllm:request_prefill_time_seconds"].observe(now - seq.scheduled_at)
-        for i, (seq, token) in enumerate(zip(seqs, tokens)):
             rid = seq.request_id
             n = len(seq.token_ids)
             n_out = n - seq.num_prompt_tokens

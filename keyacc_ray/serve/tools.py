@@ -156,10 +156,14 @@ def check_message(i: int, m: dict) -> dict:
 
 
 # ---- output ----------------------------------------------------------------------------------
-def call(name: str, arguments) -> dict:
+def call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def call(name: str, arguments, id_: str | None = None) -> dict:
     """One OpenAI tool call (arguments: a JSON text)."""
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function", "function": {"name": name, "arguments": args}}
+    return {"id": id_ or call_id(), "type": "function", "function": {"name": name, "arguments": args}}
 
 
 def _call_of(obj) -> dict | None:
@@ -340,7 +344,7 @@ class ToolOutput:
         """The rest: an unclosed block is content (the output was cut); required / named output
         becomes its calls."""
         if self.tr.choice == "named":
-            new = [{**call(self.tr.name, self.raw), "id": self._named_id()}] if self.raw.strip() else []
+            new = [call(self.tr.name, self.raw, self._named_id())] if self.raw.strip() else []
         elif self.tr.choice == "required":
             new = []
             try:
@@ -371,7 +375,7 @@ class ToolOutput:
 
     def _named_id(self) -> str:
         if not self.named_id:
-            self.named_id = call(self.tr.name or "", "").get("id")
+            self.named_id = call_id()
         return self.named_id
 
     def stream(self, text: str, last: bool) -> tuple[str, list[dict] | None]:
