@@ -28,6 +28,11 @@ from keyacc_ray.serve.monitor import MONITOR_NAME, MONITOR_NAMESPACE, LoadMonito
 
 log = logging.getLogger("ray.serve")
 REFRESH_EVERY_S = 0.1
+# Nothing in flight, held or recalled here: the snapshot is refreshed this seldom (an idle server's
+# router and monitor then cost next to nothing), and at once when the next request comes (it is
+# decided on the last snapshot meanwhile: an idle server's load has not moved, and the router's
+# own in-flight counts correct it from the first request on).
+REFRESH_IDLE_S = 2.0
 FIRST_SNAPSHOT_WAIT_S = 1.0
 ACTIVE_TTL_S = 1800.0  # a request not heard of for this long no longer counts as in flight
 # A request recalled from a CPU queue counts on the GPU from the recall until its driver asks for
@@ -80,6 +85,7 @@ class Router:
         self.snapshot_age_s = float("inf")
         self._counters: dict[str, float] = {}
         self._refresher: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None  # set by a request while the refresher idles
         if monitor is None:
             import ray  # (here: the simulator runs this class without Ray)
 
@@ -92,7 +98,10 @@ class Router:
     def _ensure_refresher(self) -> None:
         if self._refresher is None or self._refresher.done():
             self._first_try = asyncio.Event()
+            self._wake = None
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
+        elif self._wake is not None:  # the refresher idles: refresh now, for the requests to come
+            self._wake.set()
 
     async def _ready(self) -> None:
         """Before a decision: the refresher runs, and the first decisions wait (up to
@@ -127,7 +136,22 @@ class Router:
             self.snapshot_age_s = time.monotonic() - last_ok
             self._first_try.set()
             self._release_held()  # places the new snapshot shows; holds that ran out
-            await asyncio.sleep(REFRESH_EVERY_S)
+            if not self.idle():
+                await asyncio.sleep(REFRESH_EVERY_S)
+                continue
+            # (a timer, not wait_for: Python 3.11's wait_for can swallow a cancellation that
+            # meets the event being set, and the refresher would outlive its router)
+            self._wake = wake = asyncio.Event()
+            timer = asyncio.get_running_loop().call_later(REFRESH_IDLE_S, wake.set)
+            try:
+                await wake.wait()
+            finally:
+                timer.cancel()
+                self._wake = None
+
+    def idle(self) -> bool:
+        """Nothing in flight, held or recalled: no decision depends on a fresh snapshot now."""
+        return not self._active and not self._held and not self._recalled
 
     def take_snapshot(self, snap) -> None:
         """The monitor's answer (None: nothing changed since the one held): the policy observes the

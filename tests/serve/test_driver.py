@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 
 import pytest
 
@@ -689,4 +690,53 @@ def test_requests_with_no_place_on_either_pool_wait_at_the_router_in_order():
         t = await asyncio.wait_for(late, 10.0)  # held as long as it may be: it queues on a pool
         assert t.hop in ("gpu_prefill", "cpu_decode/0")
         assert counter("requests_held_total") == 4 and counter("hold_seconds_total") >= 1.0
+    asyncio.run(run())
+
+
+def test_an_idle_router_refreshes_its_snapshot_seldom_and_at_once_when_a_request_comes():
+    """With nothing in flight the refresher asks the monitor every REFRESH_IDLE_S (not every
+    REFRESH_EVERY_S); a request wakes it at once, and while requests are in flight it refreshes at
+    the busy rate again; when they are done it idles again."""
+    from keyacc_ray.serve import router as router_mod
+    from keyacc_ray.serve.messages import HopEnd, Ticket
+    from keyacc_ray.serve.monitor import Snapshot
+
+    asks: list[float] = []
+
+    class CountingMonitor:
+        class _Snap:
+            def remote(self, since=None):
+                asks.append(time.monotonic())
+
+                async def snap():
+                    return Snapshot(0.0, {"GpuPrefill": _view("GpuPrefill", "gpu", 8, 40),
+                                          "GpuDecode": _view("GpuDecode", "gpu", 8, 40),
+                                          "CpuDecode": _view("CpuDecode", "cpu", 32, 4000)}, version=len(asks))
+                return snap()
+
+        class _Count:
+            def remote(self, deltas):
+                return None
+
+        snapshot, add_counters = _Snap(), _Count()
+
+    r = Router(["CpuDecode"], "full_offload", {"trigger_window_s": 30.0}, monitor=CountingMonitor())
+
+    async def run():
+        await r.snapshot_dict()  # starts the refresher
+        await asyncio.sleep(0.6)
+        idle_asks = len(asks)
+        assert idle_asks == 1, asks  # idle: the first snapshot, then nothing for REFRESH_IDLE_S
+        t = await r.begin(Ticket("a", 64, 96))  # a request wakes it
+        await asyncio.sleep(0.05)
+        assert len(asks) == idle_asks + 1
+        await asyncio.sleep(0.5)  # in flight: the busy rate, every REFRESH_EVERY_S
+        busy_asks = len(asks) - idle_asks - 1
+        assert busy_asks >= 3, asks
+        await r.finish(t, HopEnd("done", 0.5, 96, finished=True))
+        await asyncio.sleep(0.2)
+        settled = len(asks)
+        await asyncio.sleep(0.6)
+        assert len(asks) == settled, asks  # idle again
+        assert r.idle() and router_mod.REFRESH_IDLE_S > 1.0
     asyncio.run(run())
