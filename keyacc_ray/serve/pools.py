@@ -51,7 +51,7 @@ ROUTER_CHECK_TIMEOUT_S = 10.0
 RECALL_AFTER_S = 0.5
 RECALL_EVERY_S = 0.5
 RECALL_OFF_RECHECK_S = 5.0  # the policy does not recall (recall_queued off): ask again only this seldom
-HEARTBEAT_S = 1.0
+HEARTBEAT_S = 2.0  # an idle replica's report: this seldom (the monitor drops one silent for STALE_AFTER_S)
 
 
 def _replica_id() -> str:
@@ -114,6 +114,7 @@ class EnginePool:
                  if self.emulated else self.engine.runner.device_label())
         log.info("keyacc %s replica %s ready: model=%s dtype=%s %s; pinned to CPUs %s", self.deployment,
                  self.replica, cfg.model, self.engine.runner.dtype, label, self.cpus or "(none)")
+        self._report_wake = threading.Event()  # a request came: report at the busy rate from now
         self._reporter = threading.Thread(target=self._report_loop, name="keyacc-report", daemon=True)
         self._reporter.start()
 
@@ -127,6 +128,7 @@ class EnginePool:
         else:
             # handed off after its first token: a prefill; else it started here from the prompt
             phase = "prefill" if export_after == 1 and ticket is None else "whole"
+        self._report_wake.set()
         try:
             params = SamplingParams(**req.params)
             package = await self._receive(handoff) if handoff is not None else None
@@ -307,20 +309,32 @@ class EnginePool:
 
     def _report_loop(self) -> None:
         """A report every REPORT_EVERY_S while the load changes; an idle replica sends the same
-        report only every HEARTBEAT_S (well inside the monitor's STALE_AFTER_S)."""
-        monitor, last, sent_at = None, None, 0.0
+        report only every HEARTBEAT_S (well inside the monitor's STALE_AFTER_S). An idle engine
+        (nothing running or waiting) is looked at only every HEARTBEAT_S too, until a request
+        comes (`generate` wakes this loop: the busy rate again, from the request's arrival)."""
+        monitor, last, sent_at, busy_until = None, None, 0.0, 0.0
         while self.loop.alive():
+            now = time.monotonic()
             try:
                 if monitor is None:
                     monitor = ray.get_actor(MONITOR_NAME, namespace=MONITOR_NAMESPACE)
                 r = self.report()
-                content, now = r.content(), time.monotonic()
+                if r.num_running or r.num_waiting:
+                    busy_until = now + HEARTBEAT_S
+                content = r.content()
                 if content != last or now - sent_at >= HEARTBEAT_S:
                     monitor.report.remote(r)
                     last, sent_at = content, now
             except Exception:  # noqa: BLE001 - the monitor may be (re)starting; keep serving
                 monitor, last = None, None
-            time.sleep(REPORT_EVERY_S)
+            if now < busy_until or last is None:
+                self._report_wake.clear()
+                time.sleep(REPORT_EVERY_S)
+            elif self._report_wake.wait(HEARTBEAT_S):
+                # a request came (the engine may not have taken it in yet): the busy rate for a while
+                busy_until = time.monotonic() + HEARTBEAT_S
+                self._report_wake.clear()
+                time.sleep(REPORT_EVERY_S / 4)
 
     async def stats(self) -> ReplicaReport:
         return self.report()
