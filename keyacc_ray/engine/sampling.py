@@ -22,6 +22,7 @@ Unseeded requests get a random seed when they arrive.
 """
 from __future__ import annotations
 
+import operator
 import random
 
 import numpy as np
@@ -64,6 +65,37 @@ def uniforms(seeds: list[int], positions: list[int]) -> np.ndarray:
     return (_mix(_mix(s) ^ p) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
 
+class _Plan:
+    """What sampling needs from a batch's rows, kept while the batch is the same requests in the
+    same order with the same parameters (a decode batch, step after step): per-row flags, which
+    rows process logits, which are greedy, and the sampled rows' parameters as arrays and their
+    seeds premixed for the draw. Built again whenever the batch changes (a few µs a row); kept,
+    a step's sampling costs no Python per row but the check that it still holds."""
+
+    __slots__ = ("ids", "params", "flags", "proc", "rows", "greedy", "kernel_rows", "seeds")
+
+    def __init__(self, request_ids: list[str], params: list[SamplingParams], info: dict, seeds: dict):
+        self.ids, self.params = list(request_ids), list(params)
+        self.flags = [f if (f := info.get(r)) is not None and f[0] is p else _info(p)
+                      for r, p in zip(request_ids, params)]
+        self.proc = [i for i, f in enumerate(self.flags) if f[2]]
+        self.rows = [i for i, f in enumerate(self.flags) if not f[1]]
+        self.greedy = [i for i, f in enumerate(self.flags) if f[1]]
+        self.kernel_rows = kernel_rows([self.flags[i][3] for i in self.rows]) if self.rows else None
+        self.seeds = (_mix(np.array([seeds[request_ids[i]] for i in self.rows], dtype=np.uint64))
+                      if self.rows else None)
+
+    def holds_for(self, request_ids: list[str], params: list[SamplingParams]) -> bool:
+        return self.ids == request_ids and all(map(operator.is_, self.params, params))
+
+    def uniforms(self, positions: list[int]) -> np.ndarray:
+        """uniforms() of the sampled rows at these positions (all rows' positions given)."""
+        p = np.array(positions, dtype=np.uint64)
+        if len(self.rows) < len(positions):
+            p = p[self.rows]
+        return (_mix(self.seeds ^ p) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+
 class Sampler:
     def __init__(self, kernels=None, grammars=None):
         """`kernels`: the compiled CPU kernels (keyacc_ray.kernels.load()), used for rows on the CPU.
@@ -77,6 +109,7 @@ class Sampler:
         # to date as the history grows, for the repetition penalty (rebuilt from the whole
         # history every step, it cost about 0.6 ms a row at 1000 tokens)
         self._seen: dict[str, tuple[int, set, torch.Tensor]] = {}
+        self._plan: _Plan | None = None
 
     def add(self, request_id: str, params: SamplingParams, state: np.ndarray | None = None) -> None:
         """A request arrives (its grammar's matcher made first: an InvalidRequest if it does not
@@ -92,8 +125,10 @@ class Sampler:
         self._seeds[request_id] = seed % 2**64
         self._drawn[request_id] = 0
         self._info[request_id] = _info(params)
+        self._plan = None
 
     def remove(self, request_id: str) -> None:
+        self._plan = None
         self._seeds.pop(request_id, None)
         self._drawn.pop(request_id, None)
         self._info.pop(request_id, None)
@@ -123,10 +158,10 @@ class Sampler:
         whose logits are processed (penalties, logit bias, min_tokens, a grammar). `positions`: each row's
         new token's position in its sequence (what its draw is keyed by); without them, the
         number of draws the request has made here."""
-        info = self._info
-        flags = [f if (f := info.get(r)) is not None and f[0] is p else _info(p)
-                 for r, p in zip(request_ids, params)]
-        proc = [i for i, f in enumerate(flags) if f[2]]
+        plan = self._plan
+        if plan is None or not plan.holds_for(request_ids, params):
+            plan = self._plan = _Plan(request_ids, params, self._info, self._seeds)
+        flags, proc, rows = plan.flags, plan.proc, plan.rows
         if proc:
             logits = logits.clone() if logits.dtype == torch.float32 else logits.float()
             constrained = []  # (row, (request id, grammar, output so far)), eos ids
@@ -140,9 +175,8 @@ class Sampler:
                     logits[i] = process_logits(logits[i].float(), tokens, num_prompt, p, eos_ids, seen)
             if constrained:
                 logits = self._mask(logits, constrained, eos_ids)
-        rows = [i for i, f in enumerate(flags) if not f[1]]
         if len(rows) < len(params):
-            greedy = [i for i, f in enumerate(flags) if f[1]]
+            greedy = plan.greedy
             g = _take(logits, greedy)
             out = (self._kernels.argmax_rows(g) if self._kernels is not None and g.device.type == "cpu"
                    else g.argmax(dim=-1))
@@ -154,9 +188,9 @@ class Sampler:
             for r in request_ids:
                 self._drawn[r] += 1
         if rows:
-            u = uniforms([self._seeds[request_ids[i]] for i in rows], [positions[i] for i in rows])
+            u = plan.uniforms(positions)
             if self._kernels is not None and logits.device.type == "cpu":
-                got = kernel_sample_rows(self._kernels, _take(logits, rows), np.array([flags[i][3] for i in rows]), u)
+                got = kernel_sample_rows(self._kernels, _take(logits, rows), plan.kernel_rows, u)
             else:
                 got = sample_rows(_take(logits, rows), [params[i] for i in rows], u)
             if len(rows) == len(params):
@@ -235,18 +269,26 @@ def _info(p: SamplingParams) -> tuple:
     return (p, p.greedy, p.processes_logits, (p.temperature, p.top_k if p.top_k and p.top_k > 0 else 0, p.top_p, p.min_p))
 
 
-def kernel_sample_rows(kernels, x: torch.Tensor, rows: np.ndarray, u: np.ndarray) -> torch.Tensor:
-    """sample_rows through the CPU kernel, every row at once. `rows`: [n, 4] temperature, top-k
-    (0: none), top-p, min-p. Rows without top-k (or with a k the vocabulary does not exceed) get
-    their softmax numerators from torch (its vectorised exp over the whole vocabulary)."""
+def kernel_rows(rows) -> tuple:
+    """The kernel's per-row parameters from rows of (temperature, top-k (0: none), top-p, min-p):
+    (temperature float32, top-k int64 as a numpy array, top-p float32, min-p float32)."""
+    rows = np.asarray(rows, dtype=np.float64).reshape(-1, 4)
+    return (torch.from_numpy(rows[:, 0].astype(np.float32)), rows[:, 1].astype(np.int64),
+            torch.from_numpy(rows[:, 2].astype(np.float32)), torch.from_numpy(rows[:, 3].astype(np.float32)))
+
+
+def kernel_sample_rows(kernels, x: torch.Tensor, rows, u: np.ndarray) -> torch.Tensor:
+    """sample_rows through the CPU kernel, every row at once. `rows`: kernel_rows(), or the rows
+    it takes ([n, 4] temperature, top-k (0: none), top-p, min-p). Rows without top-k (or with a k
+    the vocabulary does not exceed) get their softmax numerators from torch (its vectorised exp
+    over the whole vocabulary)."""
+    temp, k, top_p, min_p = rows if isinstance(rows, tuple) else kernel_rows(rows)
     xf = x.float()
-    rows = np.asarray(rows, dtype=np.float64)
-    temp = rows[:, 0].astype(np.float32)
-    k = rows[:, 1].astype(np.int64)
-    k[k >= x.shape[1]] = 0
-    e = _exp(xf, torch.from_numpy(temp)) if not k.all() else torch.empty(0)
-    return kernels.sample_rows(xf, torch.from_numpy(temp), torch.from_numpy(k), torch.from_numpy(rows[:, 2].astype(np.float32)),
-                               torch.from_numpy(rows[:, 3].astype(np.float32)), torch.from_numpy(u), e)
+    vocab = x.shape[1]
+    if k.size and k.max() >= vocab:
+        k = np.where(k >= vocab, 0, k)
+    e = _exp(xf, temp) if not k.all() else torch.empty(0)
+    return kernels.sample_rows(xf, temp, torch.from_numpy(k), top_p, min_p, torch.from_numpy(u), e)
 
 
 def _top_p_threshold(probs: torch.Tensor, tp: torch.Tensor) -> torch.Tensor:
@@ -267,7 +309,7 @@ def _min_p(probs: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     if not any(min_p):
         return probs
     mp = torch.tensor(min_p, dtype=probs.dtype, device=probs.device)
-    return probs.masked_fill_(probs < mp[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs.masked_fill_(probs < mp[:, None] * torch.amax(probs, dim=-1, keepdim=True), 0.0)
 
 
 def _exp(x: torch.Tensor, temperature) -> torch.Tensor:
@@ -276,7 +318,7 @@ def _exp(x: torch.Tensor, temperature) -> torch.Tensor:
     or a float32 tensor, one per row."""
     t = torch.as_tensor(temperature, dtype=torch.float32).to(x.device)[:, None]
     y = x.float() / t  # a new tensor: the logits stay as they were
-    return y.sub_(y.max(dim=-1, keepdim=True).values).exp_()
+    return y.sub_(torch.amax(y, dim=-1, keepdim=True)).exp_()
 
 
 def _normalised(probs: torch.Tensor) -> torch.Tensor:

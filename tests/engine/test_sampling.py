@@ -86,3 +86,45 @@ def test_kernel_argmax_is_torch_argmax(K, dtype):
             x[1] = -x[1].abs() - 1
             x[1, 2], x[1, 4] = -0.0, 0.0  # equal maxima of different signs: the first
         assert K.argmax_rows(x).tolist() == x.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("use_kernels", [True, False])
+def test_the_batch_plan_is_kept_while_the_batch_holds_and_rebuilt_when_it_changes(K, use_kernels):
+    """A decode batch reuses the sampler's per-batch plan (flags, parameter arrays, premixed seeds)
+    step after step; a change of the rows' order, of a row's parameters or of its request makes a
+    new one, and every row's draw is the one it makes alone, whatever happened before."""
+    torch.manual_seed(3)
+    vocab, n = 300, 6
+    ps = [SamplingParams(temperature=0.8, top_p=0.9, seed=i) for i in range(n - 1)] + [SamplingParams(temperature=0)]
+
+    def fresh(rid, p, x_row, pos):  # the row drawn by a sampler that has seen nothing else
+        s = Sampler(K if use_kernels else None)
+        s.add(rid, p)
+        return s.sample(x_row[None], [rid], [p], positions=[pos])[0]
+
+    s = Sampler(K if use_kernels else None)
+    ids = [f"r{i}" for i in range(n)]
+    for r, p in zip(ids, ps):
+        s.add(r, p)
+    for step in range(3):
+        x = torch.randn(n, vocab)
+        pos = [10 + step] * n
+        got = s.sample(x, list(ids), list(ps), positions=pos)
+        if step == 0:
+            plan = s._plan
+        assert s._plan is plan  # the same batch: the same plan
+        assert got == [fresh(r, p, x[i], pos[i]) for i, (r, p) in enumerate(zip(ids, ps))]
+    order = [5, 0, 4, 1, 3, 2]  # another order: a new plan, rows drawn as alone
+    x = torch.randn(n, vocab)
+    got = s.sample(x, [ids[i] for i in order], [ps[i] for i in order], positions=[20] * n)
+    assert s._plan is not plan
+    assert got == [fresh(ids[i], ps[i], x[j], 20) for j, i in enumerate(order)]
+    plan = s._plan
+    s.remove("r2")  # r2 leaves, and a greedy request comes in under its id
+    greedy = SamplingParams(temperature=0)
+    s.add("r2", greedy)
+    ps2 = [greedy if i == 2 else ps[i] for i in order]
+    got = s.sample(x, [ids[i] for i in order], ps2, positions=[21] * n)
+    assert s._plan is not plan
+    assert got[order.index(2)] == int(x[order.index(2)].argmax())
+    assert got == [fresh(ids[i], p, x[j], 21) for j, (i, p) in enumerate(zip(order, ps2))]
