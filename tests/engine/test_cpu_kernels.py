@@ -222,6 +222,28 @@ def test_amx_products_of_many_rows_match_the_float_reference(K):
         assert float((y.float() - ref).abs().max()) <= 0.02 * float(ref.abs().max()) + 1e-2
 
 
+def test_int8_products_of_many_rows_match_the_dequantised_reference(K):
+    """Weight-only int8 at prefill sizes (on AMX tiles where this CPU has them: the group's int8
+    weights widened to bf16, the row sums scaled at the end; else the AVX-512 / AVX2 / portable
+    kernel): the dequantised weights' product, the same bound as the bf16 products; and each
+    row the same as the row computed alone (batch 1 never takes the tiles)."""
+    g = gen(11)
+    for m, n, k in [(8, 64, 64), (16, 100, 256), (37, 200, 1024), (130, 96, 96)]:
+        w = (torch.randn(n, k, generator=g) * 0.05).to(BF16)
+        packed, scales = K.pack_int8(w)
+        wf = w.float()
+        s = wf.abs().amax(1) / 127
+        deq = torch.round(wf / s[:, None]).clamp(-127, 127) * s[:, None]
+        x = torch.randn(m, k, generator=g).to(BF16)
+        b = torch.randn(n, generator=g).to(BF16)
+        y = K.linear_int8(x, packed, scales, n, b)
+        ref = x.float() @ deq.T + b.float()
+        assert y.dtype == BF16 and y.shape == (m, n)
+        assert float((y.float() - ref).abs().max()) <= 0.02 * float(ref.abs().max()) + 1e-2
+        alone = torch.cat([K.linear_int8(x[i:i + 1], packed, scales, n, b) for i in range(0, m, 7)])
+        assert float((y[::7].float() - alone.float()).abs().max()) <= 0.01 * float(ref.abs().max()) + 1e-2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("D", [16, 24])

@@ -253,8 +253,23 @@ AMX_FN void amx_begin() {
 
 AMX_FN void amx_end() { _tile_release(); }
 
+// Weight-only int8 on the same tiles: a group's int8 weights widened to bf16 into `out` in the
+// same packed layout (exact for |q| <= 127, as the AVX-512 int8 kernel widens them), so the tile
+// loads read it as they read a bf16 group; the row sums are scaled at the end.
+AMX_FN void widen_group(const int8_t* G, int64_t n, std::vector<bf16_t>& out) {
+  out.resize(n);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(G + i))));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(G + i + 16))));
+    _mm512_storeu_si512(out.data() + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+  for (; i < n; ++i) out[i] = f2bf(static_cast<float>(G[i]));
+}
+
 AMX_FN void group_amx(const bf16_t* G, int64_t kp, int64_t n_base, const bf16_t* x, int64_t ldx, int64_t M,
-                      const float* bias, bf16_t* y, int64_t ldy, int64_t N, std::vector<bf16_t>& pad) {
+                      const float* sc, const float* bias, bf16_t* y, int64_t ldy, int64_t N,
+                      std::vector<bf16_t>& pad) {
   alignas(64) float c[16 * GB * NB];  // [16 rows][64 outputs]
   constexpr int64_t BSTRIDE = GB * NB * 2 * sizeof(bf16_t);  // bytes from one k-pair of a block to the next
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
@@ -294,8 +309,9 @@ AMX_FN void group_amx(const bf16_t* G, int64_t kp, int64_t n_base, const bf16_t*
       const int64_t rem = N - n0;
       const __mmask16 mask = rem >= NB ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1);
       const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-      for (int64_t r = 0; r < rows; ++r) {
-        __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c + r * GB * NB + j * NB), bv));
+      const __m512 sv = sc ? _mm512_maskz_loadu_ps(mask, sc + n0) : _mm512_set1_ps(1.f);
+      for (int64_t r = 0; r < rows; ++r) {  // (bf16: x 1 + bias, exact as the add it replaces)
+        __m256bh v = _mm512_cvtneps_pbh(_mm512_fmadd_ps(_mm512_load_ps(c + r * GB * NB + j * NB), sv, bv));
         _mm256_mask_storeu_epi16(y + (m0 + r) * ldy + n0, mask, (__m256i)v);
       }
     }
@@ -427,12 +443,20 @@ torch::Tensor linear_packed(const char* name, torch::Tensor x, const torch::Tens
   const bool fast = have_avx512bf16(), avx2 = !fast && have_avx2();
   const int64_t gstride = kp * GB * NB * 2;
 #if KEYACC_X86
-  if (std::is_same<W, bf16_t>::value && M >= AMX_MIN_ROWS && kp % 16 == 0 && have_amx()) {
+  if (M >= AMX_MIN_ROWS && kp % 16 == 0 && have_amx()) {
     at::parallel_for(0, ng, 1, [&](int64_t g0, int64_t g1) {
-      std::vector<bf16_t> pad;
+      std::vector<bf16_t> pad, wide;
       amx_begin();
-      for (int64_t g = g0; g < g1; ++g)
-        group_amx(reinterpret_cast<const bf16_t*>(P + g * gstride), kp, g * GB * NB, xp, ldx, M, bp, yp, N, N, pad);
+      for (int64_t g = g0; g < g1; ++g) {
+        const bf16_t* grp;
+        if constexpr (std::is_same<W, bf16_t>::value) {
+          grp = P + g * gstride;
+        } else {
+          widen_group(P + g * gstride, gstride, wide);
+          grp = wide.data();
+        }
+        group_amx(grp, kp, g * GB * NB, xp, ldx, M, sc, bp, yp, N, N, pad);
+      }
       amx_end();
     });
     return y;
