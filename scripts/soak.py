@@ -61,11 +61,14 @@ async def good(client, rng, ref, stats, stream: bool, tiers: bool = False):
                 if r.status_code != 200:
                     return record_reject(stats, r.status_code, await r.aread())
                 last = None  # gaps between a stream's events, from its first (the wait for it is TTFT)
+                worst = (0.0, 0)  # this stream's longest gap, and the tokens it had streamed before it
+                trace = None
                 async for line in r.aiter_lines():
                     now = time.monotonic()
                     if last is not None and line:
                         stats["max_stream_gap_s"] = round(max(stats["max_stream_gap_s"], now - last), 3)
                         stats["stream_gaps_over_2s"] += now - last > 2.0
+                        worst = max(worst, (now - last, len(ids)))
                     last = now if line else last
                     if line.startswith("data: ") and line != "data: [DONE]":
                         chunk = json.loads(line[6:])
@@ -74,6 +77,13 @@ async def good(client, rng, ref, stats, stream: bool, tiers: bool = False):
                             return
                         for c in chunk.get("choices", []):
                             ids += c.get("token_ids", [])
+                        trace = chunk.get("keyacc", trace)
+                if worst[0] > 2.0:  # where the longest stalls happened: the request's path
+                    segs = [f"{g.get('pool')}/{g.get('phase')}:{g.get('tokens')}"
+                            + "".join(f",{k}" for k in ("kv", "failed", "withdrawn") if g.get(k))
+                            for g in (trace or {}).get("segments", [])]
+                    stats["worst_gaps"].append((round(worst[0], 2), worst[1], segs))
+                    stats["worst_gaps"] = sorted(stats["worst_gaps"], reverse=True)[:8]
         else:
             r = await client.post("/v1/completions", json=body)
             if r.status_code != 200:
@@ -133,7 +143,8 @@ async def main_async(args, url):
     print(f"measured capacity {capacity:.1f} req/s; soaking at {rate:.1f} req/s for {args.minutes} min", flush=True)
     stats = {"sent": 0, "completed_correct": 0, "completed_wrong": 0, "rejected_clear_error": 0, "lost": 0,
              "bad_rejected_4xx": 0, "bad_overloaded_503": 0, "bad_wrong_answer": 0, "kills": 0, "max_stream_gap_s": 0.0,
-             "stream_gaps_over_2s": 0, "lost_examples": []}
+             "stream_gaps_over_2s": 0, "lost_examples": [],
+             "worst_gaps": []}
     rng = random.Random(args.seed)
     mem: dict[str, list[int]] = {}
     tasks = set()

@@ -3,7 +3,8 @@
 Each step: every running sequence decodes one token, or feeds the next chunk of its prompt
 (chunked prefill: at most `max_prefill_tokens` prompt tokens a step in all); then waiting
 sequences are admitted first-come-first-served while a slot, their KV blocks and the step's
-prompt-token budget last. All of it runs in one forward. A sequence that does not fit waits;
+prompt-token budget last; sequences whose stream is under way (hand-offs) queue ahead of fresh
+prompts. All of it runs in one forward. A sequence that does not fit waits;
 the waiting queue itself is bounded.
 
 KV blocks ("reserve" or "lazy", see blocks.py): reserved for prompt + max_tokens at admission,
@@ -54,10 +55,18 @@ class Scheduler:
         self.lower = None  # tiers.LowerTiers below the device's cached blocks, if any
 
     def add(self, seq: Sequence) -> bool:
-        """Queue a sequence; False if the waiting queue is full."""
+        """Queue a sequence; False if the waiting queue is full. One whose stream is under way
+        (it has generated tokens: a hand-off from another engine, a recovery) queues ahead of
+        every fresh prompt, behind the others under way (as vLLM resumes preempted and swapped
+        requests before new ones): its client is waiting between two tokens, a fresh prompt's
+        for its first."""
         if len(self.waiting) >= self.max_waiting:
             return False
-        self.waiting.append(seq)
+        if seq.num_output_tokens:
+            at = next((i for i, w in enumerate(self.waiting) if not w.num_output_tokens), len(self.waiting))
+            self.waiting.insert(at, seq)
+        else:
+            self.waiting.append(seq)
         return True
 
     def fits_ever(self, seq: Sequence) -> bool:

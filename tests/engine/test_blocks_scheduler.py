@@ -147,3 +147,26 @@ def test_the_block_array_mirrors_every_table():
     for s in list(live):
         bm.free(s)
     assert not bm.row and sorted(bm._free_rows) == [0, 1, 2, 3]
+
+
+def test_a_stream_under_way_queues_ahead_of_fresh_prompts():
+    """A sequence that has generated tokens (a hand-off from another engine, a recovery) queues
+    behind the others under way and ahead of every fresh prompt: its client waits between two
+    tokens. Fresh prompts keep their order; so do the streams under way."""
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sch = Scheduler(bm, max_num_seqs=1, max_waiting=10, max_prefill_tokens=100)
+    running = seq("run", 4, 100)
+    assert sch.add(running)
+    ran(sch.schedule())  # takes the one slot: everything below waits
+    fresh = [seq(f"f{i}", 4, 4) for i in range(3)]
+    moved = []
+    for i in range(2):
+        m = seq(f"m{i}", 4, 8)
+        m.token_ids += [7, 8]  # two tokens already streamed elsewhere
+        moved.append(m)
+    for s in (fresh[0], moved[0], fresh[1], moved[1], fresh[2]):
+        assert sch.add(s)
+    assert [s.request_id for s in sch.waiting] == ["m0", "m1", "f0", "f1", "f2"]
+    sch.finish(running, SeqStatus.FINISHED_LENGTH)
+    out = sch.schedule()
+    assert [s.request_id for s in out.admitted] == ["m0"]
