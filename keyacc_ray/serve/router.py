@@ -50,6 +50,28 @@ class _Held:
     admitted: asyncio.Future  # its ticket, entered on its first hop, once a place is found
 
 
+async def _wait_at_most(event: asyncio.Event, timeout_s: float, set_on_timeout: bool = False) -> None:
+    """Until the event is set or `timeout_s` passed. A timer, not asyncio.wait_for: Python 3.11's
+    wait_for can swallow a cancellation that meets the event being set (the refresher would
+    outlive its router; a cancelled `begin` would go on and count its request in flight)."""
+    if set_on_timeout:
+        timer = asyncio.get_running_loop().call_later(timeout_s, event.set)
+        try:
+            await event.wait()
+        finally:
+            timer.cancel()
+        return
+    waiter = asyncio.get_running_loop().create_future()
+    timer = asyncio.get_running_loop().call_later(timeout_s, lambda: waiter.done() or waiter.set_result(None))
+    watch = asyncio.ensure_future(event.wait())
+    watch.add_done_callback(lambda _: waiter.done() or waiter.set_result(None))
+    try:
+        await waiter
+    finally:
+        timer.cancel()
+        watch.cancel()
+
+
 def hop_keys(num_cpu_deployments: int) -> list[str]:
     """The hops a request can take: both GPU pools, and one key per CPU decode deployment."""
     return ["gpu_prefill", "gpu_decode"] + [f"cpu_decode/{i}" for i in range(num_cpu_deployments)]
@@ -109,10 +131,7 @@ class Router:
         routed blind (no slots, no KV budget known: every request of it would go to the GPU)."""
         self._ensure_refresher()
         if self.snapshot is None and not self._first_try.is_set():
-            try:
-                await asyncio.wait_for(self._first_try.wait(), FIRST_SNAPSHOT_WAIT_S)
-            except asyncio.TimeoutError:
-                pass
+            await _wait_at_most(self._first_try, FIRST_SNAPSHOT_WAIT_S)
 
     async def _refresh_loop(self) -> None:
         last_ok = time.monotonic()
@@ -139,14 +158,10 @@ class Router:
             if not self.idle():
                 await asyncio.sleep(REFRESH_EVERY_S)
                 continue
-            # (a timer, not wait_for: Python 3.11's wait_for can swallow a cancellation that
-            # meets the event being set, and the refresher would outlive its router)
             self._wake = wake = asyncio.Event()
-            timer = asyncio.get_running_loop().call_later(REFRESH_IDLE_S, wake.set)
             try:
-                await wake.wait()
+                await _wait_at_most(wake, REFRESH_IDLE_S, set_on_timeout=True)
             finally:
-                timer.cancel()
                 self._wake = None
 
     def idle(self) -> bool:
