@@ -30,6 +30,32 @@ class _Unreachable:
     add_counters = _M()
 
 
+class FakeMonitor:
+    """The load monitor actor as the router calls it: `snapshot.remote(since)` answers with
+    `answer(since)` (a coroutine function: a Snapshot, or None for "nothing changed"), and
+    `add_counters.remote(deltas)` sums what the router sends into `counted`."""
+
+    class _Call:
+        def __init__(self, fn):
+            self.remote = fn
+
+    def __init__(self, answer):
+        self.counted: dict = {}
+        self.snapshot = self._Call(lambda since=None: answer(since))
+        self.add_counters = self._Call(self._add)
+
+    def _add(self, deltas):
+        for k, v in deltas.items():
+            self.counted[k] = self.counted.get(k, 0) + v
+
+
+def three_pools_snapshot(version=1):
+    from keyacc_ray.serve.monitor import Snapshot
+
+    return Snapshot(0.0, {"GpuPrefill": _view("GpuPrefill", "gpu", 8, 40), "GpuDecode": _view("GpuDecode", "gpu", 8, 40),
+                          "CpuDecode": _view("CpuDecode", "cpu", 32, 4000)}, version=version)
+
+
 class FakeStream:
     def __init__(self, gen):
         self.gen = gen
@@ -413,25 +439,12 @@ def test_a_burst_at_a_fresh_router_waits_for_the_first_snapshot():
     """The first decisions of a new router replica wait for its first monitor snapshot (here
     50 ms late): a burst is not routed blind, all to the GPU."""
     from keyacc_ray.serve.messages import Ticket
-    from keyacc_ray.serve.monitor import Snapshot
 
-    class SlowMonitor:
-        class _Snap:
-            def remote(self, since=None):
-                async def later():
-                    await asyncio.sleep(0.05)
-                    return Snapshot(0.0, {"GpuPrefill": _view("GpuPrefill", "gpu", 8, 40),
-                                          "GpuDecode": _view("GpuDecode", "gpu", 8, 40),
-                                          "CpuDecode": _view("CpuDecode", "cpu", 32, 4000)}, version=1)
-                return later()
+    async def later(since):
+        await asyncio.sleep(0.05)
+        return three_pools_snapshot()
 
-        class _Count:
-            def remote(self, deltas):
-                return None
-
-        snapshot, add_counters = _Snap(), _Count()
-
-    r = Router(["CpuDecode"], "full_offload", {"trigger_window_s": 30.0}, monitor=SlowMonitor())
+    r = Router(["CpuDecode"], "full_offload", {"trigger_window_s": 30.0}, monitor=FakeMonitor(later))
 
     async def burst():
         ts = await asyncio.gather(*(r.begin(Ticket(f"b{i}", 64, 96)) for i in range(14)))
@@ -643,29 +656,17 @@ def test_requests_with_no_place_on_either_pool_wait_at_the_router_in_order():
     from keyacc_ray.serve.messages import HopEnd, Ticket
     from keyacc_ray.serve.monitor import Snapshot
 
-    class QuietMonitor:  # answers "nothing changed" and keeps the counters the router sends
-        counted: dict = {}
+    async def unchanged(since):  # "nothing changed"; the counters the router sends are kept
+        return None
+    quiet = FakeMonitor(unchanged)
 
-        class _Snap:
-            def remote(self, since=None):
-                async def unchanged():
-                    return None
-                return unchanged()
-
-        class _Count:
-            def remote(self, deltas):
-                for k, v in deltas.items():
-                    QuietMonitor.counted[k] = QuietMonitor.counted.get(k, 0) + v
-
-        snapshot, add_counters = _Snap(), _Count()
-
-    r = Router(["CpuDecode"], "full_offload", {"trigger_window_s": 30.0, "max_hold_s": 1.0}, monitor=QuietMonitor())
+    r = Router(["CpuDecode"], "full_offload", {"trigger_window_s": 30.0, "max_hold_s": 1.0}, monitor=quiet)
     r.snapshot = Snapshot(0.0, {"GpuPrefill": _view("GpuPrefill", "gpu", 8, 40),
                                 "GpuDecode": _view("GpuDecode", "gpu", 8, 40),
                                 "CpuDecode": _view("CpuDecode", "cpu", 2, 4000)})
 
     def counter(name):
-        return r._counters.get(name, 0) + QuietMonitor.counted.get(name, 0)
+        return r._counters.get(name, 0) + quiet.counted.get(name, 0)
 
     async def run():
         first = [await r.begin(Ticket(f"b{i}", 64, 96)) for i in range(11)]
@@ -699,28 +700,14 @@ def test_an_idle_router_refreshes_its_snapshot_seldom_and_at_once_when_a_request
     the busy rate again; when they are done it idles again."""
     from keyacc_ray.serve import router as router_mod
     from keyacc_ray.serve.messages import HopEnd, Ticket
-    from keyacc_ray.serve.monitor import Snapshot
 
     asks: list[float] = []
 
-    class CountingMonitor:
-        class _Snap:
-            def remote(self, since=None):
-                asks.append(time.monotonic())
+    async def counted(since):
+        asks.append(time.monotonic())
+        return three_pools_snapshot(version=len(asks))
 
-                async def snap():
-                    return Snapshot(0.0, {"GpuPrefill": _view("GpuPrefill", "gpu", 8, 40),
-                                          "GpuDecode": _view("GpuDecode", "gpu", 8, 40),
-                                          "CpuDecode": _view("CpuDecode", "cpu", 32, 4000)}, version=len(asks))
-                return snap()
-
-        class _Count:
-            def remote(self, deltas):
-                return None
-
-        snapshot, add_counters = _Snap(), _Count()
-
-    r = Router(["CpuDecode"], "full_offload", {"trigger_window_s": 30.0}, monitor=CountingMonitor())
+    r = Router(["CpuDecode"], "full_offload", {"trigger_window_s": 30.0}, monitor=FakeMonitor(counted))
 
     async def run():
         await r.snapshot_dict()  # starts the refresher
