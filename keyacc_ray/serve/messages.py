@@ -176,3 +176,6 @@ class HopEnd:
     has_handoff: bool = False  # the hop was entered with (or, failed, left) a sequence to continue
     error: str = ""  # the exception's class name, when failed
     finished: bool = False  # the request ended by itself (stop or length), not by error or cancel
+    # a pool's check while the sequence decodes on where it is (after a CPU period, or after a
+    # colocated GPU engine's prefill); the answer may move it. Not in place: the hop has ended.
+    in_place: bool = False

@@ -216,7 +216,7 @@ class EnginePool:
     async def _check(self, rid: str, cp: Checkpoint, state: dict, updates: list) -> None:
         t: Ticket = state["ticket"]
         here = t.hop
-        end = HopEnd("handoff", time.monotonic() - state["started"], cp.num_output_tokens, True)
+        end = HopEnd("handoff", time.monotonic() - state["started"], cp.num_output_tokens, True, in_place=True)
         try:
             nt = await asyncio.wait_for(self._router().options(_by_reference=False).advance.remote(t, end),
                                         ROUTER_CHECK_TIMEOUT_S)

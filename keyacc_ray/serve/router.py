@@ -376,7 +376,13 @@ class Router:
     async def _advance(self, t: Ticket, end: HopEnd) -> Ticket:
         self._leave(t, end)
         kind = t.hop.split("/")[0]
-        after_prefill, t.prefill_check = t.prefill_check and kind == "gpu_decode", False
+        # After a colocated GPU engine's prefill the decision is its pool's check, in place (or, pinned
+        # to `stage`, the export after the first token). A hand-off the driver reports while the
+        # ticket still says `prefill_check` ended the hop before the check's answer (a move comes as
+        # the check's own ticket, never here): a preemption, so it goes where preempted GPU decodes
+        # go, not back to the engine that just ran out of blocks.
+        after_prefill = t.prefill_check and kind == "gpu_decode" and (end.in_place or t.pinned_route is not None)
+        t.prefill_check = False
         if end.outcome == "backpressure":  # the pool's bounded queue is full: not a fault
             self._count(f"rejected_total|hop={kind}")
             if kind == "gpu_decode" and t.pinned_route is None and end.has_handoff and not t.backpressured:

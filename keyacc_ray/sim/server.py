@@ -262,7 +262,7 @@ class SimServer:
     def _check(self, e: SimEngine, live: Live) -> None:
         """The pool's check with the router after a period (or a colocated prefill): the same
         hop goes on in place; another one takes the sequence, its KV moved."""
-        end = HopEnd("handoff", self.now - live.hop_t, live.generated, True)
+        end = HopEnd("handoff", self.now - live.hop_t, live.generated, True, in_place=True)
 
         def answered(nt: Ticket, live: Live) -> None:
             if nt.hop == live.ticket.hop:

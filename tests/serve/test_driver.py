@@ -144,7 +144,7 @@ class CheckingPool(FakePool):
             last = done == req.params["max_tokens"]
             yield [TokenChunk([tok], f"<{tok}>", "length" if last else None, len(PROMPT), done)]
             if not last and period and here % period == 0:
-                nt = await self.router.advance(copy.deepcopy(t), HopEnd("handoff", 0.0, done, True))  # as over gRPC
+                nt = await self.router.advance(copy.deepcopy(t), HopEnd("handoff", 0.0, done, True, in_place=True))  # as over gRPC
                 self.checks += 1
                 if nt.hop != t.hop:
                     yield [TicketUpdate(nt), Handoff(req.request_id, None, [], list(req.prompt_token_ids) +
@@ -754,4 +754,32 @@ def test_a_router_wait_is_cancelled_even_when_its_event_is_set_at_the_same_momen
             waiter.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await waiter
+    asyncio.run(run())
+
+
+def test_a_colocated_hop_preempted_before_its_after_prefill_check_answered_goes_where_preempted_decodes_go():
+    """One GPU engine for both phases checks with the router after the first token (in place, the
+    sequence decoding on). If the engine preempts the sequence first (out of KV blocks), the driver
+    reports the hand-off with the ticket still marked `prefill_check`: that is a preemption, and it
+    goes to the CPU pool as preempted GPU decodes do, not back to the GPU engine that just ran out
+    of blocks (which the policy's after-prefill answer could choose). The pool's own check (in
+    place) is the after-prefill decision."""
+    r = Router(["CpuDecode"], "stage_offload", {}, monitor=_Unreachable(), colocated_gpu=True)
+    r.snapshot = three_pools_snapshot()
+    asked = []
+
+    def after_prefill(req, load):
+        asked.append(req.num_output_tokens)
+        return "gpu"
+    r.policy.after_prefill = after_prefill
+
+    async def run():
+        t = await r.begin(Ticket("pre", 64, 96))
+        assert t.hop == "gpu_decode" and t.prefill_check
+        nt = await r.advance(copy.deepcopy(t), HopEnd("handoff", 0.1, 3, True))  # the driver, after a preemption
+        assert nt.hop == "cpu_decode/0" and not nt.prefill_check and asked == []
+        assert r._counters.get("gpu_preemptions_moved_total") == 1
+        t2 = await r.begin(Ticket("chk", 64, 96))
+        nt2 = await r.advance(copy.deepcopy(t2), HopEnd("handoff", 0.1, 1, True, in_place=True))  # the pool's check
+        assert nt2.hop == "gpu_decode" and asked == [1]
     asyncio.run(run())
