@@ -61,8 +61,12 @@ def uniforms(seeds: list[int], positions: list[int]) -> np.ndarray:
     if len(seeds) <= 16:
         return np.array([(_mix_int(_mix_int(s % 2**64) ^ p) >> 11) * 2.0 ** -53 for s, p in zip(seeds, positions)])
     s = np.array([x % 2**64 for x in seeds], dtype=np.uint64)
-    p = np.array(positions, dtype=np.uint64)
-    return (_mix(_mix(s) ^ p) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+    return _draws(_mix(s), np.array(positions, dtype=np.uint64))
+
+
+def _draws(premixed: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """uniforms() from the seeds already through _mix once (uint64 arrays)."""
+    return (_mix(premixed ^ positions) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
 
 class _Plan:
@@ -93,7 +97,7 @@ class _Plan:
         p = np.array(positions, dtype=np.uint64)
         if len(self.rows) < len(positions):
             p = p[self.rows]
-        return (_mix(self.seeds ^ p) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+        return _draws(self.seeds, p)
 
 
 class Sampler:

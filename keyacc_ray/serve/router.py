@@ -50,17 +50,10 @@ class _Held:
     admitted: asyncio.Future  # its ticket, entered on its first hop, once a place is found
 
 
-async def _wait_at_most(event: asyncio.Event, timeout_s: float, set_on_timeout: bool = False) -> None:
+async def _wait_at_most(event: asyncio.Event, timeout_s: float) -> None:
     """Until the event is set or `timeout_s` passed. A timer, not asyncio.wait_for: Python 3.11's
     wait_for can swallow a cancellation that meets the event being set (the refresher would
     outlive its router; a cancelled `begin` would go on and count its request in flight)."""
-    if set_on_timeout:
-        timer = asyncio.get_running_loop().call_later(timeout_s, event.set)
-        try:
-            await event.wait()
-        finally:
-            timer.cancel()
-        return
     waiter = asyncio.get_running_loop().create_future()
     timer = asyncio.get_running_loop().call_later(timeout_s, lambda: waiter.done() or waiter.set_result(None))
     watch = asyncio.ensure_future(event.wait())
@@ -160,7 +153,7 @@ class Router:
                 continue
             self._wake = wake = asyncio.Event()
             try:
-                await _wait_at_most(wake, REFRESH_IDLE_S, set_on_timeout=True)
+                await _wait_at_most(wake, REFRESH_IDLE_S)
             finally:
                 self._wake = None
 
