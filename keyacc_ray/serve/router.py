@@ -101,6 +101,7 @@ class Router:
         self._counters: dict[str, float] = {}
         self._refresher: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None  # set by a request while the refresher idles
+        self._refreshed: asyncio.Event | None = None  # set after the refresher's next snapshot
         if monitor is None:
             import ray  # (here: the simulator runs this class without Ray)
 
@@ -147,6 +148,8 @@ class Router:
                     pass
             self.snapshot_age_s = time.monotonic() - last_ok
             self._first_try.set()
+            if self._refreshed is not None:
+                self._refreshed.set()
             self._release_held()  # places the new snapshot shows; holds that ran out
             if not self.idle():
                 await asyncio.sleep(REFRESH_EVERY_S)
@@ -473,7 +476,14 @@ class Router:
         raise AssertionError(f"no hop after {prev}")
 
     async def snapshot_dict(self) -> dict:
+        """The figures /metrics shows. While the refresher idles its snapshot may be REFRESH_IDLE_S
+        old: a scrape wakes it and answers with the next one (the load as of the scrape)."""
+        idle = self._wake is not None
+        if idle:
+            self._refreshed = fresh = asyncio.Event()
         self._ensure_refresher()
+        if idle:
+            await _wait_at_most(fresh, FIRST_SNAPSHOT_WAIT_S)
         snap = self.snapshot
         return {"snapshot": snap.to_dict() if snap is not None else None,
                 "snapshot_age_s": self.snapshot_age_s, "policy": self.policy.name,

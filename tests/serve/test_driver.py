@@ -726,6 +726,8 @@ def test_an_idle_router_refreshes_its_snapshot_seldom_and_at_once_when_a_request
         await asyncio.sleep(0.6)
         assert len(asks) == settled, asks  # idle again
         assert r.idle() and router_mod.REFRESH_IDLE_S > 1.0
+        await r.snapshot_dict()  # a scrape while idle answers with a snapshot taken for it
+        assert len(asks) == settled + 1 and r.snapshot.version == len(asks)
     asyncio.run(run())
 
 
