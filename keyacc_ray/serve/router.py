@@ -102,6 +102,7 @@ class Router:
         self._refresher: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None  # set by a request while the refresher idles
         self._refreshed: asyncio.Event | None = None  # set after the refresher's next snapshot
+        self._monitor_by_name = monitor is None  # looked up by name: after a restart, look it up again
         if monitor is None:
             import ray  # (here: the simulator runs this class without Ray)
 
@@ -142,7 +143,7 @@ class Router:
                 try:
                     import ray
 
-                    if ray.is_initialized():
+                    if self._monitor_by_name and ray.is_initialized():
                         self.monitor = ray.get_actor(MONITOR_NAME, namespace=MONITOR_NAMESPACE)
                 except Exception:  # noqa: BLE001
                     pass

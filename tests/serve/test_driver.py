@@ -731,6 +731,30 @@ def test_an_idle_router_refreshes_its_snapshot_seldom_and_at_once_when_a_request
     asyncio.run(run())
 
 
+def test_a_router_given_its_monitor_keeps_it_when_ray_runs_a_named_one(monkeypatch):
+    """A router handed a monitor (tests, the simulator) keeps it when a call to it fails, even
+    with Ray up in the same process and a detached monitor of that name alive: it did not look it
+    up by name, so it does not look it up again (it did, and sent its counters to the other
+    monitor: a unit test failed in the full suite after an e2e test left Ray up)."""
+    import ray
+
+    async def answer(since):
+        return three_pools_snapshot()
+
+    named = FakeMonitor(answer)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_actor", lambda *a, **k: named)
+    router = make()[1]
+
+    async def run():
+        t = await router.begin(Ticket("a", 64, 96))
+        await asyncio.sleep(0.5)  # in flight: the refresher tries the monitor every REFRESH_EVERY_S
+        await router.finish(t, HopEnd("done", 0.5, 96, finished=True))
+    asyncio.run(run())
+    assert isinstance(router.monitor, _Unreachable) and not named.counted
+    assert router._counters["requests_started_total|route=gpu,reason=policy"] == 1
+
+
 def test_a_router_wait_is_cancelled_even_when_its_event_is_set_at_the_same_moment():
     """The router's bounded waits (the first snapshot, the idle refresher) end on the event or the
     timeout, and a cancellation that meets the event being set still cancels the waiter (Python
