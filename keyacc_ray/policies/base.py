@@ -96,6 +96,11 @@ class LoadView:
     def gpu_queue(self) -> int:
         return self.gpu_decode.queue if self.colocated else self.gpu_prefill.queue + self.gpu_decode.queue
 
+    @property
+    def gpu_inflight(self) -> int:
+        """The router's requests on the GPU, prefill and decode (colocated: one engine's, once)."""
+        return self.gpu_decode.inflight if self.colocated else self.gpu_prefill.inflight + self.gpu_decode.inflight
+
 
 class Policy:
     name = "base"

@@ -110,7 +110,7 @@ def flooded(policy: Policy, req: RequestView, load: LoadView) -> bool:
     waiting = load.gpu_queue
     if batch is not None:
         limit = min(limit, batch)
-        waiting = max(waiting, load.gpu_prefill.inflight + load.gpu_decode.inflight - batch)
+        waiting = max(waiting, load.gpu_inflight - batch)
     return waiting > limit
 
 
@@ -121,7 +121,7 @@ def gpu_places(policy: Policy, req: RequestView, load: LoadView) -> int:
     batch = gpu_batch(req, load)
     if batch is None or load.gpu_queue > 0:
         return 0
-    places = batch - load.gpu_prefill.inflight - load.gpu_decode.inflight
+    places = batch - load.gpu_inflight
     if places <= 0 or not fits(req, load.gpu_decode):
         return 0
     return places

@@ -199,6 +199,27 @@ def test_flood_limit_is_one_gpu_batch_when_that_is_less_than_the_option(name):
 
 
 @pytest.mark.parametrize("name", ["full_offload", "auto"])
+def test_a_colocated_gpu_engines_requests_count_once(name):
+    """With one GPU engine for both phases (the default graph) the view's prefill load is the
+    decode load: its requests in flight are counted once in the flood limit and the places left
+    (they were counted twice: on the simulated L40S scenario every request beyond half a batch
+    overflowed to the CPU pool while the GPU had room for it)."""
+    clock = Clock()
+    p = make_policy(name, {"trigger_window_s": 5.0, "max_hold_s": 0}, clock=clock)
+    gpu = PoolLoad(queue=0, free_blocks=400, total_blocks=400, slots=256, inflight=30, known=True)  # batch: 100
+    v = LoadView(gpu_prefill=gpu, gpu_decode=gpu, cpu=PoolLoad(slots=64, inflight=64, free_blocks=100, known=True),
+                 colocated=True)
+    assert v.gpu_inflight == 30 and p.route(REQ, v) == "gpu"
+    gpu.inflight = 90  # within one batch: room for 10
+    assert p.route(REQ, v) == "gpu"
+    gpu.inflight = 130  # more than a batch waits (100 + the limit of 24 exceeded): overflow
+    assert p.route(REQ, v) == "cpu"
+    split = LoadView(gpu_prefill=PoolLoad(inflight=30, known=True), gpu_decode=PoolLoad(
+        free_blocks=400, total_blocks=400, slots=256, inflight=95, known=True), cpu=v.cpu)
+    assert split.gpu_inflight == 125 and p.route(REQ, split) == "cpu"  # two engines: both phases count
+
+
+@pytest.mark.parametrize("name", ["full_offload", "auto"])
 def test_no_request_queues_on_the_cpu_while_the_gpu_has_room(name):
     """The GPU gate is on (sustained overload), but right now nothing waits on the GPU and a
     decode batch has a free place, while the CPU pool's slots are all taken: the GPU, at once."""
