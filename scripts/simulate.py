@@ -12,6 +12,18 @@ simulated) with the errors of the simulation as the last line's JSON (throughput
 ttft_p50_mape, tpot_p50_mape, harvest_abs_err, ranking_agrees):
 
     python scripts/simulate.py --validate results/bench-XXXX/report.json
+
+Planning on hardware described by published figures (keyacc_ray/sim/hardware.py: the H200 host,
+an L40S beside two 8-channel Xeon sockets, cluster.yaml's shape serving a 70B model): per policy
+the most clients within the scenario's TTFT/TPOT objective and the gains against gpu_only, as
+markdown tables and a JSON line (docs/planning.md):
+
+    python scripts/simulate.py --plan                      # every scenario
+    python scripts/simulate.py --plan l40s-2socket --tpot-slo 0.3
+
+An hour of Poisson traffic on a scenario, to time the simulator:
+
+    python scripts/simulate.py --hour l40s-2socket
 """
 from __future__ import annotations
 
@@ -103,6 +115,64 @@ def compare(real: dict, sim: dict) -> dict:
             "ranking_agrees": rank(real) == rank(sim), "real_ranking": rank(real), "sim_ranking": rank(sim)}
 
 
+def plan_tables(names: list[str], args) -> None:
+    import dataclasses
+
+    from keyacc_ray.sim.hardware import SCENARIOS
+    from keyacc_ray.sim.plan import plan
+
+    out = []
+    for name in names or list(SCENARIOS):
+        sc = SCENARIOS[name]
+        if args.tpot_slo or args.ttft_slo:
+            sc = dataclasses.replace(sc, tpot_slo_s=args.tpot_slo or sc.tpot_slo_s, ttft_slo_s=args.ttft_slo or sc.ttft_slo_s)
+        t0 = time.time()
+        rep = plan(sc, args.policies, ramp_s=args.plan_ramp, measure_s=args.plan_measure,
+                   log=print if args.verbose else None)
+        rep["sim_wall_s"] = round(time.time() - t0, 1)
+        out.append(rep)
+        wl = sc.workload
+        print(f"\n### {sc.title}\n\n{sc.model.name}; GPU pool {rep['gpu']} ({rep['gpu_bw_gb_s_total']:g} GB/s, "
+              f"{rep['gpu_kv_tokens_per_replica']} KV tokens a replica); CPU pool {rep['cpu']} "
+              f"(**CPU bandwidth {rep['cpu_bw_gb_s_per_replica']:g} GB/s a replica, {rep['cpu_bw_gb_s_total']:g} GB/s in "
+              f"all**; {rep['cpu_slots_per_replica']} slots and {rep['cpu_prefill_chunk']} prompt tokens a step a replica, "
+              f"from the TPOT objective). Batch-1 step: GPU {rep['gpu_step_ms_batch1']} ms, CPU {rep['cpu_step_ms_batch1']} "
+              f"ms. Objective: p99 TTFT <= {sc.ttft_slo_s:g} s, p99 TPOT <= {sc.tpot_slo_s:g} s. Prompts "
+              f"{wl.prompt_tokens[0]}-{wl.prompt_tokens[1]}, outputs {wl.output_tokens[0]}-{wl.output_tokens[1]} tokens "
+              f"(max_tokens {wl.max_tokens}). {sc.notes}\n")
+        print("| policy | clients within objective | output tok/s there | p99 TTFT s | p99 TPOT s | CPU token share | "
+              "concurrency gain | throughput gain |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for p, r in rep["policies"].items():
+            if r.get("note"):
+                print(f"| {p} | - | - | - | - | - | - | - ({r['note']}) |")
+                continue
+            print(f"| {p} | {r['clients_within_slo']} | {r['output_tok_per_s']} | {r['ttft_p99_s']} | {r['tpot_p99_s']} | "
+                  f"{r['cpu_token_share']} | {r['concurrency_gain']} | {r['throughput_gain']} |")
+    print(json.dumps({"plan": out}))
+
+
+def hour(name: str, args) -> None:
+    """An hour of Poisson traffic at the rate the GPU pool alone would about serve, under auto."""
+    from keyacc_ray.sim.hardware import SCENARIOS
+    from keyacc_ray.sim.plan import POLICY_OPTIONS
+    from keyacc_ray.sim.report import summarize
+    from keyacc_ray.sim.server import SimServer
+    from keyacc_ray.sim.workload import Workload
+
+    sc = SCENARIOS[name]
+    wl = sc.workload
+    gen = Workload(kind="poisson", rate=args.rate, duration_s=3600.0, prompt_tokens=wl.prompt_tokens,
+                   output_tokens=wl.output_tokens, max_tokens=wl.max_tokens, seed=1)
+    reqs = gen.requests()
+    t0 = time.time()
+    srv = SimServer(sc.spec(), "auto", POLICY_OPTIONS)
+    done = srv.run(reqs)
+    s = summarize(done)
+    print(json.dumps({"scenario": name, "simulated_s": round(srv.now, 1), "requests": len(reqs),
+                      "output_tokens": s["output_tokens"], "cpu_token_share": s["cpu_token_share"],
+                      "ttft_p99_s": s["ttft_p99_s"], "tpot_p99_s": s["tpot_p99_s"], "wall_s": round(time.time() - t0, 1)}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="this-box-medium-cpu", help="step-time profile of both pools' devices")
@@ -122,7 +192,19 @@ def main() -> None:
     ap.add_argument("--handoff-fixed-ms", type=float, default=10.0, help="fixed cost of a hand-off (calls, export)")
     ap.add_argument("--stack-ms-per-token", type=float, default=0.7, help="serving stack CPU per token (#22's figure)")
     ap.add_argument("--stack-cores", type=float, default=2.0, help="cores the stack shares with the engines")
+    ap.add_argument("--plan", nargs="*", metavar="SCENARIO", help="plan on these scenarios (none named: all)")
+    ap.add_argument("--ttft-slo", type=float, default=None, help="--plan: p99 TTFT objective, s (else the scenario's)")
+    ap.add_argument("--tpot-slo", type=float, default=None, help="--plan: p99 TPOT objective, s (else the scenario's)")
+    ap.add_argument("--plan-ramp", type=float, default=30.0, help="--plan: seconds before each run's window")
+    ap.add_argument("--plan-measure", type=float, default=90.0, help="--plan: each run's measured window, s")
+    ap.add_argument("--hour", metavar="SCENARIO", help="simulate an hour of Poisson traffic on a scenario")
+    ap.add_argument("--rate", type=float, default=3.0, help="--hour: requests per second")
+    ap.add_argument("--verbose", action="store_true", help="--plan: every run of the search")
     args = ap.parse_args()
+    if args.plan is not None:
+        return plan_tables(args.plan, args)
+    if args.hour:
+        return hour(args.hour, args)
     cpu = StepTime.load(args.profile)
     gpu = StepTime.load(args.gpu_profile) if args.gpu_profile else cpu
     spec = this_box(args, gpu, cpu)

@@ -91,14 +91,21 @@ class SimServer:
                              clock=clock)
         self.router._ready = _ready  # no refresher task: snapshots come from this loop (below)
         g = spec.gpu
-        self.hops: dict[str, SimEngine] = {"gpu_decode": SimEngine(
-            "gpu0", "GpuDecode", "gpu", g.steptime, g.max_num_seqs, g.num_blocks, g.block_size, g.max_prefill_tokens,
-            g.lazy, g.max_waiting, spec.max_model_len)}
+        # every engine by name; a hop's replicas (the GPU deployment's, behind one hop as Serve
+        # balances them; a CPU hop is one deployment of one replica, the router picks among them)
+        self.hops: dict[str, SimEngine] = {}
+        self._replicas: dict[str, list[SimEngine]] = {}
+        for i in range(max(1, g.replicas)):
+            e = SimEngine(f"gpu{i}", "GpuDecode", "gpu", g.steptime, g.max_num_seqs, g.num_blocks, g.block_size,
+                          g.max_prefill_tokens, g.lazy, g.max_waiting, spec.max_model_len)
+            self.hops["gpu_decode" if i == 0 else f"gpu_decode#{i}"] = e
+            self._replicas.setdefault("gpu_decode", []).append(e)
         c = spec.cpu
         for i, name in enumerate(cpu_names if c.replicas > 0 else []):
-            self.hops[f"cpu_decode/{i}"] = SimEngine(f"cpu{i}", name, "cpu", c.steptime, c.max_num_seqs,
-                                                     c.num_blocks, c.block_size, c.max_prefill_tokens, c.lazy,
-                                                     c.max_waiting, spec.max_model_len)
+            e = self.hops[f"cpu_decode/{i}"] = SimEngine(f"cpu{i}", name, "cpu", c.steptime, c.max_num_seqs,
+                                                         c.num_blocks, c.block_size, c.max_prefill_tokens, c.lazy,
+                                                         c.max_waiting, spec.max_model_len)
+            self._replicas[f"cpu_decode/{i}"] = [e]
         self.live: dict[str, Live] = {}
         self.done: list[Live] = []
         self._suspended = 0
@@ -119,16 +126,18 @@ class SimServer:
         """Simulate until every request is done (or `until_s`); the requests that finished."""
         return asyncio.run(self._run(requests, until_s))
 
-    def run_closed(self, clients: int, send_for_s: float, make) -> list[Live]:
+    def run_closed(self, clients: int, send_for_s: float, make, stagger_s: float = 0.0) -> list[Live]:
         """The bench's closed loop: `clients` clients each send a request (`make(i)`: the i-th
         SimRequest), and the next one as soon as it ends, until `send_for_s`; then the last ones
-        finish."""
+        finish. The clients start together (the bench's), or one after another over `stagger_s`
+        (load that builds up, as a service's does)."""
         self._closed = (make, send_for_s, [0])
         first = []
         for c in range(clients):
             r = make(self._closed[2][0])
             self._closed[2][0] += 1
             r.client = c
+            r.arrival = stagger_s * c / clients
             first.append(r)
         return asyncio.run(self._run(first, None))
 
@@ -139,7 +148,7 @@ class SimServer:
             else:
                 self._next_of_client.setdefault(r.client, []).append(r)
         for c, reqs in self._next_of_client.items():
-            self.at(0.0, self._arrive, reqs.pop(0))
+            self.at(reqs[0].arrival, self._arrive, reqs.pop(0))
         self.at(0.0, self._report)
         self.at(0.0, self._refresh)
         self.at(RECALL_EVERY_S, self._recall)
@@ -183,7 +192,7 @@ class SimServer:
             live.error = t.error.body["error"]["message"] if t.error is not None else "no hop"
             self._end(live)
             return
-        e = self.hops[t.hop]
+        e = self._pick(t.hop)
         with_kv = live.generated > 0
         if not e.add(live.req.rid, live.req.prompt_tokens, live.generated, live.req.max_tokens, with_kv,
                      movable=t.move_on_preempt):
@@ -195,6 +204,14 @@ class SimServer:
         live.ticket, live.hop_t, live.produced, live.export_after = t, self.now, 0, t.export_after
         live.segments.append([e.pool, 0])
         self._kick(e)
+
+    def _pick(self, hop: str) -> SimEngine:
+        """The replica a hop's request goes to: the one with the fewest sequences (Serve's
+        balancing by queue length, without its sampling of two)."""
+        reps = self._replicas[hop]
+        if len(reps) == 1:
+            return reps[0]
+        return min(reps, key=lambda e: e.scheduler.num_running + e.scheduler.num_waiting)
 
     def _end(self, live: Live) -> None:
         live.done_t = self.now
@@ -263,9 +280,10 @@ class SimServer:
         """The pool's check with the router after a period (or a colocated prefill): the same
         hop goes on in place; another one takes the sequence, its KV moved."""
         end = HopEnd("handoff", self.now - live.hop_t, live.generated, True, in_place=True)
+        here = live.ticket.hop  # (the router answers with the same Ticket, its hop changed in place)
 
         def answered(nt: Ticket, live: Live) -> None:
-            if nt.hop == live.ticket.hop:
+            if nt.hop == here:
                 live.ticket, live.produced, live.export_after = nt, 0, nt.export_after
                 return
             if live.req.rid in e.seqs:

@@ -122,8 +122,10 @@ def test_time_bound_closed_loop_as_the_bench_runs_it():
         if lv.req.client in per_client:  # the next one left when the last one ended
             assert abs(lv.req.arrival - per_client[lv.req.client]) < 1e-9
         per_client[lv.req.client] = lv.done_t
-    slow = SimServer(spec(stack_s_per_token=0.002, stack_cores=2.0), "auto", FAST).run_closed(12, 5.0, make)
-    assert summarize(slow)["output_tokens_per_s"] < 0.9 * summarize(done)["output_tokens_per_s"]
+    # (gpu_only: one pool, so that no routing decision moves with the step times)
+    fast = SimServer(spec(), "gpu_only").run_closed(12, 5.0, make)
+    slow = SimServer(spec(stack_s_per_token=0.002, stack_cores=2.0), "gpu_only").run_closed(12, 5.0, make)
+    assert summarize(slow)["output_tokens_per_s"] < 0.9 * summarize(fast)["output_tokens_per_s"]
 
 
 def test_validation_arithmetic():
@@ -152,3 +154,53 @@ def test_validation_arithmetic():
     assert got["ttft_p50_mape"] == round(0.5 / 4, 4) and got["tpot_p50_mape"] == 0.0
     assert got["harvest_abs_err"] == 0.2 and got["ranking_agrees"] is True
     assert got["tok_s_real_sim"]["auto"]["8"] == [400, 300] and got["tok_s_real_sim"]["cpu_alone"] == [400, 380]
+
+
+def test_a_check_answered_with_another_hop_moves_the_sequence():
+    """A request pinned to `stage` (prefill on the GPU, decode on the CPU pool): the pool's check
+    after the first token is answered with the CPU hop, and the sequence leaves the GPU engine and
+    decodes on the CPU engine (the router answers with the same Ticket, its hop changed in place:
+    compared with itself, every such answer looked like "stay", and the GPU kept decoding what
+    the router counted on the CPU)."""
+    from keyacc_ray.sim.workload import SimRequest
+
+    srv = SimServer(spec(), "gpu_only")
+    done = srv.run([SimRequest(f"s{i}", 40, 30, 30, route="stage") for i in range(4)])
+    assert all([p for p, _ in lv.segments] == ["gpu", "cpu"] and lv.segments[0][1] == 1 for lv in done)
+    assert srv.hops["gpu_decode"].tokens_generated == 4 and srv.hops["cpu_decode/0"].tokens_generated == 4 * 29
+
+
+def test_planning_scenarios_and_search():
+    """The planning scenarios build (KV from the memory left after the weights, the CPU pool's
+    slots and prompt chunk from the TPOT objective), the roofline step takes the longer of bytes
+    and FLOPs, and the search finds the most clients within the objective on a hand-checked case."""
+    from keyacc_ray.sim.hardware import SCENARIOS
+    from keyacc_ray.sim.plan import max_clients, meets
+    from keyacc_ray.sim.steptime import roofline
+
+    st = roofline("x", 2e9, 1e9, 1e12, 1e14, 1000, 0.5, 0.5)  # 4 ms to read the weights, 40 us a token
+    assert st.seconds(0, 1, 0) == pytest.approx(0.004)  # bandwidth-bound
+    assert st.seconds(1000, 0, 0) == pytest.approx(0.04)  # compute-bound
+    assert st.seconds(0, 1, 2_000_000) == pytest.approx(0.008)  # + 4 ms of KV
+    for sc in SCENARIOS.values():
+        sp, d = sc.spec(), sc.describe()
+        assert sp.gpu.num_blocks * 16 * sc.model.kv_bytes_per_token() + sc.model.weight_bytes(
+            sc.gpu.weight_bytes_per_param) <= sc.gpu.device.mem_bytes
+        rows = sc.cpu_slots()
+        if rows:
+            ctx = sc.workload.mean_context
+            assert sp.cpu.steptime.seconds(0, rows, int(rows * ctx)) <= 0.8 * sc.tpot_slo_s
+            assert sp.cpu.steptime.seconds(sp.cpu.max_prefill_tokens, rows, int(rows * ctx)) <= sc.tpot_slo_s
+            assert rows == sc.cpu.max_num_seqs or sp.cpu.steptime.seconds(
+                0, rows + 1, int((rows + 1) * ctx)) > 0.8 * sc.tpot_slo_s
+        assert d["cpu_bw_gb_s_total"] > 0
+    # one GPU engine of 8 slots, steps of 10 ms + 0.2 ms a row, 20-token requests: a client's
+    # request takes about 0.2 s; beyond 8 clients they queue, TTFT grows by a request per 8
+    one = ServerSpec(PoolSpec(StepTime("g", 0.01, 0.0, 0.0002, 0.0), max_num_seqs=8, num_blocks=1000),
+                     PoolSpec(CPU, max_num_seqs=8, num_blocks=256))
+
+    class W:
+        prompt_tokens, output_tokens, max_tokens = (16, 16), (20, 20), 20
+    c, s, tried = max_clients(one, "gpu_only", W, ttft_slo_s=0.3, tpot_slo_s=1.0, ramp_s=2.0, measure_s=6.0)
+    assert meets(s, 0.3, 1.0) and 8 <= c < 32
+    assert not meets(dict(tried)[max(k for k, _ in tried if k > c)], 0.3, 1.0)
