@@ -35,6 +35,7 @@ REFRESH_EVERY_S = 0.1
 REFRESH_IDLE_S = 2.0
 FIRST_SNAPSHOT_WAIT_S = 1.0
 ACTIVE_TTL_S = 1800.0  # a request not heard of for this long no longer counts as in flight
+FINISHED_KEEP_S = 120.0  # how long a finished request's id is kept, to recognise a check that crossed its end
 # A request recalled from a CPU queue counts on the GPU from the recall until its driver asks for
 # its next hop (a few ms), so that new arrivals do not take the same places; if it never comes
 # (it started on the CPU before it could leave), the count lapses after this long.
@@ -92,6 +93,7 @@ class Router:
         self.inflight_tokens = {h: 0 for h in self.deployment_of}  # KV each hop's requests reserve (tokens)
         self._pending_blocks = {h: 0 for h in self.deployment_of}  # blocks sent there since the last snapshot
         self._recalled: dict[str, float] = {}  # request id -> when recall sent it to the GPU (not there yet)
+        self._finished: dict[str, float] = {}  # request id -> when it finished, oldest first (FINISHED_KEEP_S)
         self._held: deque[_Held] = deque()  # new requests waiting here for a place, oldest first
         self._policy_counted: dict[str, int] = {}
         self.output_lengths = OutputLengths()  # what requests really generate: their KV estimate
@@ -365,6 +367,12 @@ class Router:
 
     async def advance(self, t: Ticket, end: HopEnd) -> Ticket:
         """The request's hop ended with a hand-off, a full queue or a failure: where next."""
+        if t.request_id in self._finished:
+            # A pool's period check that crossed the request's end (the sequence decodes on while
+            # the pool asks): nothing left to decide or count; entered on a hop again, it would count
+            # in flight there for good (ACTIVE_TTL_S) and the policies would see a pool that is not.
+            self._count("late_checks_total")
+            return t
         await self._ready()
         t = await self._advance(t, end)
         self._release_held()  # after the request entered its next hop: what it left is free only now
@@ -444,6 +452,13 @@ class Router:
             held.admitted.cancel()
             self._held.remove(held)
         self._leave(t, end)
+        now = self.clock()
+        self._finished[t.request_id] = now
+        while self._finished:
+            rid, since = next(iter(self._finished.items()))
+            if now - since <= FINISHED_KEEP_S:
+                break
+            del self._finished[rid]
         if end.finished:
             self.output_lengths.observe(end.num_output_tokens)
         self._release_held()

@@ -731,6 +731,29 @@ def test_an_idle_router_refreshes_its_snapshot_seldom_and_at_once_when_a_request
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("answer", ["cpu_decode/0", "gpu_decode"])
+def test_a_period_check_that_crosses_the_requests_end_counts_nothing(answer):
+    """The pool's sequence decodes on while its period check is on the way; the request can
+    finish and the driver's finish reach the router first. The check then decides nothing: it
+    was entered on a hop again (in place or moved) and counted in flight there for good (an e2e
+    test saw the router's in-flight counts never settle)."""
+    router = make(colocated=True)[1]
+
+    async def run():
+        t = await router.begin(Ticket("a", 64, 96))
+        assert t.hop == "gpu_decode"
+        check = copy.copy(t)  # the pool's copy
+        await router.finish(t, HopEnd("done", 0.5, 96, finished=True))
+        if answer != "gpu_decode":  # the policy would have moved it
+            router.policy.after_prefill = lambda *a: "cpu"
+        nt = await router.advance(check, HopEnd("handoff", 0.4, 1, True, in_place=True))
+        assert nt.hop == "gpu_decode"  # unchanged: the pool does nothing with it
+        assert settled(router) and router._counters["late_checks_total"] == 1
+        t2 = await router.begin(Ticket("b", 64, 96))  # other requests are counted as ever
+        assert router.inflight["gpu_decode"] == 1 and t2.hop == "gpu_decode"
+    asyncio.run(run())
+
+
 def test_a_router_given_its_monitor_keeps_it_when_ray_runs_a_named_one(monkeypatch):
     """A router handed a monitor (tests, the simulator) keeps it when a call to it fails, even
     with Ray up in the same process and a detached monitor of that name alive: it did not look it
