@@ -16,7 +16,7 @@ from keyacc_ray.engine.kv_package import KVMeta, KVPackage, dtype_name, to_engin
 from keyacc_ray.engine.request import SamplingParams, Sequence, SeqStatus
 from keyacc_ray.engine.runner import ModelRunner, StepItem
 from keyacc_ray.engine.sampling import Sampler
-from keyacc_ray.engine.scheduler import Scheduler
+from keyacc_ray.engine.scheduler import PrefillRate, Scheduler
 from keyacc_ray.engine.structured import Grammars
 from keyacc_ray.engine.tiers import LowerTiers
 from keyacc_ray.errors import InvalidRequest, ModelLoadError, Overloaded
@@ -68,6 +68,7 @@ class EngineStats:
     # blocks held; blocks held below but computed again (cheaper than loading them)
     kv_tiers: dict | None = None
     histograms: dict | None = None  # histogram.ENGINE_HISTOGRAMS' names -> Histogram.to_dict()
+    prefill_tokens_per_s: float = 0.0  # scheduler.PrefillRate: how fast prompts go through here lately
 
 
 class LLMEngine:
@@ -116,6 +117,7 @@ class LLMEngine:
         # the CPU kernels sample too, where built; grammars: structured outputs' token masks
         self.sampler = Sampler(self.runner.kernels, Grammars(self.tokenizer, self.runner.vocab_size, self.eos_ids))
         self.tokens_generated = 0
+        self.prefill_rate = PrefillRate()
         # vLLM's queue / prefill / decode / inference times and tokens per step, as this engine sees them
         self.histograms = {name: Histogram(b) for name, (b, _) in ENGINE_HISTOGRAMS.items()}
         # Lazy KV: sequences that leave (exported, KV and all) when preempted instead of being
@@ -279,15 +281,18 @@ class LLMEngine:
         return self._postprocess(seqs, sampled)
 
     def _prefill_timed(self, prefill: list, t0: float, logits) -> None:
-        """The lower tiers' cost model: the prefill rate of steps with many prompt tokens."""
-        if self.tiers is None:
-            return
+        """The prefill rate of steps with many prompt tokens: what the router's policies read (a
+        prompt sent whole to this pool takes about its tokens / this rate), and the lower tiers'
+        cost model."""
         tokens = sum(n for _, n in prefill)
-        if tokens < 64:
+        if tokens < PrefillRate.MIN_TOKENS:
             return
         if logits is not None and logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)
-        self.tiers.prefill_measured(tokens, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.prefill_rate.observe(tokens, seconds)
+        if self.tiers is not None and tokens >= 64:
+            self.tiers.prefill_measured(tokens, seconds)
 
     def _cache_blocks(self, s: Sequence) -> None:
         """Key the sequence's blocks that are full and computed, for later prompts to share."""
@@ -454,7 +459,7 @@ class LLMEngine:
                            self.config.max_num_seqs, self.tokens_generated, self.runner.device_label(),
                            self.scheduler.num_preemptions, self.blocks.queries, self.blocks.hits,
                            self.blocks.num_cached_blocks, self.blocks.evictions, self._tier_stats(),
-                           {name: h.to_dict() for name, h in self.histograms.items()})
+                           {name: h.to_dict() for name, h in self.histograms.items()}, self.prefill_rate.tokens_per_s)
 
     def _tier_stats(self) -> dict | None:
         t = self.tiers

@@ -193,3 +193,20 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+
+class PrefillRate:
+    """How fast prompts go through an engine lately: prompt tokens a second of the steps with
+    MIN_TOKENS or more of them (decode rows sharing those steps included: what a prompt sent
+    there meets), smoothed. 0 until measured. The router's policies read it (LLMEngine and the
+    simulator's SimEngine keep one each)."""
+
+    MIN_TOKENS = 32
+
+    def __init__(self):
+        self.tokens_per_s = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens >= self.MIN_TOKENS and seconds > 0:
+            rate, old = tokens / seconds, self.tokens_per_s
+            self.tokens_per_s = rate if not old else 0.8 * old + 0.2 * rate

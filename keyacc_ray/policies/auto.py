@@ -6,7 +6,8 @@ whole requests go to the CPU (full offload's rule, `whole_request_route`). CPU d
 periods and move back after the memory check, as in both modes."""
 from keyacc_ray.policies import register
 from keyacc_ray.policies.base import LoadView, Policy, RequestView
-from keyacc_ray.policies.hysteresis import check_hold, gate, recall_waiting, return_decision, whole_request_route
+from keyacc_ray.policies.hysteresis import (check_whole_request_options, gate, recall_waiting, return_decision,
+                                             whole_request_route)
 from keyacc_ray.policies.stage_offload import decode_placement
 
 DEFAULTS = {
@@ -21,6 +22,12 @@ DEFAULTS = {
     # box's bench it cut full_offload's p99 TTFT at 40 clients with fixed output lengths (5.2 -> 2 s)
     # but raised p50 TTFT with spread ones (docs/benchmarks.md "Session 11")
     "max_hold_s": 0.0,
+    # a whole request goes to the CPU pool only if its prompt goes through there within this long
+    # (prompt tokens / the pool's measured prefill rate); else it stays on the GPU (auto: prefill
+    # there, the decode placed at the hand-off). 0: no limit. On a GPU box a CPU socket prefills a
+    # 14B prompt at a few hundred tokens a second: sent whole, it missed a 2 s TTFT objective
+    # (docs/planning.md)
+    "cpu_prefill_max_s": 1.0,
 }
 
 
@@ -32,7 +39,7 @@ class Auto(Policy):
 
     def __init__(self, options: dict, clock=None):
         super().__init__(options, clock)
-        check_hold(self.options)
+        check_whole_request_options(self.options)
         self.gpu = gate(self.options, "gpu")
         self.prefill = gate(self.options, "prefill")
         self.cpu = gate(self.options, "cpu")

@@ -74,6 +74,7 @@ class PoolLoad:
     block_size: int = 16
     known: bool = False  # False until the monitor has heard from it
     tokens_per_s: float = 0.0  # what the pool produced lately (monitor); 0 = not known yet
+    prefill_tokens_per_s: float = 0.0  # how fast a prompt goes through one replica lately; 0 = not known
 
     def drain_s(self, extra_queue: int = 0) -> float | None:
         """Rough seconds to work off this queue at the pool's recent rate (None: rate unknown).

@@ -13,10 +13,12 @@ from keyacc_ray.policies.base import HOLD, LoadView, Policy, PoolLoad, RequestVi
 MAX_HOLD_S = 5.0
 
 
-def check_hold(options: dict) -> None:
+def check_whole_request_options(options: dict) -> None:
     v = options["max_hold_s"]
     if not 0 <= v <= MAX_HOLD_S:
         raise ValueError(f"max_hold_s must be within [0, {MAX_HOLD_S}] seconds, got {v}")
+    if not options["cpu_prefill_max_s"] >= 0:
+        raise ValueError(f"cpu_prefill_max_s must be 0 (no limit) or more seconds, got {options['cpu_prefill_max_s']}")
 
 
 class Debounced:
@@ -150,6 +152,13 @@ def cpu_full(load: LoadView) -> bool:
     return load.cpu.queue > 0 or 0 < load.cpu.slots <= load.cpu.inflight
 
 
+def cpu_prefill_fits(policy: Policy, req: RequestView, load: LoadView) -> bool:
+    """Sent whole to the CPU pool, the request's prompt would go through there within
+    `cpu_prefill_max_s` at the pool's measured prefill rate (unknown rate, or 0: no limit)."""
+    limit, rate = policy.options.get("cpu_prefill_max_s") or 0.0, load.cpu.prefill_tokens_per_s
+    return not limit or rate <= 0 or req.num_prompt_tokens / rate <= limit
+
+
 def whole_request_route(policy: Policy, gpu_overloaded: bool, cpu_gate: PoolGate, load: LoadView,
                         req: RequestView) -> str:
     """Where a new request runs, whole-request offload style. The GPU while it accepts; the CPU
@@ -161,6 +170,9 @@ def whole_request_route(policy: Policy, gpu_overloaded: bool, cpu_gate: PoolGate
     overloaded too, the request queues where the queue drains sooner at the pool's recent rate
     (queue / tokens per second), and on the GPU while a rate is unknown.
 
+    A request whose prompt the CPU pool would take longer than `cpu_prefill_max_s` to go through
+    (at its measured prefill rate) is never sent there whole: it stays on the GPU.
+
     Except that a request that would wait for a place wherever it went (the CPU pool full, the
     GPU pool without room) waits at the router instead, for up to `max_hold_s` (HOLD): admitted
     to a pool's queue it would wait there for that pool's first free place, which, with
@@ -168,6 +180,9 @@ def whole_request_route(policy: Policy, gpu_overloaded: bool, cpu_gate: PoolGate
     several; held, it takes the first place either pool frees."""
     flood = flooded(policy, req, load)
     if not gpu_overloaded and not flood:
+        return "gpu"
+    if not cpu_prefill_fits(policy, req, load):
+        policy.count("cpu_prefill_too_slow")
         return "gpu"
     full = cpu_full(load)
     if full and gpu_has_room(policy, req, load):

@@ -50,6 +50,7 @@ class ReplicaReport:
     num_cached_blocks: int = 0
     kv_tiers: dict | None = None  # the lower tiers' figures (LLMEngine's EngineStats.kv_tiers)
     histograms: dict | None = None  # vLLM's per-engine histograms (LLMEngine's EngineStats.histograms)
+    prefill_tokens_per_s: float = 0.0  # LLMEngine's EngineStats.prefill_tokens_per_s (0: not measured)
 
     def content(self) -> tuple:
         """Everything but the arrival time: equal content means nothing to tell anyone."""
@@ -75,6 +76,7 @@ class DeploymentView:
     max_free_blocks: int = 0  # the most free blocks on one replica: what one request can get
     tokens_per_s: float = 0.0
     emulated: bool = False
+    prefill_tokens_per_s: float = 0.0  # one replica's, the mean of those that measured it (0: none)
 
     @property
     def free_slots(self) -> int:
@@ -152,6 +154,7 @@ class LoadState:
         if since is not None and since == self.version:
             return None
         views: dict[str, DeploymentView] = {}
+        measured: dict[str, int] = {}
         for r in self.reports.values():
             v = views.setdefault(r.deployment, DeploymentView(r.deployment, r.pool, block_size=r.block_size,
                                                               emulated=r.emulated))
@@ -163,6 +166,11 @@ class LoadState:
             v.max_num_seqs += r.max_num_seqs
             v.max_free_blocks = max(v.max_free_blocks, r.num_free_blocks)
             v.tokens_per_s += r.tokens_per_s
+            if r.prefill_tokens_per_s > 0:  # (a running sum and count, made a mean below)
+                v.prefill_tokens_per_s += r.prefill_tokens_per_s
+                measured[r.deployment] = measured.get(r.deployment, 0) + 1
+        for d, n in measured.items():
+            views[d].prefill_tokens_per_s = round(views[d].prefill_tokens_per_s / n, 1)
         return Snapshot(now, views, [r.as_dict() for r in self.reports.values()], gpu, cpu, dict(self.counters),
                         self.version, dict(self.ingress))
 

@@ -66,6 +66,11 @@ async def _wait_at_most(event: asyncio.Event, timeout_s: float) -> None:
         watch.cancel()
 
 
+def _mean_known(xs: list[float]) -> float:
+    known = [x for x in xs if x > 0]
+    return sum(known) / len(known) if known else 0.0
+
+
 def hop_keys(num_cpu_deployments: int) -> list[str]:
     """The hops a request can take: both GPU pools, and one key per CPU decode deployment."""
     return ["gpu_prefill", "gpu_decode"] + [f"cpu_decode/{i}" for i in range(num_cpu_deployments)]
@@ -216,7 +221,7 @@ class Router:
                                   running=v.num_running,
                                   free_blocks=max(0, v.max_free_blocks - self._pending_blocks[hop]),
                                   total_blocks=v.num_total_blocks, block_size=v.block_size, known=True,
-                                  tokens_per_s=v.tokens_per_s)
+                                  tokens_per_s=v.tokens_per_s, prefill_tokens_per_s=v.prefill_tokens_per_s)
         free = None
         if gpu.get("available"):
             free = min(g["mem_free_bytes"] for g in gpu["gpus"])
@@ -226,7 +231,8 @@ class Router:
                        running=sum(c.running for c in cpus),
                        free_blocks=max(c.free_blocks for c in cpus), total_blocks=sum(c.total_blocks for c in cpus),
                        block_size=cpus[0].block_size, known=any(c.known for c in cpus),
-                       tokens_per_s=sum(c.tokens_per_s for c in cpus))
+                       tokens_per_s=sum(c.tokens_per_s for c in cpus),
+                       prefill_tokens_per_s=_mean_known([c.prefill_tokens_per_s for c in cpus]))
         self._cpu_loads = cpus
         if self.colocated:  # the GPU engine's queue is its prefill queue too
             return LoadView(loads["gpu_decode"], loads["gpu_decode"], cpu, free, colocated=True)

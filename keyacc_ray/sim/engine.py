@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from keyacc_ray.engine.blocks import BlockManager
 from keyacc_ray.engine.request import SamplingParams, Sequence, SeqStatus
-from keyacc_ray.engine.scheduler import Scheduler
+from keyacc_ray.engine.scheduler import PrefillRate, Scheduler
 from keyacc_ray.sim.steptime import StepTime
 
 
@@ -38,6 +38,7 @@ class SimEngine:
         self.tokens_generated = 0
         self.busy_s = 0.0
         self.recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps: tokens/s for reports
+        self.prefill_rate = PrefillRate()  # as LLMEngine measures it
 
     def add(self, rid: str, prompt_len: int, generated: int, max_tokens: int, with_kv: bool,
             movable: bool = False) -> bool:
@@ -93,6 +94,7 @@ class SimEngine:
             return None if not out.preempted_out else out
         out.decode_rows = len(sched.decode)
         out.seconds = self.steptime.seconds(out.prefill_tokens, out.decode_rows, kv)
+        self.prefill_rate.observe(out.prefill_tokens, out.seconds)
         self.tokens_generated += len(out.produced)
         return out
 
@@ -108,4 +110,5 @@ class SimEngine:
                              self.scheduler.num_waiting, self.scheduler.num_running, self.blocks.num_free_blocks,
                              self.blocks.num_blocks, self.blocks.block_size, self.max_num_seqs,
                              self.tokens_per_s(now), self.tokens_generated, False, self.pool,
-                             num_preemptions=self.scheduler.num_preemptions)
+                             num_preemptions=self.scheduler.num_preemptions,
+                             prefill_tokens_per_s=round(self.prefill_rate.tokens_per_s, 1))

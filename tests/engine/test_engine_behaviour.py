@@ -266,3 +266,20 @@ def test_withdraw_takes_only_a_sequence_that_never_ran(qwen3_path):
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
     assert set(out) == {"a", "c"} and out["c"] == hf_greedy(qwen3_path, ids, 4)
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+
+
+def test_the_engine_measures_how_fast_prompts_go_through(qwen3_path):
+    """EngineStats.prefill_tokens_per_s: 0 until a step with PrefillRate.MIN_TOKENS prompt tokens
+    or more ran, then prompt tokens a second of such steps (the router's policies read it)."""
+    from keyacc_ray.engine.scheduler import PrefillRate
+
+    eng = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=2, max_model_len=256))
+    eng.generate([[5] * 8], SamplingParams(max_tokens=2, temperature=0))
+    assert eng.stats().prefill_tokens_per_s == 0.0  # 8 prompt tokens: not a measure
+    eng.generate([[5 + i % 40 for i in range(PrefillRate.MIN_TOKENS * 2)]], SamplingParams(max_tokens=2, temperature=0))
+    assert eng.stats().prefill_tokens_per_s > 0
+    r = PrefillRate()
+    r.observe(100, 0.5)
+    r.observe(100, 0.25)
+    assert r.tokens_per_s == 0.8 * 200 + 0.2 * 400
+

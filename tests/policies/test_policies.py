@@ -220,6 +220,29 @@ def test_a_colocated_gpu_engines_requests_count_once(name):
 
 
 @pytest.mark.parametrize("name", ["full_offload", "auto"])
+def test_a_whole_request_goes_to_the_cpu_only_if_its_prompt_goes_through_there_in_time(name):
+    """The GPU flooded: a request would overflow whole to the CPU pool, but there its prompt would
+    take prompt tokens / the pool's measured prefill rate; beyond cpu_prefill_max_s it stays on the
+    GPU (auto then places its decode at the hand-off). Unknown rate or limit 0: as before."""
+    p = make_policy(name, {"trigger_window_s": 5.0}, clock=Clock())
+
+    def flooded(cpu_rate):
+        v = view(gpu_queue=40)  # beyond gpu_queue_overflow: overflow at once
+        v.cpu.prefill_tokens_per_s = cpu_rate
+        return v
+    long_prompt = RequestView(num_prompt_tokens=800, num_output_tokens=0, max_tokens=40)
+    assert p.route(long_prompt, flooded(0.0)) == "cpu"  # not measured yet
+    assert p.route(long_prompt, flooded(1000.0)) == "cpu"  # 0.8 s
+    assert p.route(long_prompt, flooded(400.0)) == "gpu"  # 2 s
+    assert p.route(REQ, flooded(400.0)) == "cpu"  # a 20-token prompt: 0.05 s
+    assert p.counters["cpu_prefill_too_slow"] == 1
+    assert make_policy(name, {"cpu_prefill_max_s": 0}).route(long_prompt, flooded(400.0)) == "cpu"  # no limit
+    assert make_policy(name, {"cpu_prefill_max_s": 3.0}).route(long_prompt, flooded(400.0)) == "cpu"
+    with pytest.raises(ValueError, match="cpu_prefill_max_s"):
+        make_policy(name, {"cpu_prefill_max_s": -1})
+
+
+@pytest.mark.parametrize("name", ["full_offload", "auto"])
 def test_no_request_queues_on_the_cpu_while_the_gpu_has_room(name):
     """The GPU gate is on (sustained overload), but right now nothing waits on the GPU and a
     decode batch has a free place, while the CPU pool's slots are all taken: the GPU, at once."""

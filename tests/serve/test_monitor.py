@@ -30,6 +30,18 @@ def test_views_add_up_replicas_of_a_deployment():
     assert s.snapshot().deployments["GpuDecode"].num_running == 3
 
 
+def test_a_deployments_prefill_rate_is_the_mean_of_its_replicas_that_measured_it():
+    """A prompt goes through one replica: the view's prefill rate is a replica's (the mean of those
+    that measured one), not the sum; none measured: 0 (unknown); the router passes it to the policies."""
+    s = LoadState(clock=Clock())
+    a, b, c = report("a"), report("b"), report("c")
+    a.prefill_tokens_per_s, b.prefill_tokens_per_s = 300.0, 500.0
+    for r in (a, b, c, report("g", deployment="GpuDecode")):
+        s.report(r)
+    views = s.snapshot().deployments
+    assert views["CpuDecode"].prefill_tokens_per_s == 400.0 and views["GpuDecode"].prefill_tokens_per_s == 0.0
+
+
 def test_unchanged_reports_leave_the_version_alone():
     clock = Clock()
     s = LoadState(clock=clock)
