@@ -12,6 +12,7 @@ simulated) with the errors of the simulation as the last line's JSON (throughput
 ttft_p50_mape, tpot_p50_mape, harvest_abs_err, ranking_agrees):
 
     python scripts/simulate.py --validate results/bench-XXXX/report.json
+    python scripts/simulate.py --validate       # runs scripts/bench.py --quick first (about 11 min)
 
 Planning on hardware described by published figures (keyacc_ray/sim/hardware.py: the H200 host,
 an L40S beside two 8-channel Xeon sockets, cluster.yaml's shape serving a 70B model): per policy
@@ -177,7 +178,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="this-box-medium-cpu", help="step-time profile of both pools' devices")
     ap.add_argument("--gpu-profile", default=None, help="the GPU pool's profile, if another")
-    ap.add_argument("--validate", metavar="REPORT", help="a scripts/bench.py report.json to simulate and compare")
+    ap.add_argument("--validate", metavar="REPORT", nargs="?", const="run",
+                    help="a scripts/bench.py report.json to simulate and compare; without one, run "
+                         "`scripts/bench.py --quick` first (about 11 minutes here) and compare with its report")
     ap.add_argument("--levels", type=int, nargs="+", default=[2, 8, 24, 40])
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--ramp", type=float, default=4.0)
@@ -209,6 +212,13 @@ def main() -> None:
     gpu = StepTime.load(args.gpu_profile) if args.gpu_profile else cpu
     spec = this_box(args, gpu, cpu)
     t0 = time.time()
+    if args.validate == "run":  # the real side-by-side first, in this invocation
+        import subprocess
+
+        out_dir = ROOT / "results" / f"sim-validate-{time.strftime('%Y%m%d-%H%M%S')}"
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--out-dir", str(out_dir)],
+                       check=True)
+        args.validate = str(out_dir / "report.json")
     if args.validate:
         real = json.loads(Path(args.validate).read_text())
         plan = Plan(**{k: v for k, v in real["plan"].items() if k in Plan.__dataclass_fields__})
