@@ -52,7 +52,30 @@ def this_box(args, gpu: StepTime, cpu: StepTime) -> ServerSpec:
                       PoolSpec(cpu, max_num_seqs=args.cpu_seqs, num_blocks=args.cpu_seqs * 64, block_size=16),
                       kv_bytes_per_token=args.kv_bytes_per_token, handoff_bw_bytes_s=args.handoff_gbs * 1e9,
                       handoff_fixed_s=args.handoff_fixed_ms / 1e3, max_model_len=1024,
-                      stack_s_per_token=args.stack_ms_per_token / 1e3, stack_cores=args.stack_cores)
+                      stack_s_per_token=args.stack_ms_per_token / 1e3, stack_cores=args.stack_cores,
+                      stack_fixed_cores=args.stack_fixed_cores)
+
+
+ENGINES = ("gpu_decode", "gpu_prefill", "cpu_decode")
+
+
+def fit_stack(real: dict) -> tuple[float, float, int] | None:
+    """The serving stack's CPU as the real run accounted it (each run's `cores_used`: every
+    process but the engines'), fitted as fixed cores + seconds per token over the runs where both
+    pools worked (where the stack had no idle core to itself); None with fewer than two."""
+    pts = []
+    for lv in real["runs"].values():
+        for r in lv.values():
+            cu = r.get("cores_used") or {}
+            if cu.get("gpu_decode", 0) > 0.3 and cu.get("cpu_decode", 0) > 0.3 and r.get("output_tok_per_s"):
+                pts.append((r["output_tok_per_s"], sum(v for k, v in cu.items() if k not in ENGINES)))
+    if len(pts) < 2:
+        return None
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var else 0.0
+    return max(0.0, my - slope * mx), slope, len(pts)
 
 
 def maker(wl: dict, seed: int, route: str | None = None):
@@ -193,8 +216,13 @@ def main() -> None:
     ap.add_argument("--kv-bytes-per-token", type=int, default=16384, help="medium-qwen3 in float32: 8 x 4 x 64 x 2 x 4")
     ap.add_argument("--handoff-gbs", type=float, default=1.0, help="KV hand-off bandwidth, GB/s (object store here)")
     ap.add_argument("--handoff-fixed-ms", type=float, default=10.0, help="fixed cost of a hand-off (calls, export)")
-    ap.add_argument("--stack-ms-per-token", type=float, default=0.7, help="serving stack CPU per token (#22's figure)")
+    ap.add_argument("--stack-ms-per-token", type=float, default=0.22, help="serving stack CPU per token (#22: "
+                    "scripts/bench_stack.py at 64 streams)")
     ap.add_argument("--stack-cores", type=float, default=2.0, help="cores the stack shares with the engines")
+    ap.add_argument("--stack-fixed-cores", type=float, default=0.11, help="the stack's CPU with no traffic "
+                    "(scripts/idle_cpu.py's figure)")
+    ap.add_argument("--no-stack-fit", action="store_true", help="--validate: keep the stack figures given, "
+                    "not the real run's own CPU accounting")
     ap.add_argument("--plan", nargs="*", metavar="SCENARIO", help="plan on these scenarios (none named: all)")
     ap.add_argument("--ttft-slo", type=float, default=None, help="--plan: p99 TTFT objective, s (else the scenario's)")
     ap.add_argument("--tpot-slo", type=float, default=None, help="--plan: p99 TPOT objective, s (else the scenario's)")
@@ -210,7 +238,6 @@ def main() -> None:
         return hour(args.hour, args)
     cpu = StepTime.load(args.profile)
     gpu = StepTime.load(args.gpu_profile) if args.gpu_profile else cpu
-    spec = this_box(args, gpu, cpu)
     t0 = time.time()
     if args.validate == "run":  # the real side-by-side first, in this invocation
         import subprocess
@@ -219,13 +246,21 @@ def main() -> None:
         subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--out-dir", str(out_dir)],
                        check=True)
         args.validate = str(out_dir / "report.json")
+    stack_fit = None
     if args.validate:
         real = json.loads(Path(args.validate).read_text())
+        stack_fit = None if args.no_stack_fit else fit_stack(real)
+        if stack_fit:
+            args.stack_fixed_cores, args.stack_ms_per_token = stack_fit[0], stack_fit[1] * 1e3
+    spec = this_box(args, gpu, cpu)
+    if args.validate:
         plan = Plan(**{k: v for k, v in real["plan"].items() if k in Plan.__dataclass_fields__})
         wl = real["workload"]
         sim = side_by_side(spec, plan, wl, real.get("policy_options") or {})
         out = {**compare(real, sim), "sim_wall_s": round(time.time() - t0, 2), "profile": cpu.name,
-               "real_report": args.validate}
+               "real_report": args.validate,
+               "stack": {"fixed_cores": round(args.stack_fixed_cores, 3), "ms_per_token": round(args.stack_ms_per_token, 3),
+                         "fitted_on_runs": stack_fit[2] if stack_fit else 0}}
     else:
         plan = Plan(levels=args.levels, duration_s=args.duration, ramp_s=args.ramp, policies=args.policies)
         wl = {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "prompt_spread": 0.0,

@@ -50,12 +50,16 @@ class ServerSpec:
     handoff_bw_bytes_s: float = 10e9  # device -> host -> object store -> host (-> device)
     handoff_fixed_s: float = 0.005  # the hops' calls, export and import
     max_model_len: int = 1 << 20
-    # the serving stack's CPU per streamed token (HTTP, ingress, router, the pools' Serve side),
-    # taken from `stack_cores` cores the engines run on too: each step then takes 1 / (1 - u) of
-    # its time, u = stack_s_per_token x the tokens/s of the last second / stack_cores (0: a stack
-    # on cores of its own, as on a GPU host with spare cores)
+    # the serving stack (HTTP, ingress, router, monitor, the pools' Serve side, a load generator on
+    # the same box): it needs stack_fixed_cores + stack_s_per_token x the tokens/s of the last second
+    # of CPU, on `stack_cores` cores that the engines (a core each) run on too. It takes the cores
+    # no engine is working on first; only what it needs beyond them comes out of the busy engines,
+    # shared evenly: each step of a busy engine then takes 1 / (1 - that share) of its time. (On
+    # this 2-core box a pool alone left the stack a core: it lost nothing; both pools working lost
+    # 0.2-0.25 of a core each, scripts/bench.py's cores_used.) 0: a stack on cores of its own.
     stack_s_per_token: float = 0.0
     stack_cores: float = 1.0
+    stack_fixed_cores: float = 0.0
 
 
 @dataclass
@@ -243,20 +247,23 @@ class SimServer:
             self.at(self.now + r.seconds, self._step_done, e, r)
 
     def _stack_share(self) -> float:
-        """The share of the engines' cores the serving stack takes now (its CPU per token x the
-        tokens of the last second)."""
+        """The share of a busy engine's core the serving stack takes now: what it needs (its
+        fixed part and its CPU per token x the tokens of the last second) beyond the cores no
+        engine is working on, over the busy engines."""
         sp = self.spec
-        if not sp.stack_s_per_token:
+        if not sp.stack_s_per_token and not sp.stack_fixed_cores:
             return 0.0
         self._recent_tokens = [(t, n) for t, n in self._recent_tokens if self.now - t <= 1.0]
-        rate = sum(n for _, n in self._recent_tokens)
-        return min(0.9, sp.stack_s_per_token * rate / sp.stack_cores)
+        need = sp.stack_fixed_cores + sp.stack_s_per_token * sum(n for _, n in self._recent_tokens)
+        busy = sum(1 for e in self.hops.values() if e.busy or e.scheduler.num_running or e.scheduler.num_waiting)
+        excess = need - max(0.0, sp.stack_cores - busy)
+        return min(0.9, max(0.0, excess) / max(1, busy))
 
     def _step_done(self, e: SimEngine, r) -> None:
         e.busy = False
         e.busy_s += r.seconds
         e.recent.append((self.now, len(r.produced)))
-        if self.spec.stack_s_per_token:
+        if self.spec.stack_s_per_token or self.spec.stack_fixed_cores:
             self._recent_tokens.append((self.now, len(r.produced)))
         for s in r.produced:
             live = self.live.get(s.request_id)

@@ -124,8 +124,11 @@ def test_time_bound_closed_loop_as_the_bench_runs_it():
         per_client[lv.req.client] = lv.done_t
     # (gpu_only: one pool, so that no routing decision moves with the step times)
     fast = SimServer(spec(), "gpu_only").run_closed(12, 5.0, make)
-    slow = SimServer(spec(stack_s_per_token=0.002, stack_cores=2.0), "gpu_only").run_closed(12, 5.0, make)
+    slow = SimServer(spec(stack_s_per_token=0.002, stack_cores=1.0), "gpu_only").run_closed(12, 5.0, make)
     assert summarize(slow)["output_tokens_per_s"] < 0.9 * summarize(fast)["output_tokens_per_s"]
+    # a second core that no engine works on takes the stack: nothing lost
+    spare = SimServer(spec(stack_s_per_token=0.001, stack_cores=2.0), "gpu_only").run_closed(12, 5.0, make)
+    assert summarize(spare)["output_tokens_per_s"] == summarize(fast)["output_tokens_per_s"]
 
 
 def test_validation_arithmetic():
