@@ -14,6 +14,10 @@ ttft_p50_mape, tpot_p50_mape, harvest_abs_err, ranking_agrees):
     python scripts/simulate.py --validate results/bench-XXXX/report.json
     python scripts/simulate.py --validate       # runs scripts/bench.py --quick first (about 11 min)
 
+The same errors between two real runs (this VM's run-to-run noise: a floor for the above):
+
+    python scripts/simulate.py --noise-floor results/A/report.json results/B/report.json
+
 Planning on hardware described by published figures (keyacc_ray/sim/hardware.py: the H200 host,
 an L40S beside two 8-channel Xeon sockets, cluster.yaml's shape serving a 70B model): per policy
 the most clients within the scenario's TTFT/TPOT objective and the gains against gpu_only, as
@@ -48,8 +52,11 @@ from keyacc_ray.sim.workload import SimRequest  # noqa: E402
 def this_box(args, gpu: StepTime, cpu: StepTime) -> ServerSpec:
     """scripts/bench.py's graph on this box: the emulated GPU pool (8 sequences, a small KV
     budget) and the CPU pool, one core and one thread each, the serving stack over both cores."""
-    return ServerSpec(PoolSpec(gpu, max_num_seqs=8, num_blocks=args.gpu_kv_blocks, block_size=16),
-                      PoolSpec(cpu, max_num_seqs=args.cpu_seqs, num_blocks=args.cpu_seqs * 64, block_size=16),
+    per_token = args.pool_ms_per_token / 1e3
+    return ServerSpec(PoolSpec(gpu, max_num_seqs=8, num_blocks=args.gpu_kv_blocks, block_size=16,
+                               pool_s_per_token=per_token),
+                      PoolSpec(cpu, max_num_seqs=args.cpu_seqs, num_blocks=args.cpu_seqs * 64, block_size=16,
+                               pool_s_per_token=per_token),
                       kv_bytes_per_token=args.kv_bytes_per_token, handoff_bw_bytes_s=args.handoff_gbs * 1e9,
                       handoff_fixed_s=args.handoff_fixed_ms / 1e3, max_model_len=1024,
                       stack_s_per_token=args.stack_ms_per_token / 1e3, stack_cores=args.stack_cores,
@@ -218,11 +225,15 @@ def main() -> None:
     ap.add_argument("--handoff-fixed-ms", type=float, default=10.0, help="fixed cost of a hand-off (calls, export)")
     ap.add_argument("--stack-ms-per-token", type=float, default=0.22, help="serving stack CPU per token (#22: "
                     "scripts/bench_stack.py at 64 streams)")
+    ap.add_argument("--pool-ms-per-token", type=float, default=0.2, help="a pool replica's CPU per token beyond "
+                    "the engine's step, on its core (scripts/bench_pool_host.py: 0.18-0.21 ms)")
     ap.add_argument("--stack-cores", type=float, default=2.0, help="cores the stack shares with the engines")
     ap.add_argument("--stack-fixed-cores", type=float, default=0.11, help="the stack's CPU with no traffic "
                     "(scripts/idle_cpu.py's figure)")
     ap.add_argument("--no-stack-fit", action="store_true", help="--validate: keep the stack figures given, "
                     "not the real run's own CPU accounting")
+    ap.add_argument("--noise-floor", nargs=2, metavar="REPORT", help="the same errors between two real runs "
+                    "(scripts/bench.py reports): what this box's run-to-run noise alone gives")
     ap.add_argument("--plan", nargs="*", metavar="SCENARIO", help="plan on these scenarios (none named: all)")
     ap.add_argument("--ttft-slo", type=float, default=None, help="--plan: p99 TTFT objective, s (else the scenario's)")
     ap.add_argument("--tpot-slo", type=float, default=None, help="--plan: p99 TPOT objective, s (else the scenario's)")
@@ -232,6 +243,13 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=3.0, help="--hour: requests per second")
     ap.add_argument("--verbose", action="store_true", help="--plan: every run of the search")
     args = ap.parse_args()
+    if args.noise_floor:
+        a, b = (json.loads(Path(p).read_text()) for p in args.noise_floor)
+        b["runs"] = {p: {int(c): v for c, v in lv.items()} for p, lv in b["runs"].items()}
+        out = compare(a, b)
+        out.pop("tok_s_real_sim")
+        print(json.dumps({**out, "reports": args.noise_floor}))
+        return
     if args.plan is not None:
         return plan_tables(args.plan, args)
     if args.hour:
@@ -246,6 +264,13 @@ def main() -> None:
         subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--out-dir", str(out_dir)],
                        check=True)
         args.validate = str(out_dir / "report.json")
+        # and the step-time profile right after it: this VM's speed moves 1.5-2x between minutes, and a
+        # profile fitted another hour made the simulated pools 15-30% off
+        prof = out_dir / "profile.json"
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "sim_calibrate.py"), "--model",
+                        str(ROOT / "models" / "medium-qwen3"), "--device", "cpu", "--threads", "1", "--cpu-affinity",
+                        "1", "--reps", "9", "--out", str(prof)], check=True)
+        cpu = gpu = StepTime.load(str(prof))
     stack_fit = None
     if args.validate:
         real = json.loads(Path(args.validate).read_text())
