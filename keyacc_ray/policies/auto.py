@@ -28,6 +28,10 @@ DEFAULTS = {
     # 14B prompt at a few hundred tokens a second: sent whole, it missed a 2 s TTFT objective
     # (docs/planning.md)
     "cpu_prefill_max_s": 1.0,
+    # places of the CPU pool new whole requests leave free for streams under way (preempted GPU
+    # decodes, decodes placed after their prefill), which otherwise wait mid-stream for a place on
+    # a full pool (scripts/soak.py --tiers: stalls of 7-9 s); 0: none kept
+    "cpu_reserved_places": 0,
 }
 
 

@@ -19,6 +19,8 @@ def check_whole_request_options(options: dict) -> None:
         raise ValueError(f"max_hold_s must be within [0, {MAX_HOLD_S}] seconds, got {v}")
     if not options["cpu_prefill_max_s"] >= 0:
         raise ValueError(f"cpu_prefill_max_s must be 0 (no limit) or more seconds, got {options['cpu_prefill_max_s']}")
+    if not (isinstance(options["cpu_reserved_places"], int) and options["cpu_reserved_places"] >= 0):
+        raise ValueError(f"cpu_reserved_places must be a whole number >= 0, got {options['cpu_reserved_places']!r}")
 
 
 class Debounced:
@@ -152,6 +154,15 @@ def cpu_full(load: LoadView) -> bool:
     return load.cpu.queue > 0 or 0 < load.cpu.slots <= load.cpu.inflight
 
 
+def cpu_place_for_new(policy: Policy, load: LoadView) -> bool:
+    """The CPU pool has a place for a new request beyond the `cpu_reserved_places` it keeps for
+    streams under way (a GPU decode preempted out of KV, a decode placed after its prefill): a
+    stream moved to a pool with no free place waits, mid-stream, until one frees. True when
+    nothing is reserved or the pool's slots are not known yet."""
+    reserved, cpu = policy.options.get("cpu_reserved_places") or 0, load.cpu
+    return not reserved or cpu.slots <= 0 or cpu.inflight + cpu.queue + reserved < cpu.slots
+
+
 def cpu_prefill_fits(policy: Policy, req: RequestView, load: LoadView) -> bool:
     """Sent whole to the CPU pool, the request's prompt would go through there within
     `cpu_prefill_max_s` at the pool's measured prefill rate (unknown rate, or 0: no limit)."""
@@ -171,7 +182,9 @@ def whole_request_route(policy: Policy, gpu_overloaded: bool, cpu_gate: PoolGate
     (queue / tokens per second), and on the GPU while a rate is unknown.
 
     A request whose prompt the CPU pool would take longer than `cpu_prefill_max_s` to go through
-    (at its measured prefill rate) is never sent there whole: it stays on the GPU.
+    (at its measured prefill rate) is never sent there whole: it stays on the GPU; nor one that
+    would take one of the `cpu_reserved_places` kept for streams under way (it waits at the router
+    up to `max_hold_s`, else queues on the GPU).
 
     Except that a request that would wait for a place wherever it went (the CPU pool full, the
     GPU pool without room) waits at the router instead, for up to `max_hold_s` (HOLD): admitted
@@ -184,6 +197,9 @@ def whole_request_route(policy: Policy, gpu_overloaded: bool, cpu_gate: PoolGate
     if not cpu_prefill_fits(policy, req, load):
         policy.count("cpu_prefill_too_slow")
         return "gpu"
+    if not cpu_place_for_new(policy, load):  # the CPU pool's last places are for streams under way
+        policy.count("cpu_places_reserved")
+        return HOLD if req.held_s < policy.options["max_hold_s"] else "gpu"
     full = cpu_full(load)
     if full and gpu_has_room(policy, req, load):
         policy.count("gpu_room_over_cpu_queue")

@@ -243,6 +243,27 @@ def test_a_whole_request_goes_to_the_cpu_only_if_its_prompt_goes_through_there_i
 
 
 @pytest.mark.parametrize("name", ["full_offload", "auto"])
+def test_new_requests_leave_the_cpu_places_reserved_for_streams_under_way(name):
+    """cpu_reserved_places: a new whole request does not take the CPU pool's last places (a GPU
+    decode preempted out of KV moves there mid-stream and would wait for a place); it waits at
+    the router (max_hold_s) or queues on the GPU. Off (0) by default; slots unknown: no limit."""
+    def flooded(cpu_inflight, slots=32):
+        v = view(gpu_queue=40)
+        v.cpu.slots, v.cpu.inflight = slots, cpu_inflight
+        return v
+    p = make_policy(name, {"trigger_window_s": 5.0, "cpu_reserved_places": 4}, clock=Clock())
+    assert p.route(REQ, flooded(27)) == "cpu"  # 27 + 4 < 32
+    assert p.route(REQ, flooded(28)) == "gpu"  # the last 4 are kept
+    assert p.route(REQ, flooded(28, slots=0)) == "cpu"  # the pool's slots not known yet
+    assert p.counters["cpu_places_reserved"] == 1
+    held = make_policy(name, {"trigger_window_s": 5.0, "cpu_reserved_places": 4, "max_hold_s": 2.0}, clock=Clock())
+    assert held.route(REQ, flooded(28)) == "hold"
+    assert make_policy(name, {"trigger_window_s": 5.0}).route(REQ, flooded(31)) == "cpu"  # off by default
+    with pytest.raises(ValueError, match="cpu_reserved_places"):
+        make_policy(name, {"cpu_reserved_places": -2})
+
+
+@pytest.mark.parametrize("name", ["full_offload", "auto"])
 def test_no_request_queues_on_the_cpu_while_the_gpu_has_room(name):
     """The GPU gate is on (sustained overload), but right now nothing waits on the GPU and a
     decode batch has a free place, while the CPU pool's slots are all taken: the GPU, at once."""
