@@ -35,6 +35,7 @@ REFRESH_EVERY_S = 0.1
 REFRESH_IDLE_S = 2.0
 FIRST_SNAPSHOT_WAIT_S = 1.0
 ACTIVE_TTL_S = 1800.0  # a request not heard of for this long no longer counts as in flight
+STALE_SNAPSHOT_S = 2.0  # a snapshot older than this says nothing about which replicas live
 FINISHED_KEEP_S = 120.0  # how long a finished request's id is kept, to recognise a check that crossed its end
 # A request recalled from a CPU queue counts on the GPU from the recall until its driver asks for
 # its next hop (a few ms), so that new arrivals do not take the same places; if it never comes
@@ -245,9 +246,23 @@ class Router:
             return self.cpu_keys[0]
         self.load_view()
         load = {k: max(c.running + c.queue, self.inflight[k]) for k, c in zip(self.cpu_keys, self._cpu_loads)}
-        if prefer in load and dict(zip(self.cpu_keys, self._cpu_loads))[prefer].queue == 0:
+        live = {k for k, c in zip(self.cpu_keys, self._cpu_loads) if c.known}
+        queued = {k: c.queue for k, c in zip(self.cpu_keys, self._cpu_loads)}
+        if prefer in load and queued[prefer] == 0 and (prefer in live or not live):
             return prefer
-        return min(self.cpu_keys, key=lambda k: (load[k], self.inflight[k]))
+        # a deployment the monitor has no live replica of last (its requests would wait in Serve's
+        # queue for a replacement)
+        return min(self.cpu_keys, key=lambda k: (bool(live) and k not in live, load[k], self.inflight[k]))
+
+    def _cpu_gone(self) -> bool:
+        """The monitor's fresh snapshot shows the GPU pool but no live replica of any CPU decode
+        deployment (killed, restarting: a replica silent for STALE_AFTER_S is dropped): a stream
+        sent there now would wait in Serve's queue for a replacement (about 30 s in the soak)."""
+        snap = self.snapshot
+        if snap is None or self.snapshot_age_s > STALE_SNAPSHOT_S:
+            return False
+        deps = snap.deployments
+        return self.deployment_of["gpu_decode"] in deps and not any(self.deployment_of[k] in deps for k in self.cpu_keys)
 
     def _collect_policy_counters(self) -> None:
         now = dict(self.policy.counters)
@@ -484,9 +499,15 @@ class Router:
         if prev == "gpu_prefill":  # the hand-off: decode on the GPU, or on the CPU
             if t.route == "stage" or (t.pinned_route is None and
                                       self.policy.after_prefill(view, self.load_view()) == "cpu"):
+                if t.pinned_route is None and self._cpu_gone():
+                    self._count("moves_kept_total|reason=cpu_unavailable")
+                    return "gpu_decode", None
                 return "cpu_decode", self._cpu_period(t)
             return "gpu_decode", None
         if prev == "gpu_decode":  # preempted there (out of KV blocks): decode on the CPU pool
+            if t.pinned_route is None and self._cpu_gone():  # or wait there for its blocks
+                self._count("moves_kept_total|reason=cpu_unavailable")
+                return "gpu_decode", None
             self._count("gpu_preemptions_moved_total")
             return "cpu_decode", self._cpu_period(t)
         if prev == "cpu_decode":  # end of a CPU period

@@ -754,6 +754,34 @@ def test_a_period_check_that_crosses_the_requests_end_counts_nothing(answer):
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("cpu_alive", [True, False])
+def test_a_preempted_gpu_decode_stays_on_the_gpu_while_no_cpu_replica_lives(cpu_alive):
+    """A GPU decode preempted out of KV moves to the CPU pool, unless the monitor's fresh snapshot
+    shows no live CPU decode replica (killed, its replacement starting): there it would wait in
+    Serve's queue for the replacement (30 s stalls in the soak), so it waits on the GPU for blocks."""
+    from keyacc_ray.serve.monitor import Snapshot
+
+    async def answer(since):
+        snap = three_pools_snapshot()
+        if not cpu_alive:
+            snap = Snapshot(0.0, {k: v for k, v in snap.deployments.items() if k != "CpuDecode"}, version=1)
+        return snap
+
+    r = Router(["CpuDecode"], "full_offload", {}, monitor=FakeMonitor(answer), colocated_gpu=True)
+
+    async def run():
+        await r.snapshot_dict()
+        t = await r.begin(Ticket("a", 64, 96))
+        assert t.hop == "gpu_decode"
+        t.prefill_check = False  # past its first token: a preemption, not the after-prefill check
+        t = await r.advance(t, HopEnd("handoff", 0.5, 20, True))
+        assert t.hop == ("cpu_decode/0" if cpu_alive else "gpu_decode")
+        assert r._counters.get("moves_kept_total|reason=cpu_unavailable", 0) == (0 if cpu_alive else 1)
+        await r.finish(t, HopEnd("done", 0.5, 96, finished=True))
+        assert settled(r)
+    asyncio.run(run())
+
+
 def test_a_router_given_its_monitor_keeps_it_when_ray_runs_a_named_one(monkeypatch):
     """A router handed a monitor (tests, the simulator) keeps it when a call to it fails, even
     with Ray up in the same process and a detached monitor of that name alive: it did not look it
