@@ -163,7 +163,7 @@ async def main_async(args, url):
             tasks.add(t)
             t.add_done_callback(tasks.discard)
             if time.monotonic() > next_kill:
-                kill_random_replica(rng)
+                kill_random_replica(rng, args.kill_only or ("CpuDecode", "GpuDecode", "GpuPrefill"))
                 stats["kills"] += 1
                 next_kill += args.kill_every_s
             if time.monotonic() > next_mem:
@@ -195,11 +195,11 @@ async def blocks_in_use(client, settle_s: float = 20.0) -> dict:
         await asyncio.sleep(1.0)
 
 
-def kill_random_replica(rng):
+def kill_random_replica(rng, deployments=("CpuDecode", "GpuDecode", "GpuPrefill")):
     import ray
 
     names = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::")
-             and any(f"#{d}#" in a["name"] for d in ("CpuDecode", "GpuDecode", "GpuPrefill"))]
+             and any(f"#{d}#" in a["name"] for d in deployments)]
     if names:
         a = rng.choice(names)
         print(f"  killing {a['name']}", flush=True)
@@ -216,6 +216,8 @@ def main() -> None:
     ap.add_argument("--tiers", action="store_true",
                     help="shared prompt heads, a small emulated GPU block pool, host and disk KV tiers")
     ap.add_argument("--no-prefix-caching", action="store_true", help="with --tiers: the same load, caching off")
+    ap.add_argument("--kill-only", nargs="+", metavar="DEPLOYMENT", default=None,
+                    help="kill replicas of these deployments only (e.g. CpuDecode)")
     ap.add_argument("--policy-options", type=json.loads, default={},
                     help='more policy options, JSON (e.g. \'{"cpu_reserved_places": 4}\')')
     args = ap.parse_args()
