@@ -17,10 +17,12 @@ def check_whole_request_options(options: dict) -> None:
     v = options["max_hold_s"]
     if not 0 <= v <= MAX_HOLD_S:
         raise ValueError(f"max_hold_s must be within [0, {MAX_HOLD_S}] seconds, got {v}")
-    if not options["cpu_prefill_max_s"] >= 0:
-        raise ValueError(f"cpu_prefill_max_s must be 0 (no limit) or more seconds, got {options['cpu_prefill_max_s']}")
-    if not (isinstance(options["cpu_reserved_places"], int) and options["cpu_reserved_places"] >= 0):
-        raise ValueError(f"cpu_reserved_places must be a whole number >= 0, got {options['cpu_reserved_places']!r}")
+    v = options["cpu_prefill_max_s"]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+        raise ValueError(f"cpu_prefill_max_s must be 0 (no limit) or more seconds, got {v!r}")
+    r = options["cpu_reserved_places"]
+    if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+        raise ValueError(f"cpu_reserved_places must be a whole number >= 0, got {r!r}")
 
 
 class Debounced:

@@ -238,8 +238,9 @@ def test_a_whole_request_goes_to_the_cpu_only_if_its_prompt_goes_through_there_i
     assert p.counters["cpu_prefill_too_slow"] == 1
     assert make_policy(name, {"cpu_prefill_max_s": 0}).route(long_prompt, flooded(400.0)) == "cpu"  # no limit
     assert make_policy(name, {"cpu_prefill_max_s": 3.0}).route(long_prompt, flooded(400.0)) == "cpu"
-    with pytest.raises(ValueError, match="cpu_prefill_max_s"):
-        make_policy(name, {"cpu_prefill_max_s": -1})
+    for bad in (-1, "fast", None):
+        with pytest.raises(ValueError, match="cpu_prefill_max_s"):
+            make_policy(name, {"cpu_prefill_max_s": bad})
 
 
 @pytest.mark.parametrize("name", ["full_offload", "auto"])
