@@ -25,6 +25,7 @@ markdown tables and a JSON line (docs/planning.md):
 
     python scripts/simulate.py --plan                      # every scenario
     python scripts/simulate.py --plan l40s-2socket --tpot-slo 0.3
+    python scripts/simulate.py --plan l40s-2socket --options '{"cpu_prefill_max_s": 0}'   # the rule off
 
 An hour of Poisson traffic on a scenario, to time the simulator:
 
@@ -159,7 +160,7 @@ def plan_tables(names: list[str], args) -> None:
             sc = dataclasses.replace(sc, tpot_slo_s=args.tpot_slo or sc.tpot_slo_s, ttft_slo_s=args.ttft_slo or sc.ttft_slo_s)
         t0 = time.time()
         rep = plan(sc, args.policies, ramp_s=args.plan_ramp, measure_s=args.plan_measure,
-                   log=print if args.verbose else None)
+                   log=print if args.verbose else None, options=args.options)
         rep["sim_wall_s"] = round(time.time() - t0, 1)
         out.append(rep)
         wl = sc.workload
@@ -237,6 +238,8 @@ def main() -> None:
     ap.add_argument("--plan", nargs="*", metavar="SCENARIO", help="plan on these scenarios (none named: all)")
     ap.add_argument("--ttft-slo", type=float, default=None, help="--plan: p99 TTFT objective, s (else the scenario's)")
     ap.add_argument("--tpot-slo", type=float, default=None, help="--plan: p99 TPOT objective, s (else the scenario's)")
+    ap.add_argument("--options", type=json.loads, default={},
+                    help='--plan: policy options over the planning defaults, JSON (e.g. \'{"cpu_prefill_max_s": 0}\')')
     ap.add_argument("--plan-ramp", type=float, default=30.0, help="--plan: seconds before each run's window")
     ap.add_argument("--plan-measure", type=float, default=90.0, help="--plan: each run's measured window, s")
     ap.add_argument("--hour", metavar="SCENARIO", help="simulate an hour of Poisson traffic on a scenario")

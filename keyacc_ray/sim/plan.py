@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import time
 
+from keyacc_ray.policies import make_policy
 from keyacc_ray.sim.report import summarize
 from keyacc_ray.sim.server import ServerSpec, SimServer
 from keyacc_ray.sim.workload import SimRequest
@@ -44,14 +45,15 @@ def meets(s: dict, ttft_slo_s: float, tpot_slo_s: float) -> bool:
 
 
 def max_clients(spec: ServerSpec, policy: str, workload, ttft_slo_s: float, tpot_slo_s: float, ramp_s: float,
-                measure_s: float, start: int = 8, limit: int = 4096, log=None) -> tuple[int, dict | None, list]:
+                measure_s: float, start: int = 8, limit: int = 4096, log=None,
+                options: dict | None = None) -> tuple[int, dict | None, list]:
     """The most clients within the objective (0 if not even one), its run, and every run tried."""
     tried: dict[int, dict] = {}
 
     def ok(c: int) -> bool:
         if c not in tried:
             t0 = time.time()
-            tried[c] = closed_run(spec, policy, c, workload, ramp_s, measure_s)
+            tried[c] = closed_run(spec, policy, c, workload, ramp_s, measure_s, options=options)
             if log:
                 s = tried[c]
                 log(f"  {policy:<14} c={c:<5} tok/s={s['window_output_tokens_per_s']:<9} "
@@ -74,9 +76,12 @@ def max_clients(spec: ServerSpec, policy: str, workload, ttft_slo_s: float, tpot
     return lo, tried[lo], sorted(tried.items())
 
 
-def plan(scenario, policies: list[str], ramp_s: float = 30.0, measure_s: float = 90.0, log=None) -> dict:
+def plan(scenario, policies: list[str], ramp_s: float = 30.0, measure_s: float = 90.0, log=None,
+         options: dict | None = None) -> dict:
     """The scenario's table: per policy its most clients within the objective, the output
-    tokens/s there, the CPU pool's share of the tokens; gains against gpu_only."""
+    tokens/s there, the CPU pool's share of the tokens; gains against gpu_only. `options`: the
+    offload policies' options over POLICY_OPTIONS (each policy takes the ones it knows)."""
+    merged = {**POLICY_OPTIONS, **(options or {})}
     spec = scenario.spec()
     rows = {}
     for p in policies:
@@ -84,8 +89,9 @@ def plan(scenario, policies: list[str], ramp_s: float = 30.0, measure_s: float =
             rows[p] = {"clients_within_slo": None, "output_tok_per_s": None, "ttft_p99_s": None, "tpot_p99_s": None,
                        "cpu_token_share": None, "note": "the CPU pool cannot step one row within the TPOT objective"}
             continue
+        known = set(make_policy(p, {}).options)  # a policy refuses options it does not take
         c, s, _ = max_clients(spec, p, scenario.workload, scenario.ttft_slo_s, scenario.tpot_slo_s, ramp_s,
-                              measure_s, log=log)
+                              measure_s, log=log, options={k: v for k, v in merged.items() if k in known})
         rows[p] = {"clients_within_slo": c, "output_tok_per_s": s["window_output_tokens_per_s"] if s else 0.0,
                    "ttft_p99_s": s and round(s["ttft_p99_s"], 3), "tpot_p99_s": s and round(s["tpot_p99_s"] or 0, 4),
                    "cpu_token_share": s and s["cpu_token_share"]}
