@@ -98,6 +98,13 @@ class Snapshot:
         return asdict(self)
 
 
+def mean_measured(rates: list[float]) -> float:
+    """The mean of the rates that were measured (> 0): a prompt goes through one replica, so a
+    pool's prefill rate is a replica's; 0 when none was."""
+    known = [x for x in rates if x > 0]
+    return sum(known) / len(known) if known else 0.0
+
+
 class LoadState:
     def __init__(self, clock=time.monotonic, system_probe=None):
         self.clock = clock
@@ -154,7 +161,7 @@ class LoadState:
         if since is not None and since == self.version:
             return None
         views: dict[str, DeploymentView] = {}
-        measured: dict[str, int] = {}
+        prefill_rates: dict[str, list[float]] = {}
         for r in self.reports.values():
             v = views.setdefault(r.deployment, DeploymentView(r.deployment, r.pool, block_size=r.block_size,
                                                               emulated=r.emulated))
@@ -166,11 +173,9 @@ class LoadState:
             v.max_num_seqs += r.max_num_seqs
             v.max_free_blocks = max(v.max_free_blocks, r.num_free_blocks)
             v.tokens_per_s += r.tokens_per_s
-            if r.prefill_tokens_per_s > 0:  # (a running sum and count, made a mean below)
-                v.prefill_tokens_per_s += r.prefill_tokens_per_s
-                measured[r.deployment] = measured.get(r.deployment, 0) + 1
-        for d, n in measured.items():
-            views[d].prefill_tokens_per_s = round(views[d].prefill_tokens_per_s / n, 1)
+            prefill_rates.setdefault(r.deployment, []).append(r.prefill_tokens_per_s)
+        for d, rates in prefill_rates.items():
+            views[d].prefill_tokens_per_s = round(mean_measured(rates), 1)
         return Snapshot(now, views, [r.as_dict() for r in self.reports.values()], gpu, cpu, dict(self.counters),
                         self.version, dict(self.ingress))
 

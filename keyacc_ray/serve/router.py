@@ -24,7 +24,7 @@ from keyacc_ray.policies import LoadView, PoolLoad, RequestView, make_policy
 from keyacc_ray.policies.base import HOLD, OutputLengths
 from keyacc_ray.serve.driver import FAILOVER, MAX_RECOVERIES, error_item as _err
 from keyacc_ray.serve.messages import HopEnd, Ticket
-from keyacc_ray.serve.monitor import MONITOR_NAME, MONITOR_NAMESPACE, LoadMonitor
+from keyacc_ray.serve.monitor import MONITOR_NAME, MONITOR_NAMESPACE, LoadMonitor, mean_measured
 
 log = logging.getLogger("ray.serve")
 REFRESH_EVERY_S = 0.1
@@ -65,11 +65,6 @@ async def _wait_at_most(event: asyncio.Event, timeout_s: float) -> None:
     finally:
         timer.cancel()
         watch.cancel()
-
-
-def _mean_known(xs: list[float]) -> float:
-    known = [x for x in xs if x > 0]
-    return sum(known) / len(known) if known else 0.0
 
 
 def hop_keys(num_cpu_deployments: int) -> list[str]:
@@ -233,7 +228,7 @@ class Router:
                        free_blocks=max(c.free_blocks for c in cpus), total_blocks=sum(c.total_blocks for c in cpus),
                        block_size=cpus[0].block_size, known=any(c.known for c in cpus),
                        tokens_per_s=sum(c.tokens_per_s for c in cpus),
-                       prefill_tokens_per_s=_mean_known([c.prefill_tokens_per_s for c in cpus]))
+                       prefill_tokens_per_s=mean_measured([c.prefill_tokens_per_s for c in cpus]))
         self._cpu_loads = cpus
         if self.colocated:  # the GPU engine's queue is its prefill queue too
             return LoadView(loads["gpu_decode"], loads["gpu_decode"], cpu, free, colocated=True)
@@ -245,10 +240,10 @@ class Router:
         if len(self.cpu_keys) == 1:
             return self.cpu_keys[0]
         self.load_view()
-        load = {k: max(c.running + c.queue, self.inflight[k]) for k, c in zip(self.cpu_keys, self._cpu_loads)}
-        live = {k for k, c in zip(self.cpu_keys, self._cpu_loads) if c.known}
-        queued = {k: c.queue for k, c in zip(self.cpu_keys, self._cpu_loads)}
-        if prefer in load and queued[prefer] == 0 and (prefer in live or not live):
+        pools = dict(zip(self.cpu_keys, self._cpu_loads))
+        load = {k: max(c.running + c.queue, self.inflight[k]) for k, c in pools.items()}
+        live = {k for k, c in pools.items() if c.known}
+        if prefer in pools and pools[prefer].queue == 0 and (prefer in live or not live):
             return prefer
         # a deployment the monitor has no live replica of last (its requests would wait in Serve's
         # queue for a replacement)
