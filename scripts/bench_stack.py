@@ -32,7 +32,7 @@ def app_config(args) -> dict:
     pool = {"max_num_seqs": 512, "max_ongoing_requests": 1024, "num_cpus": 0.5, "num_threads": 1,
             "stream_interval_ms": args.stream_interval_ms}
     return {"model": str(ROOT / "models" / "tiny-qwen3"), "max_model_len": 1024, "policy": "gpu_only",
-            "ingress_replicas": args.ingress_replicas, "max_queued_requests": 4096,
+            "ingress_replicas": args.ingress_replicas, "max_queued_requests": 4096, "stream_mux": not args.no_mux,
             "gpu": {**pool, "device": "auto", "num_kv_blocks": 64}, "cpu": {**pool, "device": "cpu"},
             "replica_env": {**REPLICA_ENV, "KEYACC_TOKEN_SOURCE": str(args.token_rate)}}
 
@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=256)
     ap.add_argument("--ingress-replicas", type=int, default=1)
     ap.add_argument("--stream-interval-ms", type=float, default=5.0)
+    ap.add_argument("--no-mux", action="store_true", help="one Serve stream per hop (stream_mux: false)")
     ap.add_argument("--idle-seconds", type=float, default=10.0)
     ap.add_argument("--port", type=int, default=8041)
     args = ap.parse_args()
@@ -58,7 +59,8 @@ def main() -> None:
                         "tiny", "--out", str(ROOT / "models" / "tiny-qwen3")], check=True)
     url = bench.serve_app(app_config(args), args.port, 2)
     wl = Workload(prompt_tokens=16, output_tokens=args.output_tokens)
-    out: dict = {"token_rate_per_seq": args.token_rate, "ingress_replicas": args.ingress_replicas, "levels": {}}
+    out: dict = {"token_rate_per_seq": args.token_rate, "ingress_replicas": args.ingress_replicas,
+                 "stream_mux": not args.no_mux, "levels": {}}
     asyncio.run(closed_loop(url, "tiny-qwen3", 4, 3.0, wl, desc="warm-up"))
     for c in args.levels:
         res, wall = asyncio.run(closed_loop(url, "tiny-qwen3", c, args.ramp, wl, desc=f"ramp c={c}"))

@@ -152,6 +152,10 @@ class AppConfig:
     # grow with cores. One router decides for all of them (in-flight counts, policy state), and
     # /metrics sums every replica's request figures whichever one answers.
     ingress_replicas: int = 1
+    # One multiplexed token stream per (pool replica, ingress replica) pair, carrying every
+    # request's tokens in one message per engine step, instead of one Serve streaming call's
+    # messages per request (serve/mux.py); each hop's own call still carries the rest.
+    stream_mux: bool = True
     control_resources: dict = field(default_factory=dict)  # Router and Ingress, e.g. {keyacc_head_node: 0.01}
     max_queued_requests: int = 256  # at the ingress: past it, clients get 503 at once
     api_keys_file: str | None = None  # one key per line; also KEYACC_API_KEYS(_FILE)
@@ -187,6 +191,8 @@ class AppConfig:
 
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ConfigError(f"tool_call_parser must be one of {sorted(PARSERS)} or null, got {self.tool_call_parser!r}")
+        if not isinstance(self.stream_mux, bool):
+            raise ConfigError(f"stream_mux must be true or false, got {self.stream_mux!r}")
         if isinstance(self.ingress_replicas, bool) or not isinstance(self.ingress_replicas, int) or not (
                 1 <= self.ingress_replicas <= 64):
             raise ConfigError(f"ingress_replicas must be an integer in [1, 64], got {self.ingress_replicas!r}")
@@ -287,16 +293,20 @@ def build_app(args: dict | None = None):
                     "KV budget (%s blocks)", cfg.gpu.num_kv_blocks)
 
     def pool(cls, name: str, p: PoolConfig, num_gpus: float, numa_node: int | None = None, replicas: dict | None = None):
-        opts = {**(replicas or {"num_replicas": p.replicas}), "max_ongoing_requests": p.max_ongoing_requests,
+        # each ingress replica's token stream (stream_mux) holds one of a replica's places
+        ongoing = p.max_ongoing_requests + (cfg.ingress_replicas if cfg.stream_mux else 0)
+        opts = {**(replicas or {"num_replicas": p.replicas}), "max_ongoing_requests": ongoing,
                 "max_queued_requests": p.max_queued_requests, "health_check_period_s": 5, **logs("internal")}
-        if p.prefix_affinity and p.enable_prefix_caching and not replicas and p.replicas > 1:
+        affinity = p.prefix_affinity and p.enable_prefix_caching and not replicas and p.replicas > 1
+        if affinity or cfg.stream_mux:
             from ray.serve.config import RequestRouterConfig
 
-            from keyacc_ray.serve.request_router import CLASS_PATH
+            from keyacc_ray.serve.request_router import CLASS_PATH, MUX_CLASS_PATH
 
             opts["request_router_config"] = RequestRouterConfig(
-                request_router_class=CLASS_PATH,
-                request_router_kwargs={"block_size": p.kv_block_size, "imbalance": p.prefix_affinity_imbalance})
+                request_router_class=CLASS_PATH, request_router_kwargs={
+                    "block_size": p.kv_block_size, "imbalance": p.prefix_affinity_imbalance}) if affinity else \
+                RequestRouterConfig(request_router_class=MUX_CLASS_PATH)
         resources = dict(p.resources)
         if numa_node is not None and f"keyacc_numa_{numa_node}" in cluster:
             # a bundle that takes this NUMA node's cores (resources from scripts/start_node.py)
@@ -340,7 +350,7 @@ def build_app(args: dict | None = None):
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus, "resources": dict(cfg.control_resources), **env},
     ).bind(router, pools, cfg.model, cfg.served_model_name, max_len, cfg.allow_route_pinning, cfg.max_body_bytes,
            cfg.api_keys_file, cfg.operator_keys_file, cfg.trust_remote_code, cfg.generation_config,
-           cfg.tool_call_parser)
+           cfg.tool_call_parser, cfg.stream_mux)
 
 
 if __name__ == "__main__":  # python -m keyacc_ray.serve.app serve run deployments/app.yaml

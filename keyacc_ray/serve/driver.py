@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import time
 
+from keyacc_ray.serve.mux import MuxClient
 from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopEnd, SegmentStart, Ticket,
                                        TicketUpdate, TokenChunk, Trace, Withdrawn)
 
@@ -92,11 +93,13 @@ def fallback(t: Ticket, end: HopEnd | None, colocated: bool = False) -> Ticket:
 
 
 class RequestDriver:
-    def __init__(self, router, hops: dict):
+    def __init__(self, router, hops: dict, mux: MuxClient | None = None):
         """router: RemoteRouter (or the Router itself, in process); hops: the pool handles by hop
-        key ("gpu_prefill", "gpu_decode", "cpu_decode/0", ...)."""
+        key ("gpu_prefill", "gpu_decode", "cpu_decode/0", ...); mux: this ingress replica's
+        multiplexed token streams (serve/mux.py), or None for one stream per hop."""
         self.router = router
         self.hops = hops
+        self.mux = mux
         self._tasks: set[asyncio.Task] = set()
 
     async def _ask(self, t: Ticket, end: HopEnd | None) -> Ticket:
@@ -134,7 +137,7 @@ class RequestDriver:
             started = time.monotonic()
             next_handoff = None
             outcome, err_name = "done", ""
-            stream = None
+            stream = hop = None
             segment_started = False  # this hop's replica said where it runs
             decided: Ticket | None = None  # the pool's check after a CPU period chose the next hop
             # Policy periods on the CPU: the pool checks with the router itself (a move lands a few
@@ -146,9 +149,12 @@ class RequestDriver:
             try:
                 if t.move_on_preempt:
                     in_periods["movable"] = True
+                if self.mux is not None:  # its tokens may come on the replica's multiplexed stream
+                    hop = self.mux.open(t.hop)
+                    in_periods.update(hop.call_kwargs)
                 stream = self.hops[t.hop].options(**POOL_CALL).generate.remote(req, handoff, t.export_after,
                                                                                **in_periods)
-                async for items in stream:
+                async for items in (stream if hop is None else hop.attach(stream)):
                     out = []
                     for it in items:
                         if isinstance(it, TicketUpdate):
@@ -197,6 +203,11 @@ class RequestDriver:
                                 len(generated))
                     if segment_started:
                         trace.segments[-1]["failed"] = True
+                    if stream is not None:  # if its replica still runs it (lost tokens), it stops there
+                        stream.cancel()
+            finally:
+                if hop is not None:
+                    hop.close()
             end = HopEnd(outcome, time.monotonic() - started, len(generated), handoff is not None, err_name,
                          finished=finish_reason in ("stop", "length"))
             if outcome == "done":

@@ -21,6 +21,7 @@ from keyacc_ray.errors import InvalidRequest, KeyaccError
 from keyacc_ray.serve import metrics as prom
 from keyacc_ray.serve import protocol, tools
 from keyacc_ray.serve.driver import RemoteRouter, RequestDriver
+from keyacc_ray.serve.mux import MuxClient
 from keyacc_ray.serve.messages import ErrorItem, TokenChunk, Trace
 
 log = logging.getLogger("ray.serve")
@@ -111,13 +112,19 @@ class Ingress:
                  allow_route_pinning: bool | str = True, max_body_bytes: int = 1 << 20,
                  api_keys_file: str | None = None, operator_keys_file: str | None = None,
                  trust_remote_code: bool = False, generation_config: str = "auto",
-                 tool_call_parser: str | None = "hermes"):
+                 tool_call_parser: str | None = "hermes", stream_mux: bool = True):
         """router: the Router deployment's handle; pools: the pool handles by hop key
         ("gpu_prefill", "gpu_decode", "cpu_decode/0", ...)."""
         from transformers import AutoTokenizer
 
         self.router = router
-        self.driver = RequestDriver(RemoteRouter(router), pools)
+        mux = None
+        if stream_mux:  # one token stream per pool replica it sends hops to (serve/mux.py)
+            def subscribe(hop: str, sub):
+                return pools[hop].options(stream=True, _by_reference=False).subscribe.remote(sub)
+
+            mux = MuxClient(f"ingress-{uuid.uuid4().hex[:12]}", subscribe)
+        self.driver = RequestDriver(RemoteRouter(router), pools, mux)
         self.tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
         self.vocab_size = len(self.tokenizer)  # once: transformers rebuilds the vocabulary to count it
         self.sampling_defaults = protocol.generation_defaults(model) if generation_config == "auto" else {}

@@ -38,6 +38,7 @@ from keyacc_ray.serve.kv_directory import NAME as KV_DIRECTORY, KVDirectory
 from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopEnd, SegmentStart, Ticket,
                                        TicketUpdate)
 from keyacc_ray.serve.monitor import ReplicaReport
+from keyacc_ray.serve.mux import Channel, Subscribe, mux_hop, subscription
 
 log = logging.getLogger("ray.serve")
 KV_FETCH_TIMEOUT_S = 20.0
@@ -108,6 +109,7 @@ class EnginePool:
         self._router_handle = None  # the Router deployment's handle, for period checks, made on first use
         self._unstarted: dict[str, tuple[Ticket, float]] = {}  # engine id -> (ticket, since): queued, no token yet
         self._recaller: asyncio.Task | None = None
+        self._muxes: dict[str, Channel] = {}  # ingress replica -> its open token stream from here
         self.loop = AsyncEngine(self.engine, on_export=self._to_handoff, stream_interval_s=stream_interval_ms / 1e3)
         label = ("EMULATED GPU: runs on CPU cores with an emulated KV budget of "
                  f"{self.engine.blocks.num_blocks} blocks x {self.engine.blocks.block_size} tokens"
@@ -120,9 +122,25 @@ class EnginePool:
 
     # ---- requests ----------------------------------------------------------------------
     async def generate(self, req: GenerateRequest, handoff: Handoff | None = None,
-                       export_after: int | None = None, ticket: Ticket | None = None, movable: bool = False):
+                       export_after: int | None = None, ticket: Ticket | None = None, movable: bool = False,
+                       mux: tuple[str, int] | None = None):
         """One hop of a request. `movable`: preempted here (lazy KV), the sequence ends this hop
-        with a hand-off (KV and all) instead of waiting to be recomputed."""
+        with a hand-off (KV and all) instead of waiting to be recomputed. `mux`: (ingress replica,
+        key): if that ingress replica's token stream from here is open, the tokens go on it
+        (serve/mux.py) and this call carries the rest."""
+        channel = self._muxes.get(mux[0]) if mux else None
+        async for items in mux_hop(self._hop(req, handoff, export_after, ticket, movable), channel,
+                                   mux[1] if mux else None):
+            yield items
+
+    async def subscribe(self, sub: Subscribe):
+        """An ingress replica's multiplexed token stream from this replica: batches of
+        (key, seq, token chunks) of its hops, until it closes or idles (serve/mux.py)."""
+        async for batch in subscription(self._muxes, sub, self.replica, self.loop.stream_interval_s):
+            yield batch
+
+    async def _hop(self, req: GenerateRequest, handoff: Handoff | None, export_after: int | None,
+                   ticket: Ticket | None, movable: bool):
         if handoff is not None:
             phase = "decode"
         else:

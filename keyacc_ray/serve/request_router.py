@@ -1,16 +1,29 @@
-"""The pools' Serve request router: power of two choices, with prefix affinity
-(`serve/prefix_affinity.py`) for fresh prompts where a pool has several replicas. A thin shell
-over Ray Serve's RequestRouter API (alpha in Ray 2.60); set per pool deployment by
-`serve/app.py` (`prefix_affinity` in a pool's config)."""
+"""The pools' Serve request routers: power of two choices, with prefix affinity
+(`serve/prefix_affinity.py`) for fresh prompts where a pool has several replicas, and in both a
+subscription to a replica's multiplexed token stream (`serve/mux.py`) sent to the replica it
+names. Thin shells over Ray Serve's RequestRouter API (alpha in Ray 2.60); set per pool
+deployment by `serve/app.py` (`prefix_affinity` in a pool's config, `stream_mux`)."""
 from __future__ import annotations
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve._private.request_router.request_router import LocalityMixin, MultiplexMixin, RequestRouter
 
 from keyacc_ray.serve.messages import GenerateRequest
+from keyacc_ray.serve.mux import is_subscribe
 from keyacc_ray.serve.prefix_affinity import PrefixAffinity, anchors
 
 CLASS_PATH = "keyacc_ray.serve.request_router:PrefixAffinityRouter"
+MUX_CLASS_PATH = "keyacc_ray.serve.request_router:MuxRouter"
+
+
+def _target(candidate_replicas, pending_request):
+    """A subscription's replica, as the only choice ([] if it is not among the candidates: then
+    any replica takes the call, refuses it, and the ingress asks again later)."""
+    sub = is_subscribe(getattr(pending_request, "args", None) or ())
+    if sub is None:
+        return None
+    return [[r] for r in candidate_replicas if r.replica_id.unique_id == sub.replica][:1] or \
+        [list(candidate_replicas)]
 
 
 def _prompt(pending_request) -> list[int] | None:
@@ -32,6 +45,9 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self.num_affine = 0  # requests sent where their prefix was last sent
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
+        target = _target(candidate_replicas, pending_request)
+        if target is not None:
+            return target
         prompt = _prompt(pending_request) if len(candidate_replicas) > 1 else None
         if prompt:
             keys = anchors(prompt, self.affinity.block_size)
@@ -57,3 +73,13 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
         self.affinity.forget(replica_id.unique_id)
+
+
+class MuxRouter(PowerOfTwoChoicesRequestRouter):
+    """Serve's default (power of two choices, FIFO), but a subscription goes to its replica."""
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        target = _target(candidate_replicas, pending_request)
+        if target is not None:
+            return target
+        return await super().choose_replicas(candidate_replicas, pending_request)

@@ -12,9 +12,20 @@ import pytest
 from keyacc_ray.serve.driver import RequestDriver
 from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopEnd, SegmentStart, Ticket,
                                        TicketUpdate, TokenChunk, Trace, Withdrawn)
+from keyacc_ray.serve.mux import MuxClient, mux_hop, subscription
 from keyacc_ray.serve.router import Router, hop_keys
 
 PROMPT = [1, 2, 3, 4]
+MUX = {"on": False}
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["one-stream-per-hop", "mux"])
+def _mux(request):
+    """Every test here runs twice: with one stream per hop, and with the multiplexed token
+    streams (serve/mux.py: the pools' real muxing code, the driver's real MuxClient)."""
+    MUX["on"] = request.param
+    yield request.param
+    MUX["on"] = False
 
 
 class BackPressureError(Exception):  # what Serve raises when a pool's bounded queue is full
@@ -68,11 +79,21 @@ class FakeStream:
         self.cancelled = True
 
 
+class _Subscribe:
+    def __init__(self, pool):
+        self.pool = pool
+
+    def remote(self, sub):
+        return subscription(self.pool.channels, sub, self.pool.name + "-r0", 0.0)
+
+
 class FakePool:
     """Token i of a request is 100 + i, wherever it is generated, so continuity shows."""
 
     def __init__(self, name: str, pool: str, phase: str):
         self.name, self.pool, self.phase = name, pool, phase
+        self.channels: dict = {}  # open multiplexed token streams, by ingress replica
+        self.subscribe = _Subscribe(self)
         self.calls: list[tuple] = []  # (handoff token count or None, export_after)
         self.fail_after: int | None = None  # raise after this many tokens (once)
         self.backpressure = False  # raise BackPressureError (once)
@@ -85,15 +106,19 @@ class FakePool:
         return self
 
     def remote(self, req: GenerateRequest, handoff: Handoff | None, export_after: int | None, ticket=None,
-               movable=False):
+               movable=False, mux=None):
         # a pool that does not check periods itself: it hands off after each one (the driver asks)
         self.calls.append((None if handoff is None else len(handoff.token_ids), export_after))
         self.movable.append(movable)
         if movable and self.preempt_after is not None:
             export_after, self.preempt_after = self.preempt_after, None
-        s = FakeStream(self._run(req, handoff, export_after))
+        s = FakeStream(self.muxed(self._run(req, handoff, export_after), mux))
         self.streams.append(s)
         return s
+
+    def muxed(self, gen, mux):
+        """As EnginePool.generate: the hop's tokens on the caller's token stream, if it is open."""
+        return mux_hop(gen, self.channels.get(mux[0]) if mux else None, mux[1] if mux else None)
 
     async def _run(self, req, handoff, export_after):
         if self.backpressure:
@@ -127,11 +152,11 @@ class CheckingPool(FakePool):
     router: Router
     checks = 0
 
-    def remote(self, req, handoff, export_after, ticket=None, movable=False):
+    def remote(self, req, handoff, export_after, ticket=None, movable=False, mux=None):
         if ticket is None:
-            return super().remote(req, handoff, export_after)
+            return super().remote(req, handoff, export_after, mux=mux)
         self.calls.append((None if handoff is None else len(handoff.token_ids), export_after))
-        s = FakeStream(self._periods(req, handoff, export_after, ticket))
+        s = FakeStream(self.muxed(self._periods(req, handoff, export_after, ticket), mux))
         self.streams.append(s)
         return s
 
@@ -163,8 +188,25 @@ def make(policy="gpu_only", options=None, allow_pinning=True, router=None, coloc
                          colocated_gpu=colocated)
     if colocated:  # as build_app: the ingress has no GpuPrefill handle
         gp = pools.pop("gpu_prefill")
-        return RequestDriver(r, pools), r, {**pools, "gpu_prefill": gp}
-    return RequestDriver(r, pools), r, pools
+        return RequestDriver(r, pools, mux_client(pools)), r, {**pools, "gpu_prefill": gp}
+    return RequestDriver(r, pools, mux_client(pools)), r, pools
+
+
+def mux_client(pools: dict) -> MuxClient | None:
+    if not MUX["on"]:
+        return None
+    return MuxClient("ingress-test", lambda hop, sub: pools[hop].subscribe.remote(sub))
+
+
+async def warm(driver) -> None:
+    """With the mux, open every replica's token stream first (as the first hops there would), so
+    that the test's own hops are multiplexed."""
+    if driver.mux is None:
+        return
+    for hop, p in driver.hops.items():
+        driver.mux.want(hop, p.name + "-r0")
+    for _ in range(3):
+        await asyncio.sleep(0)
 
 
 def request(max_tokens=8, route=None, migrate_back_after=None, rid="r1"):
@@ -172,6 +214,7 @@ def request(max_tokens=8, route=None, migrate_back_after=None, rid="r1"):
 
 
 async def collect(driver, req):
+    await warm(driver)
     tokens, errors, trace = [], [], None
     async for items in driver.run(req):
         for i in items:
@@ -574,9 +617,9 @@ class QueuingCpuPool(FakePool):
         self.withdrawn: set[str] = set()
         self.waiting: dict[str, asyncio.Event] = {}
 
-    def remote(self, req, handoff, export_after, ticket=None, movable=False):
+    def remote(self, req, handoff, export_after, ticket=None, movable=False, mux=None):
         self.calls.append((None if handoff is None else len(handoff.token_ids), export_after))
-        return FakeStream(self._queued(req, handoff, export_after))
+        return FakeStream(self.muxed(self._queued(req, handoff, export_after), mux))
 
     async def _queued(self, req, handoff, export_after):
         gone = self.waiting[req.request_id] = asyncio.Event()

@@ -1,0 +1,362 @@
+"""One multiplexed token stream per (pool replica, ingress replica) pair.
+
+Without it every hop of every request is its own Serve streaming call, and every chunk of
+tokens crosses it as its own gRPC message: at 64 streams that per-chunk machinery (the pool's
+streaming generator, the ingress's stream read and unpickling) is most of the serving stack's
+CPU per token (docs/benchmarks.md, "The serving stack alone"). With it, the hop's own call stays
+the control plane (Serve's routing, back-pressure, cancellation when the client goes away, a
+replica's death, the hand-off, the router's period answers) and its tokens travel on a stream
+the ingress replica keeps open to that pool replica (`subscribe`), which carries one message
+per engine step and ingress replica with every request's new tokens.
+
+Order across the two streams: the pool numbers the runs of items of a hop (a run: consecutive
+token chunks, or consecutive other items) and sends each run on the stream it belongs to; the
+hop's call ends with `MuxEnd(total)`. The ingress puts each hop's runs back in order (`Inbox`)
+and hands the driver the same lists of items an unmultiplexed hop yields. A hop that starts
+when no subscription from its ingress replica is open at the pool (the first requests, or
+after an idle pool closed it) is not multiplexed: its call carries everything, as before, and
+the ingress subscribes to that replica for the next hops. If the subscription closes in the
+middle of a hop, the pool sends that hop's remaining tokens on the hop's own call (numbered the
+same way, so nothing changes for the driver).
+
+Plain Python and asyncio: the pool (`serve/pools.py`) and the ingress (`serve/driver.py`) pass
+in their Serve calls.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from keyacc_ray.serve.messages import SegmentStart, TokenChunk, merge_chunks
+
+log = logging.getLogger("ray.serve")
+IDLE_CLOSE_S = 5.0  # a pool closes a subscription that carried no hop for this long
+LOST_AFTER_S = 10.0  # a hop whose call ended waits this long for its last runs, then fails
+RESUBSCRIBE_AFTER_S = 2.0  # an ingress waits this long before subscribing again to a replica that refused
+
+
+@dataclass
+class Subscribe:
+    """The ingress replica `ingress` asks pool replica `replica` for its tokens (the call is
+    routed to that replica by the pools' request router, `serve/request_router.py`)."""
+    ingress: str
+    replica: str
+
+
+@dataclass
+class MuxRun:
+    """On a multiplexed hop's own call: a run of its items other than tokens (or tokens, when
+    the subscription closed), `seq` its place among the hop's runs."""
+    seq: int
+    items: list
+
+
+@dataclass
+class MuxEnd:
+    """The last item of a multiplexed hop's own call: the hop had `total` runs."""
+    total: int
+
+
+def is_subscribe(args) -> Subscribe | None:
+    return args[0] if args and isinstance(args[0], Subscribe) else None
+
+
+# ---- pool side -------------------------------------------------------------------------
+
+class Channel:
+    """A pool replica's end of one ingress replica's subscription: hops put their token runs,
+    the subscription's call takes them in batches."""
+
+    def __init__(self, interval_s: float = 0.005, idle_close_s: float | None = None):
+        self.interval_s = interval_s
+        self.idle_close_s = IDLE_CLOSE_S if idle_close_s is None else idle_close_s
+        self.closed = False
+        self.active = 0  # hops under way on it
+        self._buf: list = []  # (key, seq, [TokenChunk, ...])
+        self._ready = asyncio.Event()
+
+    def put(self, key, seq: int, chunks: list) -> None:
+        self._buf.append((key, seq, chunks))
+        self._ready.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self._ready.set()
+
+    async def batches(self) -> AsyncIterator[list]:
+        """Everything put since the last batch, at most one batch per `interval_s`; ends when
+        closed (what was put before is still sent), or after `idle_close_s` with no hop on it."""
+        loop = asyncio.get_running_loop()
+        last = 0.0
+        idle_since = time.monotonic()
+        while True:
+            if not self._buf and not self.closed:
+                timer = loop.call_later(self.idle_close_s, self._ready.set)  # wake to look at idleness
+                try:
+                    await self._ready.wait()
+                finally:
+                    timer.cancel()
+            self._ready.clear()
+            now = time.monotonic()
+            if self._buf:
+                wait = self.interval_s - (now - last)
+                if wait > 0 and not self.closed:
+                    await asyncio.sleep(wait)
+                last = time.monotonic()
+                batch, self._buf = self._buf, []
+                yield batch
+                idle_since = time.monotonic()
+            elif self.closed:
+                return
+            elif self.active:
+                idle_since = now
+            elif now - idle_since >= self.idle_close_s:
+                return
+
+
+async def mux_hop(items: AsyncIterator[list], channel: Channel | None, key) -> AsyncIterator[list]:
+    """A pool hop's item lists as its own call yields them: unchanged without a channel;
+    with one, each run of token chunks goes to the channel and everything else comes out here
+    as `MuxRun`s, then `MuxEnd`."""
+    if channel is None or channel.closed:
+        async for batch in items:
+            yield batch
+        return
+    seq = 0
+    channel.active += 1
+    try:
+        async for batch in items:
+            out = []
+            for is_tokens, run in _runs(batch):
+                if is_tokens and not channel.closed:
+                    channel.put(key, seq, run)
+                else:
+                    out.append(MuxRun(seq, run))
+                seq += 1
+            if out:
+                yield out
+        yield [MuxEnd(seq)]
+    finally:
+        channel.active -= 1
+
+
+async def subscription(channels: dict, sub: Subscribe, replica: str, interval_s: float) -> AsyncIterator[list]:
+    """A pool replica's side of `subscribe`: batches of (key, seq, token chunks) of the hops of
+    ingress replica `sub.ingress`, through a channel kept in `channels` while it is open. A call
+    that reached another replica than the one it names ends at once (the ingress asks later)."""
+    if sub.replica != replica:
+        return
+    channel = Channel(interval_s)
+    old = channels.get(sub.ingress)
+    if old is not None:
+        old.close()
+    channels[sub.ingress] = channel
+    try:
+        async for batch in channel.batches():
+            yield batch
+    finally:
+        channel.close()
+        if channels.get(sub.ingress) is channel:
+            del channels[sub.ingress]
+
+
+def _runs(batch: list):
+    for is_tokens, run in itertools.groupby(batch, lambda it: type(it) is TokenChunk):
+        yield is_tokens, list(run)
+
+
+# ---- ingress side ----------------------------------------------------------------------
+
+class Inbox:
+    """One hop's items, from its own call and the subscription, back in order."""
+
+    def __init__(self):
+        self._next = 0
+        self._early: dict[int, list] = {}
+        self._ready: list = []
+        self._total: int | None = None
+        self._ended = False  # the call ended (unmultiplexed: that is the hop's end)
+        self._error: BaseException | None = None
+        self._wake = asyncio.Event()
+        self.muxed = False
+        self.source: tuple[str, str] | None = None  # (hop, replica) whose subscription carries it
+
+    def run(self, seq: int, items: list) -> None:
+        if seq < self._next:
+            return
+        self._early[seq] = items
+        while self._next in self._early:
+            self._ready.extend(self._early.pop(self._next))
+            self._next += 1
+        self._wake.set()
+
+    def plain(self, items: list) -> None:
+        self._ready.extend(items)
+        self._wake.set()
+
+    def end(self, total: int | None = None) -> None:
+        if total is not None:
+            self._total = total
+        else:
+            self._ended = True
+        self._wake.set()
+
+    def fail(self, e: BaseException) -> None:
+        self._error = e
+        self._wake.set()
+
+    def _done(self) -> bool:
+        if self.muxed:
+            return self._total is not None and self._next >= self._total
+        return self._ended
+
+    async def get(self) -> list | None:
+        """The next items in order (consecutive token chunks merged); None at the hop's end.
+        Raises what broke the hop's call, after the items that came before it."""
+        while True:
+            if self._ready:
+                out, self._ready = self._ready, []
+                return merge_chunks(out) if len(out) > 1 else out
+            if self._error is not None:
+                raise self._error
+            if self._done():
+                return None
+            if self._ended and self.muxed and self._total is None:  # the call ended without its MuxEnd
+                raise ConnectionError("the pool's stream ended early")
+            self._wake.clear()
+            if self._total is None:
+                await self._wake.wait()
+                continue
+            try:  # the call has ended: what is missing is on its way, or lost with the subscription
+                await asyncio.wait_for(self._wake.wait(), LOST_AFTER_S)
+            except asyncio.TimeoutError:
+                raise ConnectionError(f"tokens of the hop lost (runs {self._next}..{self._total - 1})") from None
+
+
+class MuxHop:
+    """The driver's view of one hop: iterate it for the hop's item lists; `close()` always."""
+
+    def __init__(self, client: "MuxClient", hop: str):
+        self.client, self.hop = client, hop
+        self.key = next(client._keys)
+        self.inbox = Inbox()
+        client._inboxes[self.key] = self.inbox
+        self._reader: asyncio.Task | None = None
+
+    @property
+    def call_kwargs(self) -> dict:
+        return {"mux": (self.client.ingress, self.key)}
+
+    def attach(self, stream) -> "MuxHop":
+        self._reader = asyncio.ensure_future(self._read(stream))
+        return self
+
+    async def _read(self, stream) -> None:
+        inbox = self.inbox
+        try:
+            async for items in stream:
+                for it in items:
+                    if type(it) is MuxRun:
+                        if not inbox.muxed:
+                            inbox.muxed = True
+                            start = next((x for x in it.items if type(x) is SegmentStart), None)
+                            if start is not None:
+                                inbox.source = (self.hop, start.replica)
+                        inbox.run(it.seq, it.items)
+                    elif type(it) is MuxEnd:
+                        inbox.muxed = True
+                        inbox.end(it.total)
+                    else:
+                        if type(it) is SegmentStart and not inbox.muxed:
+                            self.client.want(self.hop, it.replica)
+                        inbox.plain([it])
+            inbox.end()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - the driver sees it as the hop's own error
+            inbox.fail(e)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> list:
+        items = await self.inbox.get()
+        if items is None:
+            raise StopAsyncIteration
+        return items
+
+    def close(self) -> None:
+        self.client._inboxes.pop(self.key, None)
+        if self._reader is not None and not self._reader.done():
+            self._reader.cancel()
+
+
+class MuxClient:
+    """An ingress replica's subscriptions, one per pool replica it has sent hops to.
+    `subscribe(hop, Subscribe)` makes the streaming call (routed to that replica)."""
+
+    def __init__(self, ingress: str, subscribe: Callable[[str, Subscribe], AsyncIterator[list]]):
+        self.ingress = ingress
+        self.subscribe = subscribe
+        self._keys = itertools.count()
+        self._inboxes: dict[int, Inbox] = {}
+        self._subs: dict[tuple[str, str], asyncio.Task] = {}
+        self._refused: dict[tuple[str, str], float] = {}
+        self.batches = 0  # subscription messages received (for tests and benchmarks)
+        self.subscriptions = 0
+
+    def open(self, hop: str) -> MuxHop:
+        return MuxHop(self, hop)
+
+    def want(self, hop: str, replica: str) -> None:
+        """A hop ran unmultiplexed on this replica: subscribe to it (once, in the background)."""
+        k = (hop, replica)
+        if k in self._subs or time.monotonic() < self._refused.get(k, 0.0):
+            return
+        self._subs[k] = asyncio.ensure_future(self._subscription(k))
+
+    async def _subscription(self, k: tuple[str, str]) -> None:
+        got = broken = False
+        self.subscriptions += 1
+        stream = None
+        try:
+            stream = self.subscribe(k[0], Subscribe(self.ingress, k[1]))
+            async for batch in stream:
+                got = True
+                self.batches += 1
+                inboxes = self._inboxes
+                for key, seq, chunks in batch:
+                    inbox = inboxes.get(key)
+                    if inbox is not None:
+                        inbox.run(seq, chunks)
+        except asyncio.CancelledError:
+            broken = True
+            if stream is not None and hasattr(stream, "cancel"):
+                stream.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - replica gone or full: its hops say so on their own calls
+            log.info("token stream from %s %s ended (%s)", k[0], k[1], e.__class__.__name__)
+            got, broken = False, True
+        finally:
+            self._subs.pop(k, None)
+            # Broken (not closed by the pool, which sends what it holds first and the rest of its
+            # hops on their own calls): the hops under way on it lost what was in flight. They
+            # fail, and go on elsewhere from the tokens the client has, as when a replica dies.
+            if broken:
+                for inbox in list(self._inboxes.values()):
+                    if inbox.source == k and not inbox._done():
+                        inbox.fail(ConnectionError(f"token stream from {k[0]} {k[1]} broke"))
+        if not got:  # refused (another replica took the call), full or gone: not again at once
+            self._refused[k] = time.monotonic() + RESUBSCRIBE_AFTER_S
+            if len(self._refused) > 1024:
+                now = time.monotonic()
+                self._refused = {r: t for r, t in self._refused.items() if t > now}
+
+    def close(self) -> None:
+        for task in list(self._subs.values()):
+            task.cancel()

@@ -1,0 +1,246 @@
+"""The multiplexed token streams (serve/mux.py) without Ray: the driver's MuxClient, the pools'
+muxing code and its subscription, in one event loop; every driver test in test_driver.py also
+runs with them. The end-to-end tests run the same code through Serve (the app's default)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from keyacc_ray.serve import mux as mux_mod
+from keyacc_ray.serve.messages import SegmentStart, TokenChunk
+from keyacc_ray.serve.mux import Channel, Inbox, MuxClient, MuxEnd, MuxRun, Subscribe, mux_hop, subscription
+from tests.serve.test_driver import MUX, collect, make, request, settled
+
+
+@pytest.fixture
+def muxed():
+    MUX["on"] = True
+    yield
+    MUX["on"] = False
+
+
+def _tok(i, last=False):
+    return TokenChunk([i], f"<{i}>", "length" if last else None)
+
+
+def test_inbox_puts_runs_back_in_order_and_ends_at_the_total():
+    async def go():
+        box = Inbox()
+        box.muxed = True
+        box.run(2, [_tok(3)])
+        box.run(0, [SegmentStart("gpu", "whole", "r", "D")])
+        box.end(4)  # the call's MuxEnd can come before the tokens
+        first = await box.get()
+        assert type(first[0]) is SegmentStart
+        box.run(1, [_tok(1), _tok(2)])
+        got = await box.get()  # runs 1 and 2, consecutive chunks merged into one
+        assert [type(i) for i in got] == [TokenChunk] and got[0].token_ids == [1, 2, 3]
+        box.run(1, [_tok(99)])  # a run seen already: ignored
+        box.run(3, [_tok(4, last=True)])
+        assert (await box.get())[0].token_ids == [4]
+        assert await box.get() is None
+
+    asyncio.run(go())
+
+
+def test_inbox_raises_the_calls_error_after_what_came_before_and_fails_a_hop_whose_tokens_are_lost(monkeypatch):
+    async def go():
+        box = Inbox()
+        box.plain([_tok(1)])
+        box.fail(RuntimeError("replica died"))
+        assert (await box.get())[0].token_ids == [1]
+        with pytest.raises(RuntimeError):
+            await box.get()
+        monkeypatch.setattr(mux_mod, "LOST_AFTER_S", 0.05)
+        box = Inbox()
+        box.muxed = True
+        box.run(0, [_tok(1)])
+        box.end(3)
+        box.end()  # the call ended; runs 1 and 2 never come
+        await box.get()
+        with pytest.raises(ConnectionError):
+            await asyncio.wait_for(box.get(), 2)
+
+    asyncio.run(go())
+
+
+def test_mux_hop_sends_token_runs_to_the_channel_and_the_rest_on_the_call_numbered_in_one_sequence():
+    async def go():
+        ch = Channel(0.0)
+
+        async def hop():
+            yield [SegmentStart("cpu", "decode", "r", "D")]
+            yield [_tok(1), _tok(2)]
+            yield ["update", _tok(3), "handoff"]
+
+        out = [items async for items in mux_hop(hop(), ch, 7)]
+        assert ch._buf == [(7, 1, [_tok(1), _tok(2)]), (7, 3, [_tok(3)])]
+        own = [i for items in out for i in items]
+        assert [(type(i).__name__, getattr(i, "seq", None)) for i in own] == [
+            ("MuxRun", 0), ("MuxRun", 2), ("MuxRun", 4), ("MuxEnd", None)]
+        assert own[-1].total == 5 and ch.active == 0
+        # without a channel (or a closed one), the hop is what it was
+        ch.close()
+        plain = [items async for items in mux_hop(hop(), ch, 8)]
+        assert plain[1] == [_tok(1), _tok(2)]
+
+    asyncio.run(go())
+
+
+def test_a_subscription_reaching_another_replica_ends_at_once_and_an_idle_one_closes(monkeypatch):
+    async def go():
+        channels: dict = {}
+        assert [b async for b in subscription(channels, Subscribe("i", "other"), "me", 0.0)] == []
+        monkeypatch.setattr(mux_mod, "IDLE_CLOSE_S", 0.05)
+        ch_seen = []
+
+        async def sub():
+            return [b async for b in subscription(channels, Subscribe("i", "me"), "me", 0.0)]
+
+        task = asyncio.ensure_future(sub())
+        await asyncio.sleep(0)
+        ch_seen.append(channels["i"])
+        channels["i"].put(1, 0, [_tok(1)])
+        got = await asyncio.wait_for(task, 2)  # idle after the batch: it closes by itself
+        assert got == [[(1, 0, [_tok(1)])]] and "i" not in channels and ch_seen[0].closed
+
+    asyncio.run(go())
+
+
+def test_the_first_hop_on_a_replica_subscribes_and_the_next_hops_ride_the_token_stream(muxed):
+    driver, router, pools = make()
+
+    async def go():
+        first = await collect_cold(driver, request(6, route="cpu", rid="a"))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert driver.mux.subscriptions == 1 and driver.mux.batches == 0
+        second = await collect_cold(driver, request(6, route="cpu", rid="b"))
+        return first, second
+
+    first, second = asyncio.run(go())
+    assert first == second == [100 + i for i in range(6)]
+    assert driver.mux.batches > 0 and not driver.mux._inboxes
+    assert settled(router)
+
+
+async def collect_cold(driver, req):
+    tokens = []
+    async for items in driver.run(req):
+        tokens += [t for i in items if isinstance(i, TokenChunk) for t in i.token_ids]
+    return tokens
+
+
+@pytest.mark.parametrize("route, segments", [("stage", [("gpu", 1), ("cpu", 3), ("gpu", 6)]),
+                                             ("gpu", [("gpu", 1), ("gpu", 9)])])
+def test_hand_offs_across_multiplexed_hops_keep_every_token_in_order(muxed, route, segments):
+    driver, router, pools = make()
+    tokens, errors, trace = asyncio.run(collect(driver, request(10, route=route, migrate_back_after=3)))
+    assert tokens == [100 + i for i in range(10)] and not errors
+    assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == segments
+    assert driver.mux.batches > 0 and not driver.mux._inboxes
+    assert all(ch.active == 0 for p in pools.values() for ch in p.channels.values())
+    assert settled(router)
+
+
+def test_a_token_stream_closed_mid_hop_sends_the_rest_on_the_hops_own_call(muxed):
+    driver, router, pools = make()
+    cpu = pools["cpu_decode/0"]
+    real_run = type(cpu)._run
+
+    async def run_then_close(self, req, handoff, export_after):
+        async for items in real_run(self, req, handoff, export_after):
+            yield items
+            if any(isinstance(i, TokenChunk) and i.num_output_tokens == 4 for i in items):
+                for ch in list(self.channels.values()):
+                    ch.close()
+
+    cpu._run = run_then_close.__get__(cpu)
+    tokens, errors, trace = asyncio.run(collect(driver, request(12, route="cpu")))
+    assert tokens == [100 + i for i in range(12)] and not errors
+    assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == [("cpu", 12)]
+    assert settled(router)
+
+
+def test_a_token_stream_lost_mid_hop_fails_the_hop_and_it_goes_on_elsewhere_from_the_tokens_so_far(muxed):
+    """The ingress's end of a replica's token stream breaks while the replica still runs the
+    hop: the hop fails (its call is cancelled there) and the request continues on the other
+    pool from the tokens the client has, as for a replica that died."""
+    driver, router, pools = make()
+    gpu = pools["gpu_decode"]
+    real_run = type(gpu)._run
+    state = {"n": 0}
+
+    async def run_and_break(self, req, handoff, export_after):
+        async for items in real_run(self, req, handoff, export_after):
+            yield items
+            state["n"] += 1
+            if state["n"] == 4:
+                for task in list(driver.mux._subs.values()):
+                    task.cancel()
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0)
+
+    gpu._run = run_and_break.__get__(gpu)
+    tokens, errors, trace = asyncio.run(collect(driver, request(10)))
+    assert tokens == [100 + i for i in range(10)] and not errors  # none lost, none repeated
+    assert any(s.get("failed") for s in trace["segments"])
+    assert gpu.streams[0].cancelled
+    assert settled(router)
+
+
+def test_a_client_gone_mid_stream_leaves_no_hop_registered(muxed):
+    driver, router, pools = make()
+
+    async def go():
+        gen = driver.run(request(50, route="cpu"))
+        await asyncio.sleep(0)
+        seen = 0
+        async for items in gen:
+            seen += sum(isinstance(i, TokenChunk) for i in items)
+            if seen >= 3:
+                break
+        await gen.aclose()
+        await asyncio.sleep(0.01)
+
+    asyncio.run(go())
+    assert not driver.mux._inboxes and pools["cpu_decode/0"].streams[0].cancelled
+    assert settled(router)
+
+
+def test_the_request_router_sends_a_subscription_to_the_replica_it_names():
+    pytest.importorskip("ray.serve")
+    from keyacc_ray.serve.request_router import _target
+
+    class R:
+        def __init__(self, uid):
+            self.replica_id = type("Id", (), {"unique_id": uid})()
+
+    class Pending:
+        def __init__(self, args):
+            self.args = args
+
+    reps = [R("a"), R("b"), R("c")]
+    assert _target(reps, Pending((Subscribe("i", "b"),))) == [[reps[1]]]
+    assert _target(reps, Pending((Subscribe("i", "gone"),))) == [reps]  # any: it refuses, the ingress asks later
+    assert _target(reps, Pending(("a request",))) is None and _target(reps, None) is None
+
+
+def test_mux_client_does_not_ask_a_refusing_replica_again_at_once():
+    async def go():
+        calls = []
+
+        async def refuse(hop, sub):
+            calls.append(sub)
+            return
+            yield  # an empty stream: the call reached another replica
+
+        c = MuxClient("i", refuse)
+        c.want("cpu_decode/0", "x")
+        await asyncio.sleep(0.01)
+        c.want("cpu_decode/0", "x")
+        await asyncio.sleep(0.01)
+        return calls
+
+    assert len(asyncio.run(go())) == 1
