@@ -47,6 +47,9 @@ class _Stream:
     check_every: int | None = None
     produced: int = 0
     movable: bool = False  # preempted (lazy KV), the sequence leaves with its KV instead of waiting here
+    # takes each TokenChunk on the event loop, straight from the engine thread's hand-over (a
+    # multiplexed token stream, serve/mux.py); False: it did not, the chunk goes to the queue
+    sink: Callable[[TokenChunk], bool] | None = None
 
 
 def _internal_error(message: str) -> ErrorItem:
@@ -55,7 +58,8 @@ def _internal_error(message: str) -> ErrorItem:
 
 def _put_all(items: list) -> None:
     for stream, item in items:
-        stream.q.put_nowait(item)
+        if stream.sink is None or type(item) is not TokenChunk or not stream.sink(item):
+            stream.q.put_nowait(item)
 
 
 _END = object()
@@ -82,10 +86,13 @@ class AsyncEngine:
     async def generate(self, request_id: str, *, prompt_ids: list[int] | None = None,
                        params: SamplingParams, package: KVPackage | None = None,
                        export_after: int | None = None, check_every: int | None = None,
-                       movable: bool = False) -> AsyncIterator[list]:
+                       movable: bool = False, sink: Callable[[TokenChunk], bool] | None = None
+                       ) -> AsyncIterator[list]:
         """Yields lists of TokenChunk / ErrorItem / Checkpoint / hand-off objects until the sequence
-        ends. `movable`: if the engine preempts it, it is handed off (KV and all) instead."""
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), export_after, check_every, movable=movable)
+        ends. `movable`: if the engine preempts it, it is handed off (KV and all) instead.
+        `sink`: takes the token chunks instead (those it refuses come here as before)."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), export_after, check_every, movable=movable,
+                         sink=sink)
         self._inbox.put(("add", request_id, prompt_ids, params, package, stream))
         self._wake.set()
         done = False
@@ -110,6 +117,15 @@ class AsyncEngine:
             if not done:  # the client went away: free the sequence and its blocks now
                 self._inbox.put(("abort", request_id))
                 self._wake.set()
+
+    def note(self, request_id: str, item) -> bool:
+        """Put `item` into a sequence's stream now, from the event loop (its tokens may not pass
+        through it: `sink`); False if the stream has ended."""
+        s = self._streams.get(request_id)
+        if s is None or s.loop is not asyncio.get_running_loop():
+            return False
+        s.q.put_nowait(item)
+        return True
 
     def export(self, request_id: str) -> None:
         """Hand a running sequence off at the next step boundary (its stream ends with the hand-off);

@@ -44,6 +44,10 @@ class TokenChunk:
     prompt_logprobs: list | None = None  # with a request's first token, where asked for (LLMEngine's RequestOutput)
     num_cached_tokens: int = 0  # prompt tokens this hop's engine found in its prefix cache
 
+    def __reduce__(self):  # a tuple of its fields: several times cheaper to pickle than its __dict__
+        return TokenChunk, (self.token_ids, self.text, self.finish_reason, self.num_prompt_tokens,
+                            self.num_output_tokens, self.logprobs, self.prompt_logprobs, self.num_cached_tokens)
+
 
 def merge_chunks(items: list) -> list:
     """Consecutive TokenChunks as one (tokens and text joined, the last one's counts and finish

@@ -28,6 +28,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import pickle
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
@@ -119,30 +120,58 @@ class Channel:
                 return
 
 
-async def mux_hop(items: AsyncIterator[list], channel: Channel | None, key) -> AsyncIterator[list]:
-    """A pool hop's item lists as its own call yields them: unchanged without a channel;
-    with one, each run of token chunks goes to the channel and everything else comes out here
-    as `MuxRun`s, then `MuxEnd`."""
-    if channel is None or channel.closed:
+class HopSender:
+    """A pool hop's end of the numbering: its token chunks go to the channel (`token`, called
+    straight from the engine loop's hand-over, or from `mux_hop`), every other run on the hop's
+    own call; while the channel is open."""
+
+    def __init__(self, channel: Channel, key):
+        self.channel, self.key = channel, key
+        self.seq = 0
+
+    def token(self, chunk: TokenChunk) -> bool:
+        if self.channel.closed:
+            return False
+        self.channel.put(self.key, self.seq, [chunk])
+        self.seq += 1
+        return True
+
+    def wrap(self, run: list) -> MuxRun:
+        self.seq += 1
+        return MuxRun(self.seq - 1, run)
+
+
+async def mux_hop(items: AsyncIterator[list], sender: HopSender | None) -> AsyncIterator[list]:
+    """A pool hop's item lists as its own call yields them: unchanged without a sender; with
+    one, each run of token chunks goes to the channel (while it is open) and everything else
+    comes out here as `MuxRun`s, then `MuxEnd`."""
+    if sender is None:
         async for batch in items:
             yield batch
         return
-    seq = 0
+    channel = sender.channel
     channel.active += 1
     try:
         async for batch in items:
             out = []
             for is_tokens, run in _runs(batch):
                 if is_tokens and not channel.closed:
-                    channel.put(key, seq, run)
+                    channel.put(sender.key, sender.seq, run)
+                    sender.seq += 1
                 else:
-                    out.append(MuxRun(seq, run))
-                seq += 1
+                    out.append(sender.wrap(run))
             if out:
                 yield out
-        yield [MuxEnd(seq)]
+        yield [MuxEnd(sender.seq)]
     finally:
         channel.active -= 1
+
+
+def hop_sender(channels: dict, mux: tuple | None) -> HopSender | None:
+    """The sender of a hop whose call came with `mux` (ingress replica, key), if that ingress
+    replica's token stream from here is open."""
+    channel = channels.get(mux[0]) if mux else None
+    return HopSender(channel, mux[1]) if channel is not None and not channel.closed else None
 
 
 async def subscription(channels: dict, sub: Subscribe, replica: str, interval_s: float) -> AsyncIterator[list]:
@@ -158,7 +187,8 @@ async def subscription(channels: dict, sub: Subscribe, replica: str, interval_s:
     channels[sub.ingress] = channel
     try:
         async for batch in channel.batches():
-            yield batch
+            # pickled here, by the C pickler: Serve's cloudpickle visits every object in Python
+            yield pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
     finally:
         channel.close()
         if channels.get(sub.ingress) is channel:
@@ -326,11 +356,11 @@ class MuxClient:
         stream = None
         try:
             stream = self.subscribe(k[0], Subscribe(self.ingress, k[1]))
-            async for batch in stream:
+            async for data in stream:
                 got = True
                 self.batches += 1
                 inboxes = self._inboxes
-                for key, seq, chunks in batch:
+                for key, seq, chunks in pickle.loads(data):  # from our own pool replica (subscription())
                     inbox = inboxes.get(key)
                     if inbox is not None:
                         inbox.run(seq, chunks)

@@ -38,7 +38,7 @@ from keyacc_ray.serve.kv_directory import NAME as KV_DIRECTORY, KVDirectory
 from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopEnd, SegmentStart, Ticket,
                                        TicketUpdate)
 from keyacc_ray.serve.monitor import ReplicaReport
-from keyacc_ray.serve.mux import Channel, Subscribe, mux_hop, subscription
+from keyacc_ray.serve.mux import Channel, HopSender, Subscribe, hop_sender, mux_hop, subscription
 
 log = logging.getLogger("ray.serve")
 KV_FETCH_TIMEOUT_S = 20.0
@@ -128,9 +128,8 @@ class EnginePool:
         with a hand-off (KV and all) instead of waiting to be recomputed. `mux`: (ingress replica,
         key): if that ingress replica's token stream from here is open, the tokens go on it
         (serve/mux.py) and this call carries the rest."""
-        channel = self._muxes.get(mux[0]) if mux else None
-        async for items in mux_hop(self._hop(req, handoff, export_after, ticket, movable), channel,
-                                   mux[1] if mux else None):
+        sender = hop_sender(self._muxes, mux)
+        async for items in mux_hop(self._hop(req, handoff, export_after, ticket, movable, sender), sender):
             yield items
 
     async def subscribe(self, sub: Subscribe):
@@ -140,7 +139,7 @@ class EnginePool:
             yield batch
 
     async def _hop(self, req: GenerateRequest, handoff: Handoff | None, export_after: int | None,
-                   ticket: Ticket | None, movable: bool):
+                   ticket: Ticket | None, movable: bool, sender: HopSender | None = None):
         if handoff is not None:
             phase = "decode"
         else:
@@ -163,13 +162,15 @@ class EnginePool:
         rid = f"{req.request_id}/{self._calls}"
         if ticket is None or not export_after:
             async for items in self.loop.generate(rid, prompt_ids=req.prompt_token_ids, params=params,
-                                                  package=package, export_after=export_after, movable=movable):
+                                                  package=package, export_after=export_after, movable=movable,
+                                                  sink=sender.token if sender else None):
                 yield items
             return
-        async for items in self._periods(rid, req, params, package, export_after, ticket, movable):
+        async for items in self._periods(rid, req, params, package, export_after, ticket, movable, sender):
             yield items
 
-    async def _periods(self, rid, req, params, package, period: int, ticket: Ticket, movable: bool = False):
+    async def _periods(self, rid, req, params, package, period: int, ticket: Ticket, movable: bool = False,
+                       sender: HopSender | None = None):
         """Decode in periods: after every `period` tokens the router decides (in a task: the
         sequence keeps decoding meanwhile); its ticket goes to the driver, and if it names another
         hop the sequence is exported at the next step and the stream ends with the hand-off."""
@@ -183,8 +184,14 @@ class EnginePool:
         try:
             # movable: a colocated GPU engine's request, preempted there, leaves with its KV (as a
             # decode hop's would) instead of being recomputed in place before the router's answer
+            sink = None
+            if sender is not None:  # its tokens straight to the token stream: it has started
+                def sink(chunk, unstarted=self._unstarted, token=sender.token):
+                    unstarted.pop(rid, None)
+                    return token(chunk)
             async for items in self.loop.generate(rid, prompt_ids=req.prompt_token_ids, params=params,
-                                                  package=package, check_every=period, movable=movable):
+                                                  package=package, check_every=period, movable=movable,
+                                                  sink=sink):
                 self._unstarted.pop(rid, None)
                 out = []
                 for it in items:
@@ -193,8 +200,6 @@ class EnginePool:
                             check = asyncio.ensure_future(self._check(rid, it, state, updates))
                     else:
                         out.append(it)
-                if updates:
-                    out[:0], updates[:] = list(updates), []
                 if out:
                     yield out
             if updates:  # a check answered after the last tokens: the driver still wants the ticket
@@ -243,7 +248,8 @@ class EnginePool:
             self._router_handle = None
             return
         state["ticket"], state["started"] = nt, time.monotonic()
-        updates.append(TicketUpdate(nt))
+        if not self.loop.note(rid, TicketUpdate(nt)):  # at once in its stream; or, if it has ended, after it
+            updates.append(TicketUpdate(nt))
         if nt.hop != here:  # move: the stream ends with the hand-off (or the request finished first)
             state["moving"] = True
             self.loop.export(rid)

@@ -12,7 +12,7 @@ import pytest
 from keyacc_ray.serve.driver import RequestDriver
 from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopEnd, SegmentStart, Ticket,
                                        TicketUpdate, TokenChunk, Trace, Withdrawn)
-from keyacc_ray.serve.mux import MuxClient, mux_hop, subscription
+from keyacc_ray.serve.mux import MuxClient, hop_sender, mux_hop, subscription
 from keyacc_ray.serve.router import Router, hop_keys
 
 PROMPT = [1, 2, 3, 4]
@@ -118,7 +118,7 @@ class FakePool:
 
     def muxed(self, gen, mux):
         """As EnginePool.generate: the hop's tokens on the caller's token stream, if it is open."""
-        return mux_hop(gen, self.channels.get(mux[0]) if mux else None, mux[1] if mux else None)
+        return mux_hop(gen, hop_sender(self.channels, mux))
 
     async def _run(self, req, handoff, export_after):
         if self.backpressure:

@@ -275,3 +275,54 @@ def test_withdraw_ends_a_waiting_stream_and_leaves_a_running_one(qwen3_path):
         loop.shutdown()
     assert second == [Withdrawn()]
     assert sum(len(c.token_ids) for c in first if isinstance(c, TokenChunk)) == 300
+
+
+def test_a_sink_takes_the_token_chunks_on_the_event_loop_and_the_stream_keeps_the_rest(qwen3_path):
+    """A multiplexed hop (serve/mux.py): its token chunks go to `sink` straight from the engine
+    thread's hand-over, its checkpoints and hand-off through the stream, and `note` puts an item
+    into the stream at once. A sink that refuses (its token stream closed) sends the rest back
+    through the stream. Every token exactly once, in order, on the real engine."""
+    from keyacc_ray.config import EngineConfig
+    from keyacc_ray.engine.llm_engine import LLMEngine
+    from keyacc_ray.serve.engine_loop import Checkpoint
+    from tests.helpers import hf_greedy
+
+    prompt, n = [5, 17, 42, 7, 99, 3], 30
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    loop = AsyncEngine(LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=4, dtype="float32")),
+                       on_export=lambda pkg: pkg, stream_interval_s=0.0)
+
+    async def run():
+        order, sunk = [], []
+        ev = asyncio.get_running_loop()
+
+        def sink(chunk):
+            assert asyncio.get_running_loop() is ev  # on the event loop, not the engine thread
+            if sum(len(c.token_ids) for c in sunk) >= 12:
+                return False  # closed from here on
+            sunk.append(chunk)
+            order.append(("sink", chunk.token_ids))
+            return True
+
+        async for items in loop.generate("a", prompt_ids=prompt, params=params, check_every=5, sink=sink):
+            for it in items:
+                if isinstance(it, Checkpoint):
+                    order.append(("check", it.produced))
+                    if it.produced == 5:
+                        assert loop.note("a", "noted")
+                elif isinstance(it, TokenChunk):
+                    order.append(("stream", it.token_ids))
+                else:
+                    order.append(("item", it))
+        assert not loop.note("a", "late")  # ended
+        return order
+
+    try:
+        order = asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        loop.shutdown()
+    tokens = [t for kind, v in order if kind in ("sink", "stream") for t in v]
+    assert tokens == hf_greedy(qwen3_path, prompt, n)
+    kinds = [k for k, _ in order]
+    assert "stream" in kinds and kinds.index("stream") > max(i for i, k in enumerate(kinds) if k == "sink")
+    assert ("item", "noted") in order and ("check", 5) in order

@@ -4,12 +4,15 @@ runs with them. The end-to-end tests run the same code through Serve (the app's 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import pickle
 
 import pytest
 
 from keyacc_ray.serve import mux as mux_mod
 from keyacc_ray.serve.messages import SegmentStart, TokenChunk
-from keyacc_ray.serve.mux import Channel, Inbox, MuxClient, MuxEnd, MuxRun, Subscribe, mux_hop, subscription
+from keyacc_ray.serve.mux import (Channel, HopSender, Inbox, MuxClient, Subscribe, hop_sender, mux_hop,
+                                  subscription)
 from tests.serve.test_driver import MUX, collect, make, request, settled
 
 
@@ -74,7 +77,7 @@ def test_mux_hop_sends_token_runs_to_the_channel_and_the_rest_on_the_call_number
             yield [_tok(1), _tok(2)]
             yield ["update", _tok(3), "handoff"]
 
-        out = [items async for items in mux_hop(hop(), ch, 7)]
+        out = [items async for items in mux_hop(hop(), HopSender(ch, 7))]
         assert ch._buf == [(7, 1, [_tok(1), _tok(2)]), (7, 3, [_tok(3)])]
         own = [i for items in out for i in items]
         assert [(type(i).__name__, getattr(i, "seq", None)) for i in own] == [
@@ -82,7 +85,7 @@ def test_mux_hop_sends_token_runs_to_the_channel_and_the_rest_on_the_call_number
         assert own[-1].total == 5 and ch.active == 0
         # without a channel (or a closed one), the hop is what it was
         ch.close()
-        plain = [items async for items in mux_hop(hop(), ch, 8)]
+        plain = [items async for items in mux_hop(hop(), hop_sender({"i": ch}, ("i", 8)))]
         assert plain[1] == [_tok(1), _tok(2)]
 
     asyncio.run(go())
@@ -103,7 +106,7 @@ def test_a_subscription_reaching_another_replica_ends_at_once_and_an_idle_one_cl
         ch_seen.append(channels["i"])
         channels["i"].put(1, 0, [_tok(1)])
         got = await asyncio.wait_for(task, 2)  # idle after the batch: it closes by itself
-        assert got == [[(1, 0, [_tok(1)])]] and "i" not in channels and ch_seen[0].closed
+        assert [pickle.loads(b) for b in got] == [[(1, 0, [_tok(1)])]] and "i" not in channels and ch_seen[0].closed
 
     asyncio.run(go())
 
@@ -244,3 +247,10 @@ def test_mux_client_does_not_ask_a_refusing_replica_again_at_once():
         return calls
 
     assert len(asyncio.run(go())) == 1
+
+
+def test_a_token_chunk_pickles_as_its_fields():
+    c = TokenChunk([1, 2], "ab", "stop", 5, 2, [(-0.1, [(1, -0.1)])], [None, (-1.0, [])], 3)
+    back = pickle.loads(pickle.dumps(c))
+    assert back == c and dataclasses.astuple(back) == dataclasses.astuple(c)
+    assert len(pickle.dumps(c)) < len(pickle.dumps(dataclasses.asdict(c)))
