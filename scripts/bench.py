@@ -39,6 +39,7 @@ def app_config(args, model: Path) -> dict:
     cfg = _gpu_host(args, model) if args.gpu else _this_box(args, model)
     for pool in ("gpu", "cpu"):
         cfg[pool]["batched_prefill"] = not args.no_batched_prefill
+    cfg["stream_mux"] = not args.no_mux
     if args.profile_steps:  # keyacc_ray/serve/step_profile.py, in every pool replica
         from keyacc_ray.serve.app import REPLICA_ENV
         from keyacc_ray.serve.step_profile import ENV
@@ -154,6 +155,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-batched-prefill", action="store_true", help="one forward per new prompt (an A/B)")
     ap.add_argument("--cpu-prefill-tokens", type=int, default=4096,
                     help="the CPU pool's prompt tokens admitted per engine step (PoolConfig.max_prefill_tokens)")
+    ap.add_argument("--no-mux", action="store_true", help="one Serve stream per hop (stream_mux: false; an A/B)")
     ap.add_argument("--stream-interval-ms", type=float, default=5.0, help="pools' stream interval (see README)")
     ap.add_argument("--stack-cpus", type=int, nargs="*", default=None,
                     help="CPUs for Ray, Serve, router, ingress and the load generator (default: they float over "

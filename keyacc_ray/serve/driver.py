@@ -22,12 +22,16 @@ import logging
 import time
 
 from keyacc_ray.serve.mux import MuxClient
-from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopEnd, SegmentStart, Ticket,
-                                       TicketUpdate, TokenChunk, Trace, Withdrawn)
+from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopAccepted, HopEnd, SegmentStart,
+                                       Ticket, TicketUpdate, TokenChunk, Trace, Withdrawn)
 
 log = logging.getLogger("ray.serve")
 ROUTER_TIMEOUT_S = 10.0
 MAX_RECOVERIES = 2
+# A stream under way (the client has tokens) whose next hop's replica has not taken the call by
+# then (it waits in Serve's queue: the replica died and is being replaced, or it is full) goes on
+# on the other pool instead, once per request: the client's longest gap stays near this.
+HOP_START_BOUND_S = 1.0
 # Pool streams and router calls use Serve's gRPC transport (`_by_reference=False`): per streamed
 # item it costs the ingress about half the CPU of Ray's task streaming (docs/benchmarks.md).
 # Nothing in them may be an ObjectRef (a pickled ref pins its object): hand-offs carry the KV
@@ -66,6 +70,11 @@ class RemoteRouter:
             log.warning("router finish for %s failed (%s)", t.request_id, e.__class__.__name__)
 
 
+def _stalled(stream, waiting: dict) -> None:
+    waiting["stalled"] = True
+    stream.cancel()
+
+
 def fallback(t: Ticket, end: HopEnd | None, colocated: bool = False) -> Ticket:
     """The driver's own decision when the router does not answer: no policy, no moves by load.
     `colocated`: one GPU engine serves both phases (there is no GpuPrefill hop to go to)."""
@@ -80,6 +89,9 @@ def fallback(t: Ticket, end: HopEnd | None, colocated: bool = False) -> Ticket:
     if end.outcome == "handoff":  # finish where the request is
         t.hop = t.hop if kind == "cpu_decode" else "gpu_decode"
         t.export_after = None
+    elif end.outcome == "stalled":  # its pool did not take it in time: the other pool, once
+        t.hop = "gpu_decode" if kind == "cpu_decode" else "cpu_decode/0"
+        t.export_after, t.stall_moved = None, True
     elif end.outcome == "withdrawn":  # recalled unstarted: start over on the GPU pools
         t.hop, t.export_after = gpu_start
     elif end.outcome == "failed" and t.recoveries < MAX_RECOVERIES:
@@ -146,6 +158,7 @@ class RequestDriver:
             # The same for the decision after a colocated GPU engine's prefill (`prefill_check`).
             in_periods = ({"ticket": t} if (t.hop.startswith("cpu_decode") or t.prefill_check) and t.export_after
                           and t.pinned_route is None else {})
+            waiting = {"stalled": False, "timer": None}  # for the replica to take a stream under way
             try:
                 if t.move_on_preempt:
                     in_periods["movable"] = True
@@ -154,10 +167,16 @@ class RequestDriver:
                     in_periods.update(hop.call_kwargs)
                 stream = self.hops[t.hop].options(**POOL_CALL).generate.remote(req, handoff, t.export_after,
                                                                                **in_periods)
+                if generated and not t.stall_moved:
+                    waiting["timer"] = asyncio.get_running_loop().call_later(HOP_START_BOUND_S, _stalled, stream,
+                                                                             waiting)
                 async for items in (stream if hop is None else hop.attach(stream)):
                     out = []
                     for it in items:
-                        if isinstance(it, TicketUpdate):
+                        if isinstance(it, HopAccepted):
+                            if waiting["timer"] is not None:
+                                waiting["timer"].cancel()
+                        elif isinstance(it, TicketUpdate):
                             if it.ticket.hop == t.hop:  # the next period, where it is
                                 t = it.ticket
                                 if trace.segments and t.hop.startswith("cpu_decode"):
@@ -198,7 +217,11 @@ class RequestDriver:
                 raise
             except Exception as e:  # noqa: BLE001 - a full queue, or a replica died / the stream broke
                 outcome, err_name = ("backpressure" if is_backpressure(e) else "failed"), e.__class__.__name__
-                if outcome == "failed":
+                if waiting["stalled"]:  # cancelled here: its replica did not take it in time
+                    outcome = "stalled"
+                    log.warning("hop %s of %s not taken within %.1f s after %d tokens", t.hop, req.request_id,
+                                HOP_START_BOUND_S, len(generated))
+                elif outcome == "failed":
                     log.warning("hop %s of %s failed (%s) after %d tokens", t.hop, req.request_id, err_name,
                                 len(generated))
                     if segment_started:
@@ -206,6 +229,8 @@ class RequestDriver:
                     if stream is not None:  # if its replica still runs it (lost tokens), it stops there
                         stream.cancel()
             finally:
+                if waiting["timer"] is not None:
+                    waiting["timer"].cancel()
                 if hop is not None:
                     hop.close()
             end = HopEnd(outcome, time.monotonic() - started, len(generated), handoff is not None, err_name,

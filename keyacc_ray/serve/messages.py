@@ -1,6 +1,6 @@
 """Typed messages that cross a process boundary between ingress, router and pools.
 
-A pool's `generate` stream yields lists of these items: one `SegmentStart`, then `TokenChunk`s
+A pool's `generate` stream yields lists of these items: `HopAccepted`, one `SegmentStart`, then `TokenChunk`s
 (in CPU decode periods, a `TicketUpdate` after each period's check), and at the end either a
 finished `TokenChunk`, a `Handoff` (the sequence stops here and goes on elsewhere) or an
 `ErrorItem`. Nothing here is ever built from client bytes by unpickling:
@@ -21,6 +21,12 @@ class GenerateRequest:
     params: dict  # SamplingParams fields
     route: str | None = None  # pinned route: "gpu", "cpu" or "stage"
     migrate_back_after: int | None = None
+
+
+@dataclass
+class HopAccepted:
+    """A pool's first item of every hop, before it fetches a hand-off's KV: its replica took the
+    call (out of Serve's queue). The driver bounds only this wait for a stream under way."""
 
 
 @dataclass
@@ -153,6 +159,7 @@ class Ticket:
     last_cpu: str | None = None  # the CPU deployment of the last CPU period (stay there if possible)
     recoveries: int = 0
     backpressured: bool = False
+    stall_moved: bool = False  # moved once because its pool did not take the stream in time
     error: ErrorItem | None = None  # set: answer with this and stop
 
     @classmethod
@@ -173,8 +180,8 @@ class TicketUpdate:
 class HopEnd:
     """How a hop ended, as the ingress reports it to the router."""
 
-    outcome: str  # "handoff", "backpressure", "failed", "withdrawn" (recalled unstarted), or "done" (finished,
-    # errored or cancelled)
+    outcome: str  # "handoff", "backpressure", "failed", "withdrawn" (recalled unstarted), "stalled" (a stream
+    # under way that its pool did not take within the driver's bound), or "done" (finished, errored or cancelled)
     seconds: float
     num_output_tokens: int  # generated so far, over every hop
     has_handoff: bool = False  # the hop was entered with (or, failed, left) a sequence to continue

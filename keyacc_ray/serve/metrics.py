@@ -46,8 +46,8 @@ HANDOFF_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 REASONS = ("stop", "length", "abort", "tool_calls")
 # the router's counters a dashboard reads, with every label set they take: present at zero from start-up
 KNOWN_COUNTERS = {
-    "moves_total": [{"from": "gpu", "to": "cpu", "reason": r} for r in ("offload", "pinned", "backpressure")]
-                   + [{"from": "cpu", "to": "gpu", "reason": r} for r in ("return", "pinned", "recall")],
+    "moves_total": [{"from": "gpu", "to": "cpu", "reason": r} for r in ("offload", "pinned", "backpressure", "stalled")]
+                   + [{"from": "cpu", "to": "gpu", "reason": r} for r in ("return", "pinned", "recall", "stalled")],
     "requests_started_total": [{"route": r, "reason": w} for r in ("gpu", "cpu", "stage") for w in ("policy", "pinned")],
     "pool_seconds_total": [{"pool": p} for p in POOLS],
     "requests_held_total": [{}],

@@ -35,8 +35,8 @@ from keyacc_ray.hw.topology import gpu_info, gpu_local_cpus, numa_nodes
 from keyacc_ray.serve.engine_loop import AsyncEngine, Checkpoint
 from keyacc_ray.serve.monitor import MONITOR_NAME, MONITOR_NAMESPACE  # noqa: F401 - also imported from here
 from keyacc_ray.serve.kv_directory import NAME as KV_DIRECTORY, KVDirectory
-from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopEnd, SegmentStart, Ticket,
-                                       TicketUpdate)
+from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopAccepted, HopEnd, SegmentStart,
+                                       Ticket, TicketUpdate)
 from keyacc_ray.serve.monitor import ReplicaReport
 from keyacc_ray.serve.mux import Channel, HopSender, Subscribe, hop_sender, mux_hop, subscription
 
@@ -146,6 +146,7 @@ class EnginePool:
             # handed off after its first token: a prefill; else it started here from the prompt
             phase = "prefill" if export_after == 1 and ticket is None else "whole"
         self._report_wake.set()
+        yield [HopAccepted()]  # taken out of Serve's queue (the driver bounds the wait for this, not the import)
         try:
             params = SamplingParams(**req.params)
             package = await self._receive(handoff) if handoff is not None else None

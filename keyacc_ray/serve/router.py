@@ -412,6 +412,21 @@ class Router:
                 self._count("moves_total|from=gpu,to=cpu,reason=backpressure")
                 return self._enter(t, "cpu_decode", self._cpu_period(t))
             return self._stop(t, _err(503, f"the {kind} pool is overloaded; retry later", "overloaded_error"))
+        if end.outcome == "stalled":
+            # a stream under way that its pool did not take within the driver's bound (the replica
+            # is dead and being replaced, or full): the other pool, once; pinned, the same pool again
+            self._count(f"stalled_starts_total|hop={kind}")
+            t.stall_moved = True
+            other = "gpu_decode" if kind == "cpu_decode" else "cpu_decode"
+            if t.pinned_route is not None or kind not in ("gpu_decode", "cpu_decode"):
+                return self._enter(t, t.hop, t.export_after)
+            src, dst = ("cpu", "gpu") if other == "gpu_decode" else ("gpu", "cpu")
+            self._count(f"moves_total|from={src},to={dst},reason=stalled")
+            if other == "gpu_decode":
+                self._pending_blocks[other] += self.load_view().gpu_decode.blocks_for(self._view(t, end.num_output_tokens).total_tokens)
+                return self._enter(t, other, None)
+            t.last_cpu = None
+            return self._enter(t, other, self._cpu_period(t))
         if end.outcome == "failed":
             if t.recoveries >= MAX_RECOVERIES:
                 log.error("hop %s of %s failed (%s); giving up", t.hop, t.request_id, end.error)

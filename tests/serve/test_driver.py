@@ -10,8 +10,8 @@ import time
 import pytest
 
 from keyacc_ray.serve.driver import RequestDriver
-from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopEnd, SegmentStart, Ticket,
-                                       TicketUpdate, TokenChunk, Trace, Withdrawn)
+from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopAccepted, HopEnd, SegmentStart,
+                                       Ticket, TicketUpdate, TokenChunk, Trace, Withdrawn)
 from keyacc_ray.serve.mux import MuxClient, hop_sender, mux_hop, subscription
 from keyacc_ray.serve.router import Router, hop_keys
 
@@ -67,16 +67,41 @@ def three_pools_snapshot(version=1):
                           "CpuDecode": _view("CpuDecode", "cpu", 32, 4000)}, version=version)
 
 
+class RequestCancelledError(Exception):  # what iterating a cancelled Serve stream raises
+    pass
+
+
 class FakeStream:
+    """A pool's stream as Serve's DeploymentResponseGenerator behaves: `cancel()` stops it, and
+    the reader (waiting or not) gets RequestCancelledError."""
+
     def __init__(self, gen):
         self.gen = gen
         self.cancelled = False
+        self._waiter: asyncio.Future | None = None
 
     def __aiter__(self):
-        return self.gen.__aiter__()
+        return self
+
+    async def __anext__(self):
+        if self.cancelled:
+            raise RequestCancelledError()
+        nxt = asyncio.ensure_future(self.gen.__anext__())
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait({nxt, self._waiter}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            nxt.cancel()
+            raise
+        if nxt.done():
+            return nxt.result()
+        nxt.cancel()
+        raise RequestCancelledError()
 
     def cancel(self):
         self.cancelled = True
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
 
 class _Subscribe:
@@ -99,6 +124,8 @@ class FakePool:
         self.backpressure = False  # raise BackPressureError (once)
         self.preempt_after: int | None = None  # a movable sequence is preempted and handed off (once)
         self.movable: list[bool] = []  # what each call was told
+        self.start_delay = 0.0  # the next call waits this long before the pool takes it (Serve's queue; once)
+        self.receive_delay = 0.0  # ... after taking it, before it says where it runs (the KV import; once)
         self.streams: list[FakeStream] = []
         self.generate = self
 
@@ -124,6 +151,13 @@ class FakePool:
         if self.backpressure:
             self.backpressure = False
             raise BackPressureError("full")
+        if self.start_delay:
+            delay, self.start_delay = self.start_delay, 0.0
+            await asyncio.sleep(delay)
+        yield [HopAccepted()]
+        if self.receive_delay:
+            delay, self.receive_delay = self.receive_delay, 0.0
+            await asyncio.sleep(delay)
         phase = "decode" if handoff is not None else self.phase
         yield [SegmentStart(self.pool, phase, self.name + "-r0", self.name)]
         done = len(handoff.token_ids) - len(req.prompt_token_ids) if handoff else 0
@@ -902,3 +936,47 @@ def test_a_colocated_hop_preempted_before_its_after_prefill_check_answered_goes_
         nt2 = await r.advance(copy.deepcopy(t2), HopEnd("handoff", 0.1, 1, True, in_place=True))  # the pool's check
         assert nt2.hop == "gpu_decode" and asked == [1]
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_stalled_decode_start_moves_once_and_a_pinned_one_waits_where_it_was_pinned(monkeypatch, pinned):
+    """A decode hop waits in Serve's queue for its replica (dead and being replaced, or full):
+    past the driver's bound the call is cancelled and the router sends the stream to the other
+    pool, once per request, instead of leaving the client without tokens for as long as that
+    takes (issue #23's soak: 31.5 s with the CPU replica killed)."""
+    from keyacc_ray.serve import driver as driver_mod
+
+    monkeypatch.setattr(driver_mod, "HOP_START_BOUND_S", 0.05)
+    driver, router, pools = make("stage_offload", {"decode_period_tokens": 100})
+    router.policy.after_prefill = lambda req, load: "cpu"
+    cpu = pools["cpu_decode/0"]
+    cpu.start_delay = 0.5
+    tokens, errors, trace = asyncio.run(asyncio.wait_for(collect(driver, request(10, route="stage" if pinned else None)), 4))
+    assert not errors and tokens == [100 + i for i in range(10)]
+    assert router._counters["stalled_starts_total|hop=cpu_decode"] == 1
+    assert cpu.streams[0].cancelled
+    if pinned:  # the same pool again, waiting this time as long as it takes
+        assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == [("gpu", 1), ("cpu", 9)]
+        assert len(cpu.calls) == 2
+    else:
+        assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == [("gpu", 1), ("gpu", 9)]
+        assert router._counters["moves_total|from=cpu,to=gpu,reason=stalled"] == 1
+    assert router._counters.get("recoveries_total|hop=cpu_decode", 0) == 0  # not a failure
+    assert settled(router)
+
+
+def test_a_new_request_or_a_slow_kv_import_is_not_a_stall(monkeypatch):
+    """The bound is for streams under way: a request with no token yet waits for its first
+    place as before, and a hop its replica took (HopAccepted) may take its time importing the KV."""
+    from keyacc_ray.serve import driver as driver_mod
+
+    monkeypatch.setattr(driver_mod, "HOP_START_BOUND_S", 0.05)
+    driver, router, pools = make()
+    pools["cpu_decode/0"].start_delay = 0.3
+    tokens, errors, trace = asyncio.run(collect(driver, request(6, route="cpu")))
+    assert tokens == [100 + i for i in range(6)] and [s["pool"] for s in trace["segments"]] == ["cpu"]
+    pools["cpu_decode/0"].receive_delay = 0.3
+    tokens, errors, trace = asyncio.run(collect(driver, request(6, route="stage", rid="r2")))
+    assert tokens == [100 + i for i in range(6)] and [s["pool"] for s in trace["segments"]] == ["gpu", "cpu"]
+    assert not any(k.startswith("stalled_starts_total") for k in router._counters)
+    assert settled(router)
