@@ -218,6 +218,7 @@ def main() -> None:
     ap.add_argument("--no-prefix-caching", action="store_true", help="with --tiers: the same load, caching off")
     ap.add_argument("--kill-only", nargs="+", metavar="DEPLOYMENT", default=None,
                     help="kill replicas of these deployments only (e.g. CpuDecode)")
+    ap.add_argument("--no-mux", action="store_true", help="one Serve stream per hop (stream_mux: false)")
     ap.add_argument("--policy-options", type=json.loads, default={},
                     help='more policy options, JSON (e.g. \'{"cpu_reserved_places": 4}\')')
     args = ap.parse_args()
@@ -230,7 +231,8 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     cfg = {"model": str(ROOT / "models" / "tiny-qwen3"), "max_model_len": 512, "policy": args.policy,
-           "policy_options": {"trigger_window_s": 0.2, "return_window_s": 1.0, **args.policy_options}}
+           "policy_options": {"trigger_window_s": 0.2, "return_window_s": 1.0, **args.policy_options},
+           "stream_mux": not args.no_mux}
     if args.tiers:  # tiny-qwen3: 8 KiB a block; the GPU pool holds 40 (about 2 prompts with a head)
         tiers = {"kv_host_tier_gb": 64 * 8192 / 2**30, "kv_disk_tier_gb": 4096 * 8192 / 2**30,
                  "enable_prefix_caching": not args.no_prefix_caching}

@@ -293,8 +293,8 @@ def build_app(args: dict | None = None):
                     "KV budget (%s blocks)", cfg.gpu.num_kv_blocks)
 
     def pool(cls, name: str, p: PoolConfig, num_gpus: float, numa_node: int | None = None, replicas: dict | None = None):
-        # each ingress replica's token stream (stream_mux) holds one of a replica's places
-        ongoing = p.max_ongoing_requests + (cfg.ingress_replicas if cfg.stream_mux else 0)
+        # each ingress replica's token stream (stream_mux) holds one of a replica's places, its ack another
+        ongoing = p.max_ongoing_requests + (2 * cfg.ingress_replicas if cfg.stream_mux else 0)
         opts = {**(replicas or {"num_replicas": p.replicas}), "max_ongoing_requests": ongoing,
                 "max_queued_requests": p.max_queued_requests, "health_check_period_s": 5, **logs("internal")}
         affinity = p.prefix_affinity and p.enable_prefix_caching and not replicas and p.replicas > 1

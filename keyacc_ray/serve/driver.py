@@ -222,8 +222,8 @@ class RequestDriver:
                     log.warning("hop %s of %s not taken within %.1f s after %d tokens", t.hop, req.request_id,
                                 HOP_START_BOUND_S, len(generated))
                 elif outcome == "failed":
-                    log.warning("hop %s of %s failed (%s) after %d tokens", t.hop, req.request_id, err_name,
-                                len(generated))
+                    log.warning("hop %s of %s failed (%s: %s) after %d tokens", t.hop, req.request_id, err_name,
+                                str(e)[:200], len(generated))
                     if segment_started:
                         trace.segments[-1]["failed"] = True
                     if stream is not None:  # if its replica still runs it (lost tokens), it stops there

@@ -123,7 +123,10 @@ class Ingress:
             def subscribe(hop: str, sub):
                 return pools[hop].options(stream=True, _by_reference=False).subscribe.remote(sub)
 
-            mux = MuxClient(f"ingress-{uuid.uuid4().hex[:12]}", subscribe)
+            async def ack(hop: str, a):
+                return await pools[hop].options(_by_reference=False).mux_ack.remote(a)
+
+            mux = MuxClient(f"ingress-{uuid.uuid4().hex[:12]}", subscribe, ack)
         self.driver = RequestDriver(RemoteRouter(router), pools, mux)
         self.tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
         self.vocab_size = len(self.tokenizer)  # once: transformers rebuilds the vocabulary to count it

@@ -31,12 +31,23 @@ import logging
 import pickle
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from keyacc_ray.serve.messages import SegmentStart, TokenChunk, merge_chunks
 
 log = logging.getLogger("ray.serve")
 IDLE_CLOSE_S = 5.0  # a pool closes a subscription that carried no hop for this long
+# Flow control: at most WINDOW batches on their way to an ingress replica that has not said it read
+# them (`MuxAck`, every WINDOW // 2); meanwhile the pool's tokens gather into the next batch. An
+# overloaded ingress reads a stream's messages slowly (one per few turns of its event loop) while a
+# transport buffer hides it from the pool: without this, a stream fell 35 s behind in the soak.
+WINDOW = 6
+ACK_WAIT_S = 1.0  # no ack for this long (lost): send anyway
+# A stream whose batches still arrive this late (an ingress replica too loaded to read it at the
+# pace of its tokens): the ingress asks the pool to close it, reads what is left, and sends its
+# hops there on calls of their own (each coalesced by its own reader's pace) for COOLDOWN_S.
+MAX_LAG_S = 1.0
+COOLDOWN_S = 30.0
 LOST_AFTER_S = 10.0  # a hop whose call ended waits this long for its last runs, then fails
 RESUBSCRIBE_AFTER_S = 2.0  # an ingress waits this long before subscribing again to a replica that refused
 
@@ -63,6 +74,14 @@ class MuxEnd:
     total: int
 
 
+@dataclass
+class MuxAck(Subscribe):
+    """The ingress replica has read `batches` batches of its subscription to `replica` (routed
+    to that replica as a subscription is); `close`: end the stream (after what it holds)."""
+    batches: int = 0
+    close: bool = False
+
+
 def is_subscribe(args) -> Subscribe | None:
     return args[0] if args and isinstance(args[0], Subscribe) else None
 
@@ -80,6 +99,14 @@ class Channel:
         self.active = 0  # hops under way on it
         self._buf: list = []  # (key, seq, [TokenChunk, ...])
         self._ready = asyncio.Event()
+        self.sent = 0  # batches yielded
+        self.acked = 0  # batches the ingress replica said it read
+        self._acked = asyncio.Event()
+
+    def ack(self, batches: int) -> None:
+        if batches > self.acked:
+            self.acked = batches
+            self._acked.set()
 
     def put(self, key, seq: int, chunks: list) -> None:
         self._buf.append((key, seq, chunks))
@@ -88,6 +115,7 @@ class Channel:
     def close(self) -> None:
         self.closed = True
         self._ready.set()
+        self._acked.set()
 
     async def batches(self) -> AsyncIterator[list]:
         """Everything put since the last batch, at most one batch per `interval_s`; ends when
@@ -108,8 +136,11 @@ class Channel:
                 wait = self.interval_s - (now - last)
                 if wait > 0 and not self.closed:
                     await asyncio.sleep(wait)
+                if self.sent - self.acked >= WINDOW and not self.closed:
+                    await self._wait_ack(loop)
                 last = time.monotonic()
                 batch, self._buf = self._buf, []
+                self.sent += 1
                 yield batch
                 idle_since = time.monotonic()
             elif self.closed:
@@ -118,6 +149,21 @@ class Channel:
                 idle_since = now
             elif now - idle_since >= self.idle_close_s:
                 return
+
+
+    async def _wait_ack(self, loop) -> None:
+        """Until the ingress replica has read enough (or ACK_WAIT_S passed, or it closed)."""
+        deadline = time.monotonic() + ACK_WAIT_S
+        while self.sent - self.acked >= WINDOW and not self.closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._acked.clear()
+            timer = loop.call_later(left, self._acked.set)
+            try:
+                await self._acked.wait()
+            finally:
+                timer.cancel()
 
 
 class HopSender:
@@ -188,11 +234,20 @@ async def subscription(channels: dict, sub: Subscribe, replica: str, interval_s:
     try:
         async for batch in channel.batches():
             # pickled here, by the C pickler: Serve's cloudpickle visits every object in Python
-            yield pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+            yield pickle.dumps((time.time(), channel.sent, batch), protocol=pickle.HIGHEST_PROTOCOL)
     finally:
         channel.close()
         if channels.get(sub.ingress) is channel:
             del channels[sub.ingress]
+
+
+def take_ack(channels: dict, ack: MuxAck, replica: str) -> None:
+    """A pool replica's side of `mux_ack`."""
+    channel = channels.get(ack.ingress)
+    if channel is not None and ack.replica == replica:
+        channel.ack(ack.batches)
+        if ack.close:
+            channel.close()
 
 
 def _runs(batch: list):
@@ -330,14 +385,19 @@ class MuxClient:
     """An ingress replica's subscriptions, one per pool replica it has sent hops to.
     `subscribe(hop, Subscribe)` makes the streaming call (routed to that replica)."""
 
-    def __init__(self, ingress: str, subscribe: Callable[[str, Subscribe], AsyncIterator[list]]):
+    def __init__(self, ingress: str, subscribe: Callable[[str, Subscribe], AsyncIterator[list]],
+                 ack: Callable[[str, MuxAck], Awaitable] | None = None):
         self.ingress = ingress
         self.subscribe = subscribe
+        self.ack = ack  # sends a MuxAck to the replica (without it the pool waits ACK_WAIT_S per window)
+        self._acks: set[asyncio.Task] = set()
+        self._acking: set[tuple[str, str]] = set()
         self._keys = itertools.count()
         self._inboxes: dict[int, Inbox] = {}
         self._subs: dict[tuple[str, str], asyncio.Task] = {}
         self._refused: dict[tuple[str, str], float] = {}
         self.batches = 0  # subscription messages received (for tests and benchmarks)
+        self.lagging = 0  # subscriptions closed for lag
         self.subscriptions = 0
 
     def open(self, hop: str) -> MuxHop:
@@ -351,7 +411,8 @@ class MuxClient:
         self._subs[k] = asyncio.ensure_future(self._subscription(k))
 
     async def _subscription(self, k: tuple[str, str]) -> None:
-        got = broken = False
+        got = broken = closing = False
+        acked = 0
         self.subscriptions += 1
         stream = None
         try:
@@ -360,10 +421,22 @@ class MuxClient:
                 got = True
                 self.batches += 1
                 inboxes = self._inboxes
-                for key, seq, chunks in pickle.loads(data):  # from our own pool replica (subscription())
+                sent, n, batch = pickle.loads(data)  # from our own pool replica (subscription())
+                lag = time.time() - sent
+                if lag > MAX_LAG_S and not closing and self.ack is not None:
+                    closing = True
+                    self.lagging += 1
+                    self._refused[k] = time.monotonic() + COOLDOWN_S
+                    log.warning("token stream from %s %s: a batch %.2f s late; closing it, hops there on "
+                                "calls of their own for %.0f s", k[0], k[1], lag, COOLDOWN_S)
+                    self._send_ack(k, n, close=True)
+                for key, seq, chunks in batch:
                     inbox = inboxes.get(key)
                     if inbox is not None:
                         inbox.run(seq, chunks)
+                if n - acked >= WINDOW // 2 and self.ack is not None and k not in self._acking and not closing:
+                    acked = n
+                    self._send_ack(k, n)
         except asyncio.CancelledError:
             broken = True
             if stream is not None and hasattr(stream, "cancel"):
@@ -382,10 +455,25 @@ class MuxClient:
                     if inbox.source == k and not inbox._done():
                         inbox.fail(ConnectionError(f"token stream from {k[0]} {k[1]} broke"))
         if not got:  # refused (another replica took the call), full or gone: not again at once
-            self._refused[k] = time.monotonic() + RESUBSCRIBE_AFTER_S
+            self._refused[k] = max(self._refused.get(k, 0.0), time.monotonic() + RESUBSCRIBE_AFTER_S)
             if len(self._refused) > 1024:
                 now = time.monotonic()
                 self._refused = {r: t for r, t in self._refused.items() if t > now}
+
+    def _send_ack(self, k: tuple[str, str], n: int, close: bool = False) -> None:
+        """One ack in flight per subscription (the next batch past the half window sends the next)."""
+        async def send():
+            self._acking.add(k)
+            try:
+                await self.ack(k[0], MuxAck(self.ingress, k[1], n, close))
+            except Exception as e:  # noqa: BLE001 - the pool sends on after ACK_WAIT_S
+                log.debug("ack to %s %s failed (%s)", k[0], k[1], e.__class__.__name__)
+            finally:
+                self._acking.discard(k)
+
+        task = asyncio.ensure_future(send())
+        self._acks.add(task)
+        task.add_done_callback(self._acks.discard)
 
     def close(self) -> None:
         for task in list(self._subs.values()):

@@ -38,7 +38,8 @@ from keyacc_ray.serve.kv_directory import NAME as KV_DIRECTORY, KVDirectory
 from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopAccepted, HopEnd, SegmentStart,
                                        Ticket, TicketUpdate)
 from keyacc_ray.serve.monitor import ReplicaReport
-from keyacc_ray.serve.mux import Channel, HopSender, Subscribe, hop_sender, mux_hop, subscription
+from keyacc_ray.serve.mux import (Channel, HopSender, MuxAck, Subscribe, hop_sender, mux_hop, subscription,
+                                  take_ack)
 
 log = logging.getLogger("ray.serve")
 KV_FETCH_TIMEOUT_S = 20.0
@@ -137,6 +138,10 @@ class EnginePool:
         (key, seq, token chunks) of its hops, until it closes or idles (serve/mux.py)."""
         async for batch in subscription(self._muxes, sub, self.replica, self.loop.stream_interval_s):
             yield batch
+
+    async def mux_ack(self, ack: MuxAck) -> None:
+        """The ingress replica read that many batches of its token stream from here (flow control)."""
+        take_ack(self._muxes, ack, self.replica)
 
     async def _hop(self, req: GenerateRequest, handoff: Handoff | None, export_after: int | None,
                    ticket: Ticket | None, movable: bool, sender: HopSender | None = None):

@@ -12,7 +12,7 @@ import pytest
 from keyacc_ray.serve.driver import RequestDriver
 from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopAccepted, HopEnd, SegmentStart,
                                        Ticket, TicketUpdate, TokenChunk, Trace, Withdrawn)
-from keyacc_ray.serve.mux import MuxClient, hop_sender, mux_hop, subscription
+from keyacc_ray.serve.mux import MuxClient, hop_sender, mux_hop, subscription, take_ack
 from keyacc_ray.serve.router import Router, hop_keys
 
 PROMPT = [1, 2, 3, 4]
@@ -112,6 +112,11 @@ class _Subscribe:
         return subscription(self.pool.channels, sub, self.pool.name + "-r0", 0.0)
 
 
+class _Ack(_Subscribe):
+    async def remote(self, ack):
+        take_ack(self.pool.channels, ack, self.pool.name + "-r0")
+
+
 class FakePool:
     """Token i of a request is 100 + i, wherever it is generated, so continuity shows."""
 
@@ -119,6 +124,7 @@ class FakePool:
         self.name, self.pool, self.phase = name, pool, phase
         self.channels: dict = {}  # open multiplexed token streams, by ingress replica
         self.subscribe = _Subscribe(self)
+        self.mux_ack = _Ack(self)
         self.calls: list[tuple] = []  # (handoff token count or None, export_after)
         self.fail_after: int | None = None  # raise after this many tokens (once)
         self.backpressure = False  # raise BackPressureError (once)
@@ -229,7 +235,8 @@ def make(policy="gpu_only", options=None, allow_pinning=True, router=None, coloc
 def mux_client(pools: dict) -> MuxClient | None:
     if not MUX["on"]:
         return None
-    return MuxClient("ingress-test", lambda hop, sub: pools[hop].subscribe.remote(sub))
+    return MuxClient("ingress-test", lambda hop, sub: pools[hop].subscribe.remote(sub),
+                     lambda hop, ack: pools[hop].mux_ack.remote(ack))
 
 
 async def warm(driver) -> None:

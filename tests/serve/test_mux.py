@@ -4,6 +4,7 @@ runs with them. The end-to-end tests run the same code through Serve (the app's 
 from __future__ import annotations
 
 import asyncio
+import time
 import dataclasses
 import pickle
 
@@ -106,7 +107,7 @@ def test_a_subscription_reaching_another_replica_ends_at_once_and_an_idle_one_cl
         ch_seen.append(channels["i"])
         channels["i"].put(1, 0, [_tok(1)])
         got = await asyncio.wait_for(task, 2)  # idle after the batch: it closes by itself
-        assert [pickle.loads(b) for b in got] == [[(1, 0, [_tok(1)])]] and "i" not in channels and ch_seen[0].closed
+        assert [pickle.loads(b)[2] for b in got] == [[(1, 0, [_tok(1)])]] and "i" not in channels and ch_seen[0].closed
 
     asyncio.run(go())
 
@@ -254,3 +255,64 @@ def test_a_token_chunk_pickles_as_its_fields():
     back = pickle.loads(pickle.dumps(c))
     assert back == c and dataclasses.astuple(back) == dataclasses.astuple(c)
     assert len(pickle.dumps(c)) < len(pickle.dumps(dataclasses.asdict(c)))
+
+
+def test_a_pool_sends_at_most_a_window_of_unread_batches_and_gathers_tokens_meanwhile():
+    """Flow control: an ingress replica that reads slowly gets fewer, bigger batches (as a slow
+    reader of one stream per hop got bigger chunks), not an ever longer backlog."""
+    async def go():
+        ch = Channel(0.0)
+        got = []
+
+        async def reader():
+            async for batch in ch.batches():
+                got.append(batch)
+
+        task = asyncio.ensure_future(reader())
+        for i in range(mux_mod.WINDOW * 3):
+            ch.put(1, i, [_tok(i)])
+            await asyncio.sleep(0.002)
+        assert len(got) == mux_mod.WINDOW  # no ack: the rest waits, gathered
+        ch.ack(mux_mod.WINDOW)
+        await asyncio.sleep(0.01)
+        assert len(got) == mux_mod.WINDOW + 1 and len(got[-1]) == mux_mod.WINDOW * 2
+        assert [seq for b in got for _, seq, _ in b] == list(range(mux_mod.WINDOW * 3))
+        ch.close()
+        await asyncio.wait_for(task, 2)
+
+    asyncio.run(go())
+
+
+def test_the_ingress_acks_what_it_read(muxed):
+    driver, router, pools = make()
+
+    async def go():
+        tokens, errors, trace = await collect(driver, request(40, route="cpu"))
+        await asyncio.sleep(0.01)
+        (ch,) = pools["cpu_decode/0"].channels.values()
+        return tokens, ch.sent, ch.acked
+
+    tokens, sent, acked = asyncio.run(go())
+    assert tokens == [100 + i for i in range(40)]
+    assert sent >= mux_mod.WINDOW and sent - mux_mod.WINDOW < acked <= sent
+
+
+def test_a_lagging_token_stream_is_closed_and_its_hops_go_on_on_their_own_calls(muxed, monkeypatch):
+    """An ingress replica too loaded to read a stream at its tokens' pace: it asks the pool to
+    close the stream, reads what is left, and its hops finish on their own calls, every token
+    once; no new subscription to that replica for COOLDOWN_S."""
+    monkeypatch.setattr(mux_mod, "MAX_LAG_S", -1.0)  # every batch counts as late
+    driver, router, pools = make()
+
+    async def go():
+        out = await asyncio.gather(*(collect(driver, request(30, route="cpu", rid=f"r{i}")) for i in range(4)))
+        await asyncio.sleep(0.01)
+        return out
+
+    out = asyncio.run(go())
+    for tokens, errors, trace in out:
+        assert tokens == [100 + i for i in range(30)] and not errors
+        assert not any(s.get("failed") for s in trace["segments"])
+    assert driver.mux.lagging >= 1 and not pools["cpu_decode/0"].channels
+    assert driver.mux._refused[("cpu_decode/0", "CpuDecode-r0")] > time.monotonic() + 10
+    assert settled(router)
