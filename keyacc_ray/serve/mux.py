@@ -41,7 +41,7 @@ IDLE_CLOSE_S = 5.0  # a pool closes a subscription that carried no hop for this 
 # them (`MuxAck`, every WINDOW // 2); meanwhile the pool's tokens gather into the next batch. An
 # overloaded ingress reads a stream's messages slowly (one per few turns of its event loop) while a
 # transport buffer hides it from the pool: without this, a stream fell 35 s behind in the soak.
-WINDOW = 6
+WINDOW = 16
 ACK_WAIT_S = 1.0  # no ack for this long (lost): send anyway
 # A stream whose batches still arrive this late (an ingress replica too loaded to read it at the
 # pace of its tokens): the ingress asks the pool to close it, reads what is left, and sends its
