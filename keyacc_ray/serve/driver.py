@@ -71,12 +71,6 @@ class RemoteRouter:
 
 
 def _stalled(stream, waiting: dict) -> None:
-    """The bound passed with no HopAccepted: cancel the call, unless a replica has already taken
-    it (Serve has its result: the replica's event loop is only slow to say so under load; its
-    hop would otherwise move with its KV perhaps already taken, to be prefilled again)."""
-    taken = getattr(stream, "_replica_result_future", None)  # Serve's DeploymentResponseGenerator
-    if taken is not None and taken.done() and not taken.cancelled():
-        return
     waiting["stalled"] = True
     stream.cancel()
 

@@ -71,17 +71,6 @@ class RequestCancelledError(Exception):  # what iterating a cancelled Serve stre
     pass
 
 
-class _Taken:
-    def __init__(self):
-        self.taken = False
-
-    def done(self):
-        return self.taken
-
-    def cancelled(self):
-        return False
-
-
 class FakeStream:
     """A pool's stream as Serve's DeploymentResponseGenerator behaves: `cancel()` stops it, and
     the reader (waiting or not) gets RequestCancelledError."""
@@ -90,7 +79,6 @@ class FakeStream:
         self.gen = gen
         self.cancelled = False
         self._waiter: asyncio.Future | None = None
-        self._replica_result_future = _Taken()  # done once a replica has taken the call (as Serve's)
 
     def __aiter__(self):
         return self
@@ -144,7 +132,6 @@ class FakePool:
         self.movable: list[bool] = []  # what each call was told
         self.start_delay = 0.0  # the next call waits this long before the pool takes it (Serve's queue; once)
         self.receive_delay = 0.0  # ... after taking it, before it says where it runs (the KV import; once)
-        self.accept_delay = 0.0  # taken by the replica, before it says HopAccepted (a busy event loop; once)
         self.streams: list[FakeStream] = []
         self.generate = self
 
@@ -158,8 +145,7 @@ class FakePool:
         self.movable.append(movable)
         if movable and self.preempt_after is not None:
             export_after, self.preempt_after = self.preempt_after, None
-        s = FakeStream(None)
-        s.gen = self.muxed(self._run(req, handoff, export_after, s._replica_result_future), mux)
+        s = FakeStream(self.muxed(self._run(req, handoff, export_after), mux))
         self.streams.append(s)
         return s
 
@@ -167,17 +153,12 @@ class FakePool:
         """As EnginePool.generate: the hop's tokens on the caller's token stream, if it is open."""
         return mux_hop(gen, hop_sender(self.channels, mux))
 
-    async def _run(self, req, handoff, export_after, taken=None):
+    async def _run(self, req, handoff, export_after):
         if self.backpressure:
             self.backpressure = False
             raise BackPressureError("full")
         if self.start_delay:
             delay, self.start_delay = self.start_delay, 0.0
-            await asyncio.sleep(delay)
-        if taken is not None:
-            taken.taken = True
-        if self.accept_delay:  # taken, but the replica's loop is slow to say so
-            delay, self.accept_delay = self.accept_delay, 0.0
             await asyncio.sleep(delay)
         yield [HopAccepted()]
         if self.receive_delay:
@@ -1003,9 +984,6 @@ def test_a_new_request_or_a_slow_kv_import_is_not_a_stall(monkeypatch):
     assert tokens == [100 + i for i in range(6)] and [s["pool"] for s in trace["segments"]] == ["cpu"]
     pools["cpu_decode/0"].receive_delay = 0.3
     tokens, errors, trace = asyncio.run(collect(driver, request(6, route="stage", rid="r2")))
-    assert tokens == [100 + i for i in range(6)] and [s["pool"] for s in trace["segments"]] == ["gpu", "cpu"]
-    pools["cpu_decode/0"].accept_delay = 0.3  # a replica took it (Serve knows), slow to say so
-    tokens, errors, trace = asyncio.run(collect(driver, request(6, route="stage", rid="r3")))
     assert tokens == [100 + i for i in range(6)] and [s["pool"] for s in trace["segments"]] == ["gpu", "cpu"]
     assert not any(k.startswith("stalled_starts_total") for k in router._counters)
     assert settled(router)

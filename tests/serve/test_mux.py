@@ -153,8 +153,8 @@ def test_a_token_stream_closed_mid_hop_sends_the_rest_on_the_hops_own_call(muxed
     cpu = pools["cpu_decode/0"]
     real_run = type(cpu)._run
 
-    async def run_then_close(self, req, handoff, export_after, taken=None):
-        async for items in real_run(self, req, handoff, export_after, taken):
+    async def run_then_close(self, req, handoff, export_after):
+        async for items in real_run(self, req, handoff, export_after):
             yield items
             if any(isinstance(i, TokenChunk) and i.num_output_tokens == 4 for i in items):
                 for ch in list(self.channels.values()):
@@ -176,8 +176,8 @@ def test_a_token_stream_lost_mid_hop_fails_the_hop_and_it_goes_on_elsewhere_from
     real_run = type(gpu)._run
     state = {"n": 0}
 
-    async def run_and_break(self, req, handoff, export_after, taken=None):
-        async for items in real_run(self, req, handoff, export_after, taken):
+    async def run_and_break(self, req, handoff, export_after):
+        async for items in real_run(self, req, handoff, export_after):
             yield items
             state["n"] += 1
             if state["n"] == 4:
