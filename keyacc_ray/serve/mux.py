@@ -175,12 +175,16 @@ class HopSender:
         self.channel, self.key = channel, key
         self.seq = 0
 
-    def token(self, chunk: TokenChunk) -> bool:
+    def send(self, run: list) -> bool:
+        """A run of token chunks on the channel; False (nothing sent) once it has closed."""
         if self.channel.closed:
             return False
-        self.channel.put(self.key, self.seq, [chunk])
+        self.channel.put(self.key, self.seq, run)
         self.seq += 1
         return True
+
+    def token(self, chunk: TokenChunk) -> bool:
+        return self.send([chunk])
 
     def wrap(self, run: list) -> MuxRun:
         self.seq += 1
@@ -201,10 +205,7 @@ async def mux_hop(items: AsyncIterator[list], sender: HopSender | None) -> Async
         async for batch in items:
             out = []
             for is_tokens, run in _runs(batch):
-                if is_tokens and not channel.closed:
-                    channel.put(sender.key, sender.seq, run)
-                    sender.seq += 1
-                else:
+                if not (is_tokens and sender.send(run)):
                     out.append(sender.wrap(run))
             if out:
                 yield out

@@ -431,6 +431,7 @@ def test_client_gone_cancels_the_pool_stream_and_frees_the_router_count():
 
     assert asyncio.run(go()) == 3
     assert pools["cpu_decode/0"].streams[0].cancelled
+    assert driver.mux is None or not driver.mux._inboxes  # with the token streams: no hop left registered
     assert settled(router)
 
 
