@@ -5,7 +5,9 @@ picked once per process from KEYACC_CPU_ISA): prefill of a 512-token prompt and 
 tiles for products of 8 rows or more), avx512 (AVX512-BF16 alone), avx2 (AVX2 + FMA: the linear
 kernel written for CPUs without AVX-512), portable (the compiler's own vectorisation; slow:
 fewer steps). Prints a table, then one JSON line with
-`prefill_tps_512_{isa}` and `decode_tps_bs{1,8,32}_{isa}`.
+`prefill_tps_512_{isa}`, `decode_tps_bs{1,8,32}_{isa}` and `bs1_vs_roofline_{isa}` (a batch-1
+step against the time to read the step's weights once at this machine's measured read
+bandwidth, as bench_engine.py's `fast_roofline_ratio_bs1`).
 
     python scripts/bench_cpu_isa.py --model models/bench-qwen3 --threads 2
     python scripts/bench_cpu_isa.py --model M --isa amx avx512        # only these
@@ -63,6 +65,20 @@ def measure(model: str, threads: int, steps: int) -> dict:
     return res
 
 
+def _roofline_ms(model: str, threads: int) -> float:
+    """A batch-1 step's weights read once at the measured read bandwidth (bench_engine.py's)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_engine import read_bandwidth_gbs, weight_bytes_per_step
+
+    bw = read_bandwidth_gbs(threads)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model), dtype=torch.bfloat16)
+    return weight_bytes_per_step(meta) / (bw * 1e9) * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/bench-qwen3")
@@ -75,6 +91,8 @@ def main() -> None:
         print(json.dumps(measure(args.model, args.threads, args.steps)))
         return
     out: dict = {"model": args.model, "threads": args.threads}
+    roofline_ms = _roofline_ms(args.model, args.threads)
+    out["roofline_ms_bs1"] = round(roofline_ms, 2)
     for isa in args.isa:
         steps = max(2, args.steps // 4) if isa == "portable" else args.steps
         env = {**os.environ, "KEYACC_CPU_ISA": isa}
@@ -91,6 +109,7 @@ def main() -> None:
         for k, v in got.items():
             if k != "isa":
                 out[f"{k}_{isa}"] = v
+        out[f"bs1_vs_roofline_{isa}"] = round(1e3 / got["decode_tps_bs1"] / roofline_ms, 2)
     width = max(map(len, out))
     for k, v in out.items():
         print(f"{k:<{width}}  {v}")

@@ -29,7 +29,7 @@ def gen(seed=0):
 
 
 @pytest.mark.parametrize("n,k", [(64, 32), (70, 37), (300, 256), (1024, 96)])
-@pytest.mark.parametrize("m", [1, 5, 7, 33])
+@pytest.mark.parametrize("m", [1, 4, 5, 7, 24, 33])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_bf16_matches_float_reference(K, n, k, m, bias):
     g = gen(n * k + m)
@@ -206,6 +206,27 @@ def test_avx512_without_amx(K):
     if K.isa() != "amx":
         pytest.skip("no AMX here: the default run is the AVX-512 one")
     _rerun_with("avx512")
+
+
+def test_avx2_rows_do_not_depend_on_the_batch(K):
+    """On the AVX2 kernel every output adds its k-pairs in the same order whatever tile its row
+    falls in (a full tile of 5 rows, a tail of 1-4, batch 1's wide tile): a row's result is
+    bitwise the row computed alone, for bf16 and int8 weights."""
+    if K.isa() != "avx2":
+        pytest.skip("the AVX2 kernel's property (test_avx2_path runs this file on it)")
+    g = gen(21)
+    for m, n, k in [(7, 70, 37), (14, 200, 256), (33, 64, 1024)]:
+        w = (torch.randn(n, k, generator=g) * 0.05).to(BF16)
+        x = torch.randn(m, k, generator=g).to(BF16)
+        b = torch.randn(n, generator=g).to(BF16)
+        packed, (q, scales) = K.pack_bf16(w), K.pack_int8(w)
+        for run in (lambda rows: K.linear_bf16(rows, packed, n, b),
+                    lambda rows: K.linear_int8(rows, q, scales, n, b)):
+            y = run(x)
+            alone = torch.cat([run(x[i:i + 1]) for i in range(m)])
+            pairs = torch.cat([run(x[i:i + 2]) for i in range(0, m - 1, 2)])
+            assert torch.equal(y, alone)
+            assert torch.equal(y[: pairs.shape[0]], pairs)
 
 
 def test_amx_products_of_many_rows_match_the_float_reference(K):
