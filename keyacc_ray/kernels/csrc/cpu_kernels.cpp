@@ -1141,7 +1141,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 
 // residual <- residual + x (rounded); returns RMSNorm(residual) * w.
 template <typename T>
-void add_rms_rows(const T* x, T* res, const T* w, T* y, int64_t M, int64_t D, float eps, float* row) {
+CLONES void add_rms_rows(const T* x, T* res, const T* w, T* y, int64_t M, int64_t D, float eps, float* row) {
   for (int64_t m = 0; m < M; ++m) {
     T* rr = res + m * D;
     const T* xr = x + m * D;
@@ -1179,19 +1179,27 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 }
 
 // One head row: optional per-head RMSNorm, then rotary (rotate-half convention) on the first R dims.
+// Compiled per ISA like the other elementwise kernels (an AVX2-only CPU gets AVX2 code, not
+// baseline x86-64); the rotation's two halves are separate loops so each vectorises. The same
+// arithmetic in the same order on every ISA (-ffp-contract=off, 16 partial sums): bitwise the
+// same results whichever clone runs.
 template <typename T>
-void head_norm_rope(const T* x, T* out, const T* nw, float eps, const T* cos, const T* sin, int64_t R, int64_t D,
-                    float* row) {
+CLONES void head_norm_rope(const T* x, T* out, const T* nw, float eps, const T* cos, const T* sin, int64_t R,
+                           int64_t D, float* row) {
   for (int64_t d = 0; d < D; ++d) row[d] = to_f<T>(x[d]);
   if (nw) {
     const float r = 1.f / std::sqrt(sum_squares(row, D) / static_cast<float>(D) + eps);
     for (int64_t d = 0; d < D; ++d) row[d] = to_f<T>(from_f<T>(to_f<T>(nw[d]) * to_f<T>(from_f<T>(row[d] * r))));
   }
   const int64_t h = R / 2;
-  for (int64_t d = 0; d < R; ++d) {
-    const float rot = d < h ? -row[d + h] : row[d - h];
+  for (int64_t d = 0; d < h; ++d) {  // first half: rotated by -x[d + h]
     const float a = to_f<T>(from_f<T>(row[d] * to_f<T>(cos[d])));
-    const float b = to_f<T>(from_f<T>(rot * to_f<T>(sin[d])));
+    const float b = to_f<T>(from_f<T>(-row[d + h] * to_f<T>(sin[d])));
+    out[d] = from_f<T>(a + b);
+  }
+  for (int64_t d = h; d < R; ++d) {  // second half: by x[d - h]
+    const float a = to_f<T>(from_f<T>(row[d] * to_f<T>(cos[d])));
+    const float b = to_f<T>(from_f<T>(row[d - h] * to_f<T>(sin[d])));
     out[d] = from_f<T>(a + b);
   }
   for (int64_t d = R; d < D; ++d) out[d] = from_f<T>(row[d]);
