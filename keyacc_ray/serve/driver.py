@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import time
 
+from keyacc_ray.serve.aio import wait_at_most
 from keyacc_ray.serve.mux import MuxClient
 from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopAccepted, HopEnd, SegmentStart,
                                        Ticket, TicketUpdate, TokenChunk, Trace, Withdrawn)
@@ -65,7 +66,7 @@ class RemoteRouter:
 
     async def finish(self, t: Ticket, end: HopEnd) -> None:
         try:
-            await asyncio.wait_for(self.handle.options(**ROUTER_CALL).finish.remote(t, end), ROUTER_TIMEOUT_S)
+            await wait_at_most(self.handle.options(**ROUTER_CALL).finish.remote(t, end), ROUTER_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the count expires on the router's side
             log.warning("router finish for %s failed (%s)", t.request_id, e.__class__.__name__)
 
@@ -117,7 +118,7 @@ class RequestDriver:
     async def _ask(self, t: Ticket, end: HopEnd | None) -> Ticket:
         try:
             call = self.router.begin(t) if end is None else self.router.advance(t, end)
-            return await asyncio.wait_for(call, ROUTER_TIMEOUT_S)
+            return await wait_at_most(call, ROUTER_TIMEOUT_S)
         except asyncio.CancelledError:  # the client went away while the router decided (or held it)
             self._finish(t, HopEnd("done", 0.0, end.num_output_tokens if end else 0))
             raise

@@ -20,6 +20,7 @@ from keyacc_ray.config import env_api_keys, env_operator_keys
 from keyacc_ray.errors import InvalidRequest, KeyaccError
 from keyacc_ray.serve import metrics as prom
 from keyacc_ray.serve import protocol, tools
+from keyacc_ray.serve.aio import wait_at_most
 from keyacc_ray.serve.driver import RemoteRouter, RequestDriver
 from keyacc_ray.serve.mux import MuxClient
 from keyacc_ray.serve.messages import ErrorItem, TokenChunk, Trace
@@ -228,7 +229,7 @@ class Ingress:
         if (err := self._auth_error(request)) is not None:
             return err
         try:  # the router down or slow: what this replica has (its last snapshot, its own series)
-            snap = await asyncio.wait_for(self.router.snapshot_dict.remote(), timeout=METRICS_ROUTER_TIMEOUT_S)
+            snap = await wait_at_most(self.router.snapshot_dict.remote(), METRICS_ROUTER_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - any failure of the router's answer
             snap = None
         self._ensure_pusher()

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+from keyacc_ray.serve.aio import wait_at_most
+
 NAME = "keyacc_kv_directory"
 
 
@@ -45,7 +47,7 @@ class KVDirectory:
         if key not in self._refs:
             ev = self._waiting.setdefault(key, asyncio.Event())
             try:
-                await asyncio.wait_for(ev.wait(), timeout_s)
+                await wait_at_most(ev.wait(), timeout_s)
             except asyncio.TimeoutError:
                 self._waiting.pop(key, None)
                 return []

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
+from keyacc_ray.serve.aio import wait_at_most
 from keyacc_ray.serve.messages import SegmentStart, TokenChunk, merge_chunks
 
 log = logging.getLogger("ray.serve")
@@ -319,7 +320,7 @@ class Inbox:
                 await self._wake.wait()
                 continue
             try:  # the call has ended: what is missing is on its way, or lost with the subscription
-                await asyncio.wait_for(self._wake.wait(), LOST_AFTER_S)
+                await wait_at_most(self._wake.wait(), LOST_AFTER_S)
             except asyncio.TimeoutError:
                 raise ConnectionError(f"tokens of the hop lost (runs {self._next}..{self._total - 1})") from None
 

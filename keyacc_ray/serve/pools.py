@@ -32,6 +32,7 @@ from keyacc_ray.engine.request import SamplingParams
 from keyacc_ray.errors import KeyaccError
 from keyacc_ray.hw.pinning import pin_process
 from keyacc_ray.hw.topology import gpu_info, gpu_local_cpus, numa_nodes
+from keyacc_ray.serve.aio import wait_at_most
 from keyacc_ray.serve.engine_loop import AsyncEngine, Checkpoint
 from keyacc_ray.serve.monitor import MONITOR_NAME, MONITOR_NAMESPACE  # noqa: F401 - also imported from here
 from keyacc_ray.serve.kv_directory import NAME as KV_DIRECTORY, KVDirectory
@@ -229,7 +230,7 @@ class EnginePool:
             if not due:
                 continue
             try:
-                ids = await asyncio.wait_for(self._router().options(_by_reference=False).recall.remote(
+                ids = await wait_at_most(self._router().options(_by_reference=False).recall.remote(
                     [t for _, _, t in due]), ROUTER_CHECK_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - router restarting or gone: they wait here
                 log.warning("recall check failed (%s)", e.__class__.__name__)
@@ -247,7 +248,7 @@ class EnginePool:
         here = t.hop
         end = HopEnd("handoff", time.monotonic() - state["started"], cp.num_output_tokens, True, in_place=True)
         try:
-            nt = await asyncio.wait_for(self._router().options(_by_reference=False).advance.remote(t, end),
+            nt = await wait_at_most(self._router().options(_by_reference=False).advance.remote(t, end),
                                         ROUTER_CHECK_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - router restarting or gone: keep decoding here
             log.warning("period check of %s failed (%s); decoding on here", t.request_id, e.__class__.__name__)
@@ -275,7 +276,7 @@ class EnginePool:
         refs = h.kv_ref
         if h.kv_key and not refs:
             try:
-                refs = await asyncio.wait_for(self._directory().take.remote(h.kv_key, KV_TAKE_TIMEOUT_S),
+                refs = await wait_at_most(self._directory().take.remote(h.kv_key, KV_TAKE_TIMEOUT_S),
                                               KV_FETCH_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - directory restarting or gone: prefill again
                 log.warning("KV directory unavailable for %s (%s)", h.request_id, e.__class__.__name__)
@@ -285,7 +286,7 @@ class EnginePool:
                             len(h.token_ids) - 1)
         if refs:
             try:
-                keys, values = await asyncio.wait_for(refs[0], KV_FETCH_TIMEOUT_S)
+                keys, values = await wait_at_most(refs[0], KV_FETCH_TIMEOUT_S)
             except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError,
                     ray.exceptions.ObjectFetchTimedOutError, asyncio.TimeoutError) as e:
                 log.warning("KV of %s lost (%s); prefilling %d tokens again", h.request_id,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from keyacc_ray.policies import LoadView, PoolLoad, RequestView, make_policy
 from keyacc_ray.policies.base import HOLD, OutputLengths
+from keyacc_ray.serve.aio import wait_at_most
 from keyacc_ray.serve.driver import FAILOVER, MAX_RECOVERIES, error_item as _err
 from keyacc_ray.serve.messages import HopEnd, Ticket
 from keyacc_ray.serve.monitor import MONITOR_NAME, MONITOR_NAMESPACE, LoadMonitor, mean_measured
@@ -136,7 +137,7 @@ class Router:
         while True:
             try:
                 since = self.snapshot.version if self.snapshot is not None else None
-                snap = await asyncio.wait_for(self.monitor.snapshot.remote(since), timeout=2.0)
+                snap = await wait_at_most(self.monitor.snapshot.remote(since), 2.0)
                 last_ok = time.monotonic()
                 self.take_snapshot(snap)
                 if self._counters:

@@ -69,6 +69,47 @@ def test_inbox_raises_the_calls_error_after_what_came_before_and_fails_a_hop_who
     asyncio.run(go())
 
 
+def test_a_cancelled_inbox_wait_is_cancelled_even_when_its_tokens_arrive_in_the_same_turn():
+    """The driver of a client that went away is cancelled while it waits for a hop's last runs;
+    the runs arriving in the same turn of the loop must not swallow the cancellation (Python
+    3.11's asyncio.wait_for returns the result then, and the driver would go on)."""
+    async def go():
+        box = Inbox()
+        box.muxed = True
+        box.run(0, [_tok(1)])
+        box.end(2)
+        box.end()  # the call ended: the wait for run 1 is the bounded one
+        await box.get()
+        task = asyncio.get_running_loop().create_task(box.get())
+        for _ in range(3):
+            await asyncio.sleep(0)
+        box.run(1, [_tok(2)])
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(go())
+
+
+def test_wait_at_most_keeps_a_cancellation_that_meets_the_result_and_times_out():
+    from keyacc_ray.serve.aio import wait_at_most
+
+    async def go():
+        fut = asyncio.get_running_loop().create_future()
+        task = asyncio.get_running_loop().create_task(wait_at_most(fut, 5))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        fut.set_result(1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        with pytest.raises(asyncio.TimeoutError):
+            await wait_at_most(asyncio.Event().wait(), 0.01)
+        assert await wait_at_most(asyncio.sleep(0, "x"), 1) == "x"
+
+    asyncio.run(go())
+
+
 def test_mux_hop_sends_token_runs_to_the_channel_and_the_rest_on_the_call_numbered_in_one_sequence():
     async def go():
         ch = Channel(0.0)
