@@ -291,8 +291,8 @@ class LLMEngine:
             torch.cuda.synchronize(logits.device)
         seconds = time.perf_counter() - t0
         self.prefill_rate.observe(tokens, seconds)
-        if self.tiers is not None and tokens >= 64:
-            self.tiers.prefill_measured(tokens, seconds)
+        if self.tiers is not None:
+            self.tiers.prefill.observe(tokens, seconds)
 
     def _cache_blocks(self, s: Sequence) -> None:
         """Key the sequence's blocks that are full and computed, for later prompts to share."""

@@ -203,10 +203,11 @@ class PrefillRate:
 
     MIN_TOKENS = 32
 
-    def __init__(self):
+    def __init__(self, min_tokens: int = MIN_TOKENS):
+        self.min_tokens = min_tokens
         self.tokens_per_s = 0.0
 
     def observe(self, tokens: int, seconds: float) -> None:
-        if tokens >= self.MIN_TOKENS and seconds > 0:
+        if tokens >= self.min_tokens and seconds > 0:
             rate, old = tokens / seconds, self.tokens_per_s
             self.tokens_per_s = rate if not old else 0.8 * old + 0.2 * rate

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from keyacc_ray.engine.scheduler import PrefillRate
+
 DEVICE = "device"
 
 
@@ -78,9 +80,10 @@ class LowerTiers:
         self.block_size = block_size
         self.moves: list[Move] = []
         # cost model: bytes/s per tier (copies into the device, measured), prefill tokens/s (the
-        # engine's, measured); None until known (then loading is assumed cheaper)
+        # engine's steps of 64 prompt tokens or more, measured); unknown (None, 0) until measured,
+        # and then loading is assumed cheaper
         self.bandwidth: dict[str, float | None] = {t.name: None for t in self.tiers}
-        self.prefill_tokens_per_s: float | None = None
+        self.prefill = PrefillRate(min_tokens=64)
         # counters: tokens found per tier, blocks loaded / stored per tier, blocks recomputed by choice
         self.hits = {t.name: 0 for t in self.tiers}
         self.loaded = {t.name: 0 for t in self.tiers}
@@ -116,7 +119,7 @@ class LowerTiers:
 
     # ---- coming back -----------------------------------------------------------------------
     def _worth_loading(self, tier: str) -> bool:
-        bw, rate = self.bandwidth[tier], self.prefill_tokens_per_s
+        bw, rate = self.bandwidth[tier], self.prefill.tokens_per_s
         if not bw or not rate:
             return True
         return self.block_bytes / bw < self.block_size / rate
@@ -159,8 +162,3 @@ class LowerTiers:
             old = self.bandwidth.get(tier)
             self.bandwidth[tier] = bw if old is None else 0.8 * old + 0.2 * bw
 
-    def prefill_measured(self, tokens: int, seconds: float) -> None:
-        if seconds > 0 and tokens > 0:
-            rate = tokens / seconds
-            old = self.prefill_tokens_per_s
-            self.prefill_tokens_per_s = rate if old is None else 0.8 * old + 0.2 * rate

@@ -283,7 +283,7 @@ def test_a_tier_slower_than_recomputing_is_not_loaded():
     lt.evicted(b"a", 0), lt.evicted(b"b", 1)
     lt.evicted(b"c", 2), lt.evicted(b"d", 3), lt.evicted(b"e", 4)  # a goes to disk
     lt.take_moves()
-    lt.prefill_measured(16_000, 1.0)  # a block computes in 1 ms
+    lt.prefill.observe(16_000, 1.0)  # a block computes in 1 ms
     lt.measured("host", 10 << 30, 1.0)  # loads in 0.1 ms from host
     lt.measured("disk", 100 << 20, 1.0)  # 10 ms from disk
     assert lt.find([b"b", b"c"]) == [("host", b"b"), ("host", b"c")]
