@@ -478,9 +478,22 @@ class ModelRunner:
 
     def _decode_rows(self, items: list[StepItem]):
         """Decode rows for the fused step and the kernels: ids, positions, blocks, rows-in-block,
-        block tables [rows, max_blocks] int32, context lengths [rows] int64."""
-        ids, pos, blk, off = self._slots(items)
-        return ids, pos, blk, off, self._tables(items, torch.int32), pos + 1
+        block tables [rows, max_blocks] int32, context lengths [rows] int64. Where every row has
+        its row in `block_array` (the engine's decode steps), one pass over the items and two
+        gathers, one copy each to the device."""
+        rows = self._rows(items)
+        if rows is None:
+            ids, pos, blk, off = self._slots(items)
+            return ids, pos, blk, off, self._tables(items, torch.int32), pos + 1
+        n, bs = len(items), self.block_size
+        arr = np.empty((3, n), dtype=np.int64)
+        arr[0] = np.fromiter((it.tokens[0] for it in items), dtype=np.int64, count=n)
+        arr[1] = np.fromiter((it.start for it in items), dtype=np.int64, count=n)
+        arr[2] = self.block_array[rows, arr[1] // bs]
+        tables = self.block_array[rows, :int(arr[1].max()) // bs + 1]  # the blocks up to each row's token
+        t = torch.from_numpy(arr).to(self.device)
+        pos = t[1]
+        return t[0], pos, t[2], pos % bs, torch.from_numpy(tables).to(self.device, torch.int32), pos + 1
 
     @torch.inference_mode()
     def forward(self, items: list[StepItem]) -> torch.Tensor:

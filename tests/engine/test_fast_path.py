@@ -162,3 +162,32 @@ def test_other_architectures_stay_exact(tmp_path, cls, kw, fused):
     prompts = [list(range(5, 5 + n)) for n in (3, 11, 20)]  # past the 8-token window
     params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)] * 3
     assert fast.generate(prompts, params) == plain.generate(prompts, params)
+
+
+def test_decode_rows_from_the_block_array_equal_those_from_the_tables(qwen3_path):
+    """A decode step's inputs gathered from the block array (one pass, the engine's steps) are the
+    ones built from each row's own table list (rows without an array row): ids, positions, block
+    and row-in-block of each new token, context lengths, and every row's blocks up to its token."""
+    import dataclasses
+
+    from keyacc_ray.engine.runner import StepItem
+
+    eng = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=6, kv_block_size=4))
+    for i, n in enumerate([3, 9, 17, 5, 30]):  # contexts across block boundaries
+        eng.add_request(f"r{i}", list(range(10 + i, 10 + i + n)), SamplingParams(max_tokens=20, ignore_eos=True))
+    for _ in range(7):
+        eng.step()
+    sched = eng.scheduler.schedule()  # the next step's rows, their blocks grown as a step grows them
+    table, row = eng.blocks.table_ref, eng.blocks.row.get
+    items = [StepItem([s.token_ids[-1]], s.num_cached, table(s.request_id), "last", row(s.request_id, -1))
+             for s in sched.decode]
+    assert len(items) == 5 and all(it.row >= 0 and it.is_decode for it in items)
+    fast = eng.runner._decode_rows(items)
+    slow = eng.runner._decode_rows([dataclasses.replace(it, row=-1) for it in items])
+    for a, b in zip(fast[:4], slow[:4]):
+        assert torch.equal(a, b)
+    assert torch.equal(fast[5], slow[5])
+    bs = eng.blocks.block_size
+    for r, it in enumerate(items):
+        need = it.start // bs + 1
+        assert fast[4][r, :need].tolist() == slow[4][r, :need].tolist() == it.blocks[:need]
