@@ -14,6 +14,12 @@
   budget per step is 65,536, so that admission is limited by memory alone.
 
     python scripts/bench_host.py --model models/tiny-qwen3      # prints a table, then one JSON line
+    python scripts/bench_host.py --pieces 256                   # where a decode step's host time goes
+
+`--pieces B`: instead, B rows decoding in each mode, each piece of a decode step timed on its own
+(median ms over --steps x 3 steps): scheduling, the step's inputs (`runner._decode_rows`), the
+model (the fused step), sampling, postprocessing (of which detokenization), and the rest of
+`LLMEngine.step`.
 bench_engine.py runs the same functions and adds the keys to its JSON.
 """
 from __future__ import annotations
@@ -149,6 +155,61 @@ def report(res: dict) -> None:
     print(json.dumps(res))
 
 
+def host_pieces(model: str, batch: int, steps: int, kernels: str = "auto") -> dict:
+    """Median ms of each piece of a decode step at `batch` rows, per sampling mode (see --pieces)."""
+    import keyacc_ray.engine.llm_engine as le
+
+    out = {}
+    for mode in MODES:
+        eng = LLMEngine(EngineConfig(model=model, dtype="float32", max_num_seqs=batch, max_model_len=256,
+                                     num_kv_blocks=batch * 64 // 16, cpu_kernels=kernels))
+        rng = random.Random(0)
+        params = SamplingParams(max_tokens=3 * steps + 16, ignore_eos=True, seed=1, **MODES[mode])
+        for i in range(batch):
+            eng.add_request(f"p{i}", [rng.randrange(eng.runner.vocab_size) for _ in range(32)], params)
+        while eng.scheduler.num_waiting or any(s.num_cached == 0 for s in eng.seqs.values()):
+            eng.step()
+        spent: dict[str, list[float]] = {}
+
+        def timed(fn, key):
+            def run(*a, **k):
+                t = time.perf_counter()
+                r = fn(*a, **k)
+                spent.setdefault(key, []).append(time.perf_counter() - t)
+                return r
+            return run
+
+        eng.scheduler.schedule = timed(eng.scheduler.schedule, "schedule")
+        eng.runner._decode_rows = timed(eng.runner._decode_rows, "inputs")
+        eng.runner.forward = timed(eng.runner.forward, "forward")
+        fused = eng.runner.fused_step is not None
+        if fused:
+            eng.runner.fused_step = timed(eng.runner.fused_step, "model")
+        else:
+            eng.runner.model.forward = timed(eng.runner.model.forward, "model")
+        eng._sample = timed(eng._sample, "sample")
+        eng._postprocess = timed(eng._postprocess, "postprocess")
+        step_all = le.step_all
+        le.step_all = timed(step_all, "detok")
+        try:
+            totals = []
+            for _ in range(3 * steps):
+                t = time.perf_counter()
+                eng.step()
+                totals.append(time.perf_counter() - t)
+        finally:
+            le.step_all = step_all
+        med = {k: statistics.median(v) * 1e3 for k, v in spent.items()}
+        step = statistics.median(totals) * 1e3
+        pieces = {"schedule": med["schedule"], "inputs": med.get("inputs", 0.0),
+                  "forward_other": med["forward"] - med["model"] - med.get("inputs", 0.0),
+                  "sample": med["sample"], "postprocess": med["postprocess"], "of_which_detok": med["detok"]}
+        pieces["step_other"] = step - med["schedule"] - med["forward"] - med["sample"] - med["postprocess"]
+        pieces["host"] = step - med["model"]
+        out.update({f"pieces_b{batch}_{mode}_{k}": round(v, 3) for k, v in pieces.items()})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/tiny-qwen3")
@@ -156,8 +217,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-paged", action="store_true")
     ap.add_argument("--kernels", default="auto", choices=["auto", "off"], help="the engine's cpu_kernels")
+    ap.add_argument("--pieces", type=int, metavar="B", help="time each piece of a decode step at B rows instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.pieces:
+        report(host_pieces(args.model, args.pieces, args.steps, args.kernels))
+        return
     res = bench_host(args.model, args.steps, kernels=args.kernels)
     if not args.skip_paged:
         res.update(paged_seqs_ratio(args.model))
