@@ -249,7 +249,7 @@ class EnginePool:
         end = HopEnd("handoff", time.monotonic() - state["started"], cp.num_output_tokens, True, in_place=True)
         try:
             nt = await wait_at_most(self._router().options(_by_reference=False).advance.remote(t, end),
-                                        ROUTER_CHECK_TIMEOUT_S)
+                                    ROUTER_CHECK_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - router restarting or gone: keep decoding here
             log.warning("period check of %s failed (%s); decoding on here", t.request_id, e.__class__.__name__)
             self._router_handle = None
@@ -277,7 +277,7 @@ class EnginePool:
         if h.kv_key and not refs:
             try:
                 refs = await wait_at_most(self._directory().take.remote(h.kv_key, KV_TAKE_TIMEOUT_S),
-                                              KV_FETCH_TIMEOUT_S)
+                                          KV_FETCH_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - directory restarting or gone: prefill again
                 log.warning("KV directory unavailable for %s (%s)", h.request_id, e.__class__.__name__)
                 self._kv_dir = None

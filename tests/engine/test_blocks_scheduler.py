@@ -170,4 +170,3 @@ def test_a_stream_under_way_queues_ahead_of_fresh_prompts():
     sch.finish(running, SeqStatus.FINISHED_LENGTH)
     out = sch.schedule()
     assert [s.request_id for s in out.admitted] == ["m0"]
-
