@@ -2,6 +2,8 @@
 """Soak test (not part of `make test`): N minutes at twice the measured capacity, mixed good
 and bad requests, random replica kills. Prints requests sent, completed with correct tokens,
 rejected with a clear error, and lost (must be 0), plus memory per Ray process over the run.
+A completion whose tokens differ from transformers' generate() (`completed_wrong`, must be 0) is
+kept in `wrong_examples` (its prompt, where the tokens part, and the request's path).
 With --tiers: prompts share a few long heads (prefix caching), the emulated GPU pool's block
 pool holds a fraction of them, host and disk KV tiers under every pool; it also reports the
 longest gap inside a stream and, once idle, any replica whose KV blocks are not all free again.
@@ -89,8 +91,16 @@ async def good(client, rng, ref, stats, stream: bool, tiers: bool = False):
             r = await client.post("/v1/completions", json=body)
             if r.status_code != 200:
                 return record_reject(stats, r.status_code, r.content)
-            ids = r.json()["choices"][0]["token_ids"]
-        stats["completed_correct" if ids == ref(prompt, n) else "completed_wrong"] += 1
+            body = r.json()
+            ids = body["choices"][0]["token_ids"]
+            trace = body.get("keyacc")
+        want = ref(prompt, n)
+        stats["completed_correct" if ids == want else "completed_wrong"] += 1
+        if ids != want:  # kept for a look: where the tokens part from generate()'s, and the request's path
+            at = next((i for i, (a, b) in enumerate(zip(ids, want)) if a != b), min(len(ids), len(want)))
+            stats["wrong_examples"] = stats["wrong_examples"][-4:] + [{
+                "prompt": prompt, "max_tokens": n, "stream": stream, "first_difference_at": at,
+                "got_len": len(ids), "want_len": len(want), "trace": trace}]
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
         stats["lost"] += 1
         stats["lost_examples"].append(repr(e)[:120])
@@ -145,7 +155,7 @@ async def main_async(args, url):
     stats = {"sent": 0, "completed_correct": 0, "completed_wrong": 0, "rejected_clear_error": 0, "lost": 0,
              "bad_rejected_4xx": 0, "bad_overloaded_503": 0, "bad_wrong_answer": 0, "kills": 0, "max_stream_gap_s": 0.0,
              "stream_gaps_over_2s": 0, "lost_examples": [],
-             "worst_gaps": []}
+             "worst_gaps": [], "wrong_examples": []}
     rng = random.Random(args.seed)
     mem: dict[str, list[int]] = {}
     tasks = set()
