@@ -54,18 +54,13 @@ class _Held:
 
 
 async def _wait_at_most(event: asyncio.Event, timeout_s: float) -> None:
-    """Until the event is set or `timeout_s` passed. A timer, not asyncio.wait_for: Python 3.11's
-    wait_for can swallow a cancellation that meets the event being set (the refresher would
-    outlive its router; a cancelled `begin` would go on and count its request in flight)."""
-    waiter = asyncio.get_running_loop().create_future()
-    timer = asyncio.get_running_loop().call_later(timeout_s, lambda: waiter.done() or waiter.set_result(None))
-    watch = asyncio.ensure_future(event.wait())
-    watch.add_done_callback(lambda _: waiter.done() or waiter.set_result(None))
+    """Until the event is set or `timeout_s` passed, keeping a cancellation that meets the event
+    being set (serve/aio.py: the refresher would outlive its router; a cancelled `begin` would go
+    on and count its request in flight)."""
     try:
-        await waiter
-    finally:
-        timer.cancel()
-        watch.cancel()
+        await wait_at_most(event.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        pass
 
 
 def hop_keys(num_cpu_deployments: int) -> list[str]:
