@@ -73,16 +73,21 @@ def _time_forwards(runner) -> list[float]:
     return spent
 
 
+def _decoding(engine: LLMEngine, batch: int, mode: str, max_tokens: int, rng: random.Random) -> None:
+    """`batch` new requests of 32-token prompts sampled by `mode`, every prompt prefilled."""
+    vocab = engine.runner.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=1, **MODES[mode])
+    for _ in range(batch):
+        engine.add_request(f"h{mode}{batch}-{rng.random()}", [rng.randrange(vocab) for _ in range(32)], params)
+    while engine.scheduler.num_waiting or any(s.num_cached == 0 for s in engine.seqs.values()):
+        engine.step()
+
+
 def host_ms(engine: LLMEngine, batch: int, mode: str, steps: int, rng: random.Random) -> list[float]:
     """The host ms of each of `steps` decode steps of `batch` new requests sampled by `mode`."""
-    vocab = engine.runner.vocab_size
-    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, seed=1, **MODES[mode])
-    for i in range(batch):
-        engine.add_request(f"h{mode}{batch}-{rng.random()}", [rng.randrange(vocab) for _ in range(32)], params)
     spent = _time_forwards(engine.runner)
     try:
-        while engine.scheduler.num_waiting or any(s.num_cached == 0 for s in engine.seqs.values()):
-            engine.step()  # prefill every prompt first
+        _decoding(engine, batch, mode, steps + 8, rng)
         host = []
         for _ in range(steps):
             spent[0] = 0.0
@@ -163,12 +168,7 @@ def host_pieces(model: str, batch: int, steps: int, kernels: str = "auto") -> di
     for mode in MODES:
         eng = LLMEngine(EngineConfig(model=model, dtype="float32", max_num_seqs=batch, max_model_len=256,
                                      num_kv_blocks=batch * 64 // 16, cpu_kernels=kernels))
-        rng = random.Random(0)
-        params = SamplingParams(max_tokens=3 * steps + 16, ignore_eos=True, seed=1, **MODES[mode])
-        for i in range(batch):
-            eng.add_request(f"p{i}", [rng.randrange(eng.runner.vocab_size) for _ in range(32)], params)
-        while eng.scheduler.num_waiting or any(s.num_cached == 0 for s in eng.seqs.values()):
-            eng.step()
+        _decoding(eng, batch, mode, 3 * steps + 16, random.Random(0))
         spent: dict[str, list[float]] = {}
 
         def timed(fn, key):
