@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """The engine's host work per decode step, and how many long sequences the paged KV holds.
 
-- `host_ms_b{1,64,256}_{greedy,qwen3,topp}`: per decode step, everything but the model forward
+- `host_ms_b{1,64,256}_{greedy,qwen3,topp,penalties}`: per decode step, everything but the model forward
   (scheduling, inputs, sampling, postprocessing, detokenization), at batch 1, 64 and 256 on the
   tiny model, with the engine's CPU kernels as a CPU replica runs them (`--kernels off`: plain
   torch): greedy; Qwen3's default sampling (temperature 0.6, top-k 20, top-p 0.95); top-p
-  0.95 alone. The model's own forward is timed by wrapping it (every version of the engine calls
+  0.95 alone; Qwen2.5's (temperature 0.7, top-k 20, top-p 0.8, repetition penalty 1.05) with a
+  presence penalty of 0.5 (`--modes` picks some). The model's own forward is timed by wrapping it (every version of the engine calls
   it), so the same script measures an older commit too. Median over the measured steps of three
   rounds, interleaved over the cases.
 - `paged_seqs_ratio`: max_model_len 32768 and a KV budget of 65,536 tokens; sequences of 2,000
@@ -46,6 +47,9 @@ MODES = {
     "greedy": dict(temperature=0.0),
     "qwen3": dict(temperature=0.6, top_k=20, top_p=0.95),
     "topp": dict(temperature=1.0, top_p=0.95),
+    # Qwen2.5's generation config (temperature 0.7, top-k 20, top-p 0.8, repetition penalty 1.05)
+    # and a presence penalty: the rows' logits adjusted before sampling
+    "penalties": dict(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05, presence_penalty=0.5),
 }
 
 
@@ -107,7 +111,8 @@ def _unwrap(runner) -> None:
         runner.fused_step = runner._unwrapped_fused
 
 
-def bench_host(model: str, steps: int = 20, dtype: str = "float32", kernels: str = "auto", rounds: int = 3) -> dict:
+def bench_host(model: str, steps: int = 20, dtype: str = "float32", kernels: str = "auto", rounds: int = 3,
+               modes=tuple(MODES)) -> dict:
     """`kernels`: the engine's cpu_kernels, "auto" as a CPU replica runs it (its sampling goes
     through the C++ kernel where built; the fused decode step is model time, not host time).
     Each figure is the median over `rounds` x `steps` steps, the rounds interleaved over the
@@ -118,7 +123,7 @@ def bench_host(model: str, steps: int = 20, dtype: str = "float32", kernels: str
     got: dict[str, list[float]] = {}
     for _ in range(rounds):
         for b in (1, 64, 256):
-            for mode in MODES:
+            for mode in modes:
                 got.setdefault(f"host_ms_b{b}_{mode}", []).extend(host_ms(eng, b, mode, steps, rng))
     return {k: round(statistics.median(v), 3) for k, v in got.items()}
 
@@ -160,12 +165,12 @@ def report(res: dict) -> None:
     print(json.dumps(res))
 
 
-def host_pieces(model: str, batch: int, steps: int, kernels: str = "auto") -> dict:
+def host_pieces(model: str, batch: int, steps: int, kernels: str = "auto", modes=tuple(MODES)) -> dict:
     """Median ms of each piece of a decode step at `batch` rows, per sampling mode (see --pieces)."""
     import keyacc_ray.engine.llm_engine as le
 
     out = {}
-    for mode in MODES:
+    for mode in modes:
         eng = LLMEngine(EngineConfig(model=model, dtype="float32", max_num_seqs=batch, max_model_len=256,
                                      num_kv_blocks=batch * 64 // 16, cpu_kernels=kernels))
         _decoding(eng, batch, mode, 3 * steps + 16, random.Random(0))
@@ -218,12 +223,13 @@ def main() -> None:
     ap.add_argument("--skip-paged", action="store_true")
     ap.add_argument("--kernels", default="auto", choices=["auto", "off"], help="the engine's cpu_kernels")
     ap.add_argument("--pieces", type=int, metavar="B", help="time each piece of a decode step at B rows instead")
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="the sampling modes measured")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.pieces:
-        report(host_pieces(args.model, args.pieces, args.steps, args.kernels))
+        report(host_pieces(args.model, args.pieces, args.steps, args.kernels, args.modes))
         return
-    res = bench_host(args.model, args.steps, kernels=args.kernels)
+    res = bench_host(args.model, args.steps, kernels=args.kernels, modes=args.modes)
     if not args.skip_paged:
         res.update(paged_seqs_ratio(args.model))
     report(res)

@@ -118,7 +118,7 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Penalties, a logit bias or min_tokens: the row's logits change (sampling.process_logits)."""
+        """Penalties, a logit bias or min_tokens: the row's logits change (engine/penalties.py)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias or self.min_tokens)
 

@@ -8,7 +8,7 @@ uniform draw per row inverted through the cumulative distribution of the candida
 order. Top-p keeps the likeliest tokens until their mass reaches top_p, and every token exactly as
 likely as the one that reaches it (ties kept, as top-k keeps them). One device-to-host copy of
 the sampled ids per step. Rows with penalties, a logit bias or min_tokens have their logits
-processed row by row first (opt-in features).
+adjusted first, all of them in a few flat index operations (`engine/penalties.py`).
 
 On CPU, where the C++ kernels are built, the filters and the draw run in one kernel call for the
 batch (`keyacc_ray/kernels/csrc/sampling.cpp`: a selection per row instead of torch's CPU topk and
@@ -28,6 +28,7 @@ import random
 import numpy as np
 import torch
 
+from keyacc_ray.engine import penalties
 from keyacc_ray.engine.request import SamplingParams
 from keyacc_ray.errors import InvalidRequest
 
@@ -72,17 +73,22 @@ def _draws(premixed: np.ndarray, positions: np.ndarray) -> np.ndarray:
 class _Plan:
     """What sampling needs from a batch's rows, kept while the batch is the same requests in the
     same order with the same parameters (a decode batch, step after step): per-row flags, which
-    rows process logits, which are greedy, and the sampled rows' parameters as arrays and their
-    seeds premixed for the draw. Built again whenever the batch changes (a few µs a row); kept,
+    rows process logits (of which those with penalties, a bias or min_tokens, and their
+    histories), which are greedy, and the sampled rows' parameters as arrays and their seeds
+    premixed for the draw. Built again whenever the batch changes (a few µs a row); kept,
     a step's sampling costs no Python per row but the check that it still holds."""
 
-    __slots__ = ("ids", "params", "flags", "proc", "rows", "greedy", "kernel_rows", "seeds")
+    __slots__ = ("ids", "params", "flags", "proc", "adjusted", "histories", "rows", "greedy", "kernel_rows", "seeds")
 
-    def __init__(self, request_ids: list[str], params: list[SamplingParams], info: dict, seeds: dict):
+    def __init__(self, request_ids: list[str], params: list[SamplingParams], info: dict, seeds: dict,
+                 histories: dict):
         self.ids, self.params = list(request_ids), list(params)
         self.flags = [f if (f := info.get(r)) is not None and f[0] is p else _info(p)
                       for r, p in zip(request_ids, params)]
         self.proc = [i for i, f in enumerate(self.flags) if f[2]]
+        self.adjusted = [i for i in self.proc if params[i].adjusts_logits]
+        self.histories = [histories.get(request_ids[i]) or histories.setdefault(request_ids[i], penalties.History())
+                          for i in self.adjusted]
         self.rows = [i for i, f in enumerate(self.flags) if not f[1]]
         self.greedy = [i for i, f in enumerate(self.flags) if f[1]]
         self.kernel_rows = kernel_rows([self.flags[i][3] for i in self.rows]) if self.rows else None
@@ -109,10 +115,10 @@ class Sampler:
         self._seeds: dict[str, int] = {}
         self._drawn: dict[str, int] = {}  # draws so far, for callers that give no positions
         self._info: dict[str, tuple] = {}  # request id -> (its params, greedy, processes logits)
-        # request id -> (history length covered, its distinct token ids, them as a tensor): kept up
-        # to date as the history grows, for the repetition penalty (rebuilt from the whole
-        # history every step, it cost about 0.6 ms a row at 1000 tokens)
-        self._seen: dict[str, tuple[int, set, torch.Tensor]] = {}
+        # request id -> what its penalties read of its tokens, kept up to date as they grow (rebuilt
+        # from the whole history every step, the repetition penalty cost about 0.6 ms a row at
+        # 1000 tokens)
+        self._history: dict[str, penalties.History] = {}
         self._plan: _Plan | None = None
 
     def add(self, request_id: str, params: SamplingParams, state: np.ndarray | None = None) -> None:
@@ -136,21 +142,9 @@ class Sampler:
         self._seeds.pop(request_id, None)
         self._drawn.pop(request_id, None)
         self._info.pop(request_id, None)
-        self._seen.pop(request_id, None)
+        self._history.pop(request_id, None)
         if self.grammars is not None:
             self.grammars.remove(request_id)
-
-    def _distinct(self, request_id: str, tokens: list[int], device) -> torch.Tensor:
-        """The distinct ids in `tokens` (a history that only grows), updated from the new ones."""
-        covered, ids, t = self._seen.get(request_id) or (0, set(), torch.empty(0, dtype=torch.long, device=device))
-        if covered > len(tokens):  # not this history: start again
-            covered, ids, t = 0, set(), torch.empty(0, dtype=torch.long, device=device)
-        new = sorted({x for x in tokens[covered:] if x not in ids})
-        if new:
-            ids.update(new)
-            t = torch.cat([t, torch.tensor(new, device=device)])
-        self._seen[request_id] = (len(tokens), ids, t)
-        return t
 
     def state(self, request_id: str) -> np.ndarray:
         return np.array([self._seeds[request_id]], dtype=np.uint64)
@@ -164,19 +158,24 @@ class Sampler:
         number of draws the request has made here."""
         plan = self._plan
         if plan is None or not plan.holds_for(request_ids, params):
-            plan = self._plan = _Plan(request_ids, params, self._info, self._seeds)
+            plan = self._plan = _Plan(request_ids, params, self._info, self._seeds, self._history)
         flags, proc, rows = plan.flags, plan.proc, plan.rows
         if proc:
             logits = logits.clone() if logits.dtype == torch.float32 else logits.float()
+            if plan.adjusted:  # penalties, a logit bias, min_tokens: every such row at once
+                lengths = []
+                for i, h in zip(plan.adjusted, plan.histories):
+                    tokens, num_prompt, eos_ids = history(i)
+                    h.update(tokens, num_prompt, params[i])
+                    lengths.append((len(tokens), num_prompt))
+                penalties.apply(logits, plan.adjusted, [params[i] for i in plan.adjusted], plan.histories, lengths,
+                                eos_ids)
             constrained = []  # (row, (request id, grammar, output so far)), eos ids
             for i in proc:
-                tokens, num_prompt, eos_ids = history(i)
                 p = params[i]
                 if p.grammar is not None:
+                    tokens, num_prompt, eos_ids = history(i)
                     constrained.append((i, (request_ids[i], p.grammar, tokens[num_prompt:])))
-                if p.adjusts_logits:
-                    seen = self._distinct(request_ids[i], tokens, logits.device) if p.repetition_penalty != 1.0 else None
-                    logits[i] = process_logits(logits[i].float(), tokens, num_prompt, p, eos_ids, seen)
             if constrained:
                 logits = self._mask(logits, constrained, eos_ids)
         if len(rows) < len(params):
@@ -423,30 +422,3 @@ def _candidates(x: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Te
         probs[r, :p.shape[1]] = p
         ids[r, :i.shape[1]] = i
     return probs, ids
-
-
-def process_logits(row: torch.Tensor, token_ids: list[int], num_prompt: int, p: SamplingParams,
-                   eos_ids=(), seen: torch.Tensor | None = None) -> torch.Tensor:
-    """One row of float logits with the request's processing applied (a new tensor), in vLLM's and
-    transformers' order: the logit bias, the repetition penalty over prompt and output
-    (transformers' RepetitionPenaltyLogitsProcessor), then presence and frequency penalties over
-    the output (OpenAI's formula, as vLLM applies them); before `min_tokens` outputs, the tokens
-    that would end the sequence (`eos_ids` unless ignore_eos, stop token ids) are ruled out.
-    `seen`: the distinct ids of token_ids, where the caller keeps them (else computed here)."""
-    row = row.clone()
-    if p.logit_bias:
-        ids = torch.tensor(list(p.logit_bias), device=row.device)
-        row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
-    if p.repetition_penalty != 1.0 and token_ids:
-        if seen is None:
-            seen = torch.tensor(sorted(set(token_ids)), device=row.device)
-        score = row[seen]
-        row[seen] = torch.where(score < 0, score * p.repetition_penalty, score / p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and len(token_ids) > num_prompt:
-        ids, counts = torch.tensor(token_ids[num_prompt:], device=row.device).unique(return_counts=True)
-        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
-    if len(token_ids) - num_prompt < p.min_tokens:
-        enders = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
-        if enders:
-            row[torch.tensor(sorted(enders), device=row.device)] = float("-inf")
-    return row

@@ -10,7 +10,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenalty
 from keyacc_ray.config import EngineConfig
 from keyacc_ray.engine.llm_engine import LLMEngine
 from keyacc_ray.engine.request import SamplingParams
-from keyacc_ray.engine.sampling import process_logits
+from keyacc_ray.engine.penalties import process_logits
 from keyacc_ray.errors import InvalidRequest
 from tests.engine.test_kv_handoff import drain, run_until
 from tests.helpers import PROMPTS, hf_greedy, hf_model
@@ -203,18 +203,84 @@ def test_sampled_frequencies_follow_the_distribution(kw, new_sampler):
     assert torch.allclose(counts / 4000, probs, atol=0.03), (counts / 4000, probs)
 
 
-def test_distinct_ids_follow_a_growing_history():
-    """The repetition penalty's seen-token set, kept up to date step by step, is the history's
-    set at every step (and starts again for a history that is not the one it followed)."""
-    from keyacc_ray.engine.sampling import Sampler
+def test_history_follows_a_growing_history():
+    """What the penalties read, kept up to date step by step: the distinct ids of prompt and output
+    and the output's counts equal the history's at every step (and start again for a history
+    that is not the one they followed)."""
+    from collections import Counter
 
-    s, hist = Sampler(), [5, 3, 5]
-    for t in [3, 9, 9, 1, 5, 2]:
+    from keyacc_ray.engine.penalties import History
+
+    p = SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5)
+    h, hist = History(), [5, 3, 5]
+    for t in [3, 9, 9, 1, 5, 2] + list(range(40)):  # (past the arrays' first room)
         hist.append(t)
-        assert sorted(s._distinct("r", hist, "cpu").tolist()) == sorted(set(hist))
-    assert sorted(s._distinct("r", [7, 7], "cpu").tolist()) == [7]  # shorter: another history
-    s.remove("r")
-    assert "r" not in s._seen
+        h.update(hist, 3, p)
+        assert sorted(h.seen.ids[:h.seen.n].tolist()) == sorted(set(hist))
+        assert dict(zip(h.out.ids[:h.out.n].tolist(), h.out.counts[:h.out.n].tolist())) == Counter(hist[3:])
+    h.update([7, 7], 1, p)  # shorter: another history
+    assert h.seen.ids[:h.seen.n].tolist() == [7] and h.out.counts[:h.out.n].tolist() == [1.0]
+    h2 = History()
+    h2.update([1], 0, SamplingParams(repetition_penalty=1.1))
+    assert h2.seen.n == 1 and h2.out is None  # only what the parameters use is kept
+
+
+def test_a_batch_of_adjusted_rows_equals_each_row_alone():
+    """Rows with different penalties, biases and min_tokens (and rows without any) adjusted in one
+    call come out bitwise as each row adjusted alone; rows left out are untouched."""
+    from keyacc_ray.engine.penalties import History, apply
+
+    g = torch.Generator().manual_seed(1)
+    V = 300
+    logits = torch.randn(6, V, generator=g) * 4
+    hists = [[1, 2, 3, 2, 2, 50], [7, 7, 7], [299, 0, 1, 0], [4, 5, 6, 7, 8, 9, 4], [10], [3, 3, 3, 3]]
+    nps = [2, 3, 1, 4, 1, 2]
+    params = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2),
+              SamplingParams(repetition_penalty=0.8, logit_bias={7: 5.0, 299: -3.0}),
+              SamplingParams(frequency_penalty=-0.7, min_tokens=5, stop_token_ids=[9]),
+              SamplingParams(repetition_penalty=1.3, logit_bias={4: 1.5}, presence_penalty=1.0),
+              SamplingParams(),
+              SamplingParams(repetition_penalty=1.05, min_tokens=1, ignore_eos=True)]
+    rows = [0, 1, 2, 3, 5]  # row 4 asks for nothing: not passed
+    got = logits.clone()
+    hs = []
+    for r in rows:
+        h = History()
+        h.update(hists[r], nps[r], params[r])
+        hs.append(h)
+    apply(got, rows, [params[r] for r in rows], hs, [(len(hists[r]), nps[r]) for r in rows], eos_ids={8})
+    for r in rows:
+        assert torch.equal(got[r], process_logits(logits[r], hists[r], nps[r], params[r], eos_ids={8})), r
+    assert torch.equal(got[4], logits[4])
+    assert got[2, 9] == got[2, 8] == float("-inf") and torch.isfinite(got[5]).all()  # min_tokens; ignore_eos
+    assert not torch.equal(got[0], logits[0])
+
+
+def test_sampled_rows_with_penalties_draw_in_a_batch_what_they_draw_alone(new_sampler):
+    """Through the sampler: a batch of penalized, biased and plain rows, sampled and greedy, draws
+    per row what the row draws alone, step after step as the histories grow."""
+    g = torch.Generator().manual_seed(5)
+    kws = [dict(repetition_penalty=1.4, temperature=0.9, top_k=30), dict(presence_penalty=1.5, temperature=0.0),
+           dict(temperature=0.8), dict(frequency_penalty=0.9, logit_bias={3: 4.0}, temperature=1.0, top_p=0.9),
+           dict(repetition_penalty=1.4, temperature=0.0)]
+    params = [SamplingParams(seed=i, **kw).validate() for i, kw in enumerate(kws)]
+    batch_s, alone_s = new_sampler(), new_sampler()
+    hist = [[int(x) for x in torch.randint(0, 200, (6,), generator=g)] for _ in params]
+    rids = [f"r{i}" for i in range(len(params))]
+    for r, p in zip(rids, params):
+        batch_s.add(r, p)
+        alone_s.add(r, p)
+    for _ in range(12):
+        logits = torch.randn(len(params), 200, generator=g) * 2
+        pos = [len(h) for h in hist]
+        batch = batch_s.sample(logits, rids, params, lambda i: (hist[i], 4, {0}), positions=pos)
+        alone = [alone_s.sample(logits[i:i + 1], [rids[i]], [params[i]], lambda _, i=i: (hist[i], 4, {0}),
+                                positions=[pos[i]])[0] for i in range(len(params))]
+        assert batch == alone
+        for h, t in zip(hist, batch):
+            h.append(t)
+    batch_s.remove("r0")
+    assert "r0" not in batch_s._history
 
 
 def test_a_batch_of_mixed_filters_draws_what_each_row_draws_alone(new_sampler):
