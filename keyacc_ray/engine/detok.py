@@ -200,8 +200,12 @@ class IncrementalDetokenizer:
         self.prompt_tail = len(self.ids)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        # the text not yet emitted (and the stop strings' holdback): `dropped` characters of the
+        # output's text before it were emitted and let go, so that a long output does not copy
+        # its whole text at every token
         self.text = ""
-        self.emitted = 0
+        self.dropped = 0
+        self.emitted = 0  # characters of the output's text emitted so far (what a hand-off carries)
         self.stopped = False
         self.prefix_text: tuple[int, int, str] | None = None  # (offsets, text) of the last prefix window decoded
         # where decoding is bytes: ids[read_offset:]'s bytes in `pending` (not after a prompt that
@@ -272,7 +276,12 @@ class IncrementalDetokenizer:
             self.text += self._decode(self.ids[self.prefix_offset:])[len(prefix):]
             self.read_offset = len(self.ids)
             self.pending = b""
-        end = len(self.text) if final else max(self.emitted, len(self.text) - self.holdback)
-        delta = self.text[self.emitted:end]
-        self.emitted = end
+        start = self.emitted - self.dropped
+        end = max(start, len(self.text) if final else len(self.text) - self.holdback)
+        delta = self.text[start:end]
+        self.emitted = self.dropped + end
+        cut = min(end, len(self.text))  # what is emitted is never read again (stop strings are
+        if cut:                          # looked for after it): let go
+            self.text = self.text[cut:]
+            self.dropped += cut
         return delta

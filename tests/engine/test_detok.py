@@ -83,3 +83,37 @@ def test_a_sentencepiece_tokenizer_decodes_windows(tmp_path):
         step_all([d], [i])
         pieces.append(d.take(final=False))
     assert "".join(pieces) + d.take(final=True) == sp.decode(ids)
+
+
+@pytest.mark.parametrize("by_bytes", [True, False])
+def test_a_long_output_keeps_only_the_text_not_yet_emitted(tok, by_bytes):
+    """Thousands of tokens taken step by step: the pieces add up to the whole decode, a stop string
+    met late is found even across the text already let go, and the detokenizer holds only the
+    stop strings' holdback of text however long the output grows (a whole text copied at every
+    token costs O(length) a token)."""
+    words = tok(" the quick brown fox jumps over the lazy dog, жЖ€𝄞", add_special_tokens=False)["input_ids"]
+    ids = words * 300
+    stop = ["lazy dog, STOP"]
+    d = IncrementalDetokenizer(tok, [1, 2], stop)
+    if not by_bytes:
+        d.bytes = None
+    pieces, most = [], 0
+    for t in ids:
+        assert not step_all([d], [t])[0]
+        pieces.append(d.take(final=False))
+        most = max(most, len(d.text))
+    pieces.append(d.take(final=True))
+    assert "".join(pieces) == tok.decode(ids) and d.emitted == len(tok.decode(ids))
+    assert most <= len(stop[0]) + 8
+    # a stop string whose first characters are held back while the text before them goes out
+    d = IncrementalDetokenizer(tok, [1, 2], stop)
+    if not by_bytes:
+        d.bytes = None
+    stream = ids + tok(" lazy dog, STOP and more", add_special_tokens=False)["input_ids"]
+    full, got = tok.decode(stream), []
+    for t in stream:
+        hit = step_all([d], [t])[0]
+        got.append(d.take(final=hit))
+        if hit:
+            break
+    assert hit and "".join(got) == full[:full.index(stop[0])]
