@@ -6,6 +6,7 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass
+from itertools import repeat
 
 import torch
 
@@ -247,7 +248,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         nd = len(sched.decode)
         if self.config.batched_prefill:
-            logits = self.runner.forward(items)
+            logits = self.runner.forward(items, decode=not sched.prefill)
         else:  # decode rows together, each prompt chunk in a forward of its own
             parts = ([self.runner.forward(items[:nd])] if nd else []) + [self.runner.forward([it])
                                                                         for it in items[nd:]]
@@ -334,7 +335,8 @@ class LLMEngine:
         """Every row's new token: end of sequence or a stop token id, then the text (detokenized
         for the whole batch in a few calls) and its stop strings, then the length limit."""
         tokens, lps = sampled
-        eos, detok, limit = self.eos_ids, self.detok, self.max_model_len
+        eos, limit = self.eos_ids, self.max_model_len
+        ds = [self.detok[s.request_id] for s in seqs]
         stopped: dict[int, SeqStatus] = {}
         det_d, det_t, det_i = [], [], []  # rows whose token's text is wanted
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
@@ -345,7 +347,7 @@ class LLMEngine:
                 stopped[i] = SeqStatus.FINISHED_STOPPED
                 if not p.include_stop_str_in_output:  # else the stop token's own text, as vLLM
                     continue
-            det_d.append(detok[seq.request_id])
+            det_d.append(ds[i])
             det_t.append(token)
             det_i.append(i)
         self.tokens_generated += len(seqs)
@@ -356,24 +358,27 @@ class LLMEngine:
         outs = []
         scores = self._prompt_scores
         now = time.monotonic()
-        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+        for i, (seq, token, d, lp) in enumerate(zip(seqs, tokens, ds, lps if lps is not None else repeat(None))):
             if seq.first_token_at is None:  # its first token here: a prompt's ends its prefill
                 seq.first_token_at = now
                 if seq.num_output_tokens == 1 and seq.scheduled_at is not None:
                     self.histograms["vllm:request_prefill_time_seconds"].observe(now - seq.scheduled_at)
-            rid = seq.request_id
             n = len(seq.token_ids)
             n_out = n - seq.num_prompt_tokens
             st = stopped.get(i) if stopped else None
             if st is None and (n_out >= seq.params.max_tokens or n >= limit):
                 st = SeqStatus.FINISHED_LENGTH
-            lp = lps[i] if lps is not None else None
-            outs.append(RequestOutput(rid, [token], detok[rid].take(st is not None), st is not None,
-                                      st.finish_reason if st else None, seq.num_prompt_tokens, n_out,
-                                      None if lp is None else [lp], scores.pop(rid, None) if scores else None,
+            if st is None:
+                outs.append(RequestOutput(seq.request_id, [token], d.take(False), False, None, seq.num_prompt_tokens,
+                                          n_out, None if lp is None else [lp],
+                                          scores.pop(seq.request_id, None) if scores else None,
+                                          seq.num_cached_prompt_tokens))
+                continue
+            outs.append(RequestOutput(seq.request_id, [token], d.take(True), True, st.finish_reason,
+                                      seq.num_prompt_tokens, n_out, None if lp is None else [lp],
+                                      scores.pop(seq.request_id, None) if scores else None,
                                       seq.num_cached_prompt_tokens))
-            if st is not None:
-                self._finish(seq, st)
+            self._finish(seq, st)
         return outs
 
     def _finish(self, seq: Sequence, status: SeqStatus) -> None:

@@ -496,9 +496,10 @@ class ModelRunner:
         return t[0], pos, t[2], pos % bs, torch.from_numpy(tables).to(self.device, torch.int32), pos + 1
 
     @torch.inference_mode()
-    def forward(self, items: list[StepItem]) -> torch.Tensor:
-        """One step's sequences; the logits each item asked for, in item order [rows, vocab]."""
-        if self.fused_step is not None and all(it.is_decode for it in items):
+    def forward(self, items: list[StepItem], decode: bool = False) -> torch.Tensor:
+        """One step's sequences; the logits each item asked for, in item order [rows, vocab].
+        `decode`: the caller knows every item is a decode row (not looked at again)."""
+        if self.fused_step is not None and (decode or all(it.is_decode for it in items)):
             return self.fused_step(*self._decode_rows(items), self.cache.k, self.cache.v, self.windows)
         if self.paged:
             return self._forward_packed(items)

@@ -16,7 +16,7 @@ def _run(path: str, prompts: list[list[int]], n: int, **cfg):
     eng = LLMEngine(EngineConfig(model=path, **cfg))
     calls = []
     real = eng.runner.forward
-    eng.runner.forward = lambda items: calls.append([(len(i.tokens), i.start) for i in items]) or real(items)
+    eng.runner.forward = lambda items, **k: calls.append([(len(i.tokens), i.start) for i in items]) or real(items, **k)
     outs = eng.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     return eng, outs, calls
 

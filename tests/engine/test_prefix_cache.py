@@ -142,7 +142,7 @@ def _engine(path, **cfg):
     eng = LLMEngine(EngineConfig(model=path, **cfg))
     eng.calls = []
     real = eng.runner.forward
-    eng.runner.forward = lambda items: eng.calls.append([(len(i.tokens), i.start) for i in items]) or real(items)
+    eng.runner.forward = lambda items, **k: eng.calls.append([(len(i.tokens), i.start) for i in items]) or real(items, **k)
     return eng
 
 
