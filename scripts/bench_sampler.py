@@ -29,6 +29,8 @@ CASES = {
     "top_p 0.95, T 0.7": dict(temperature=0.7, top_p=0.95),
     "min_p 0.05": dict(temperature=1.0, min_p=0.05),
     "greedy + repetition_penalty 1.05": dict(temperature=0.0, repetition_penalty=1.05),
+    "Qwen2.5's (T 0.7, top_k 20, top_p 0.8, repetition 1.05) + presence 0.5":
+        dict(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05, presence_penalty=0.5),
 }
 
 
