@@ -368,17 +368,13 @@ class LLMEngine:
             st = stopped.get(i) if stopped else None
             if st is None and (n_out >= seq.params.max_tokens or n >= limit):
                 st = SeqStatus.FINISHED_LENGTH
-            if st is None:
-                outs.append(RequestOutput(seq.request_id, [token], d.take(False), False, None, seq.num_prompt_tokens,
-                                          n_out, None if lp is None else [lp],
-                                          scores.pop(seq.request_id, None) if scores else None,
-                                          seq.num_cached_prompt_tokens))
-                continue
-            outs.append(RequestOutput(seq.request_id, [token], d.take(True), True, st.finish_reason,
+            final = st is not None
+            outs.append(RequestOutput(seq.request_id, [token], d.take(final), final, st.finish_reason if final else None,
                                       seq.num_prompt_tokens, n_out, None if lp is None else [lp],
                                       scores.pop(seq.request_id, None) if scores else None,
                                       seq.num_cached_prompt_tokens))
-            self._finish(seq, st)
+            if final:
+                self._finish(seq, st)
         return outs
 
     def _finish(self, seq: Sequence, status: SeqStatus) -> None:

@@ -148,6 +148,7 @@ class RequestDriver:
         finish_reason = None
         while t.error is None and t.hop is not None:
             started = time.monotonic()
+            had = len(generated)  # tokens the client had when this hop began
             next_handoff = None
             outcome, err_name = "done", ""
             stream = hop = None
@@ -222,6 +223,8 @@ class RequestDriver:
                     outcome = "stalled"
                     log.warning("hop %s of %s not taken within %.1f s after %d tokens", t.hop, req.request_id,
                                 HOP_START_BOUND_S, len(generated))
+                    if segment_started:  # (it had: the cancellation crossed its acceptance)
+                        trace.segments[-1]["stalled"] = True
                 elif outcome == "failed":
                     log.warning("hop %s of %s failed (%s: %s) after %d tokens", t.hop, req.request_id, err_name,
                                 str(e)[:200], len(generated))
@@ -244,9 +247,12 @@ class RequestDriver:
                 if decided is not None:  # the router already chose (and counted) the next hop
                     t = decided
                     continue
-            elif outcome == "failed":
+            elif outcome == "failed" or len(generated) > had:
                 # Go on elsewhere from what the client already has: prompt + tokens so far, no
                 # KV (prefilled again there); greedy output stays exact. Nothing yet: start over.
+                # (Also a hop that streamed and then ended with no hand-off of its own, such as
+                # one cancelled as stalled just as its replica took it: the hand-off that began it
+                # is behind the client now.)
                 handoff = (Handoff(req.request_id, None, [], list(req.prompt_token_ids) + generated,
                                    len(req.prompt_token_ids), req.params, None, emitted_chars)
                            if generated else None)

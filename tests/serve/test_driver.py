@@ -132,6 +132,9 @@ class FakePool:
         self.movable: list[bool] = []  # what each call was told
         self.start_delay = 0.0  # the next call waits this long before the pool takes it (Serve's queue; once)
         self.receive_delay = 0.0  # ... after taking it, before it says where it runs (the KV import; once)
+        # the next call streams this many tokens before its HopAccepted reaches the driver, which
+        # comes after a pause (tokens on the multiplexed stream overtaking the call's own; once)
+        self.accept_late: int | None = None
         self.streams: list[FakeStream] = []
         self.generate = self
 
@@ -160,7 +163,9 @@ class FakePool:
         if self.start_delay:
             delay, self.start_delay = self.start_delay, 0.0
             await asyncio.sleep(delay)
-        yield [HopAccepted()]
+        late, self.accept_late = self.accept_late, None
+        if late is None:
+            yield [HopAccepted()]
         if self.receive_delay:
             delay, self.receive_delay = self.receive_delay, 0.0
             await asyncio.sleep(delay)
@@ -177,6 +182,9 @@ class FakePool:
             tok = 100 + done
             done += 1
             here += 1
+            if late is not None and here == late + 1:
+                await asyncio.sleep(0.5)
+                yield [HopAccepted()]
             last = done == max_tokens
             yield [TokenChunk([tok], f"<{tok}>", "length" if last else None, len(PROMPT), done)]
             if not last and export_after is not None and here >= export_after:
@@ -970,6 +978,25 @@ def test_a_stalled_decode_start_moves_once_and_a_pinned_one_waits_where_it_was_p
         assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == [("gpu", 1), ("gpu", 9)]
         assert router._counters["moves_total|from=cpu,to=gpu,reason=stalled"] == 1
     assert router._counters.get("recoveries_total|hop=cpu_decode", 0) == 0  # not a failure
+    assert settled(router)
+
+
+def test_a_hop_cancelled_as_stalled_after_it_streamed_goes_on_from_what_the_client_has(monkeypatch):
+    """The stall bound fires while the hop's replica has in fact taken it and streamed tokens (its
+    acceptance overtaken by them, or a cancellation that lands late): the next hop must go on
+    from every token the client has, not from the hand-off that began this hop (the soak's
+    completion of 80 tokens for max_tokens 62, the last hop's 18 streamed twice)."""
+    from keyacc_ray.serve import driver as driver_mod
+
+    monkeypatch.setattr(driver_mod, "HOP_START_BOUND_S", 0.05)
+    driver, router, pools = make("stage_offload", {"decode_period_tokens": 100})
+    router.policy.after_prefill = lambda req, load: "cpu"
+    cpu = pools["cpu_decode/0"]
+    cpu.accept_late = 3
+    tokens, errors, trace = asyncio.run(asyncio.wait_for(collect(driver, request(10)), 4))
+    assert not errors and tokens == [100 + i for i in range(10)]
+    assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == [("gpu", 1), ("cpu", 3), ("gpu", 6)]
+    assert pools["gpu_decode"].calls[-1][0] == len(PROMPT) + 4  # prompt + the 4 tokens the client had
     assert settled(router)
 
 
