@@ -173,11 +173,13 @@ class RequestDriver:
                     waiting["timer"] = asyncio.get_running_loop().call_later(HOP_START_BOUND_S, _stalled, stream,
                                                                              waiting)
                 async for items in (stream if hop is None else hop.attach(stream)):
+                    if waiting["timer"] is not None:  # anything from the hop (its HopAccepted, or its
+                        waiting["timer"].cancel()     # tokens when they overtake that): it took it
+                        waiting["timer"] = None
                     out = []
                     for it in items:
                         if isinstance(it, HopAccepted):
-                            if waiting["timer"] is not None:
-                                waiting["timer"].cancel()
+                            pass
                         elif isinstance(it, TicketUpdate):
                             if it.ticket.hop == t.hop:  # the next period, where it is
                                 t = it.ticket
