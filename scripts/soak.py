@@ -57,8 +57,8 @@ async def good(client, rng, ref, stats, stream: bool, tiers: bool = False):
     n = rng.randint(8, 64)
     body = {"model": "tiny-qwen3", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True, "stream": stream}
+    t0, ids = time.monotonic(), []
     try:
-        ids = []
         if stream:
             async with client.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
@@ -102,8 +102,10 @@ async def good(client, rng, ref, stats, stream: bool, tiers: bool = False):
                 "prompt": prompt, "max_tokens": n, "stream": stream, "first_difference_at": at,
                 "got_len": len(ids), "want_len": len(want), "trace": trace}]
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+        # (what the client had: a stream cut or stalled after some tokens, or a request never answered)
         stats["lost"] += 1
-        stats["lost_examples"].append(repr(e)[:120])
+        stats["lost_examples"].append({"error": repr(e)[:80], "stream": stream, "tokens": len(ids), "max_tokens": n,
+                                       "after_s": round(time.monotonic() - t0, 1)})
 
 
 def record_reject(stats, status, content):

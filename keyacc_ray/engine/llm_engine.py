@@ -369,9 +369,9 @@ class LLMEngine:
             if st is None and (n_out >= seq.params.max_tokens or n >= limit):
                 st = SeqStatus.FINISHED_LENGTH
             final = st is not None
-            outs.append(RequestOutput(seq.request_id, [token], d.take(final), final, st.finish_reason if final else None,
-                                      seq.num_prompt_tokens, n_out, None if lp is None else [lp],
-                                      scores.pop(seq.request_id, None) if scores else None,
+            outs.append(RequestOutput(seq.request_id, [token], d.take(final), final,
+                                      st.finish_reason if final else None, seq.num_prompt_tokens, n_out,
+                                      None if lp is None else [lp], scores.pop(seq.request_id, None) if scores else None,
                                       seq.num_cached_prompt_tokens))
             if final:
                 self._finish(seq, st)
