@@ -3,7 +3,10 @@
 and bad requests, random replica kills. Prints requests sent, completed with correct tokens,
 rejected with a clear error, and lost (must be 0), plus memory per Ray process over the run.
 A completion whose tokens differ from transformers' generate() (`completed_wrong`, must be 0) is
-kept in `wrong_examples` (its prompt, where the tokens part, and the request's path).
+kept in `wrong_examples` (its prompt, where the tokens part, and the request's path); one that
+parts from it only at a float32 near-tie (the server's token within 8 ulps of generate()'s top
+logit there, and generate()'s own continuation after it) counts as `completed_near_tie`, kept in
+`near_tie_examples` with the logit gap.
 With --tiers: prompts share a few long heads (prefix caching), the emulated GPU pool's block
 pool holds a fraction of them, host and disk KV tiers under every pool; it also reports the
 longest gap inside a stream and, once idle, any replica whose KV blocks are not all free again.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import sys
 import time
@@ -47,7 +51,8 @@ def ray_processes_rss() -> dict[str, int]:
 
 
 # --tiers: a few long heads (system prompts) that most prompts begin with
-HEADS = [" ".join(random.Random(i).choice(WORDS) for _ in range(120)) for i in range(6)]
+# (one generator per head: a generator made again for every word gave heads of one word repeated)
+HEADS = [" ".join(r.choice(WORDS) for _ in range(120)) for r in (random.Random(i) for i in range(6))]
 
 
 async def good(client, rng, ref, stats, stream: bool, tiers: bool = False):
@@ -95,12 +100,20 @@ async def good(client, rng, ref, stats, stream: bool, tiers: bool = False):
             ids = body["choices"][0]["token_ids"]
             trace = body.get("keyacc")
         want = ref(prompt, n)
-        stats["completed_correct" if ids == want else "completed_wrong"] += 1
-        if ids != want:  # kept for a look: where the tokens part from generate()'s, and the request's path
-            at = next((i for i, (a, b) in enumerate(zip(ids, want)) if a != b), min(len(ids), len(want)))
-            stats["wrong_examples"] = stats["wrong_examples"][-4:] + [{
-                "prompt": prompt, "max_tokens": n, "stream": stream, "first_difference_at": at,
-                "got_len": len(ids), "want_len": len(want), "trace": trace}]
+        if ids == want:
+            stats["completed_correct"] += 1
+            return
+        # kept for a look: where the tokens part from generate()'s, and the request's path
+        at = next((i for i, (a, b) in enumerate(zip(ids, want)) if a != b), min(len(ids), len(want)))
+        example = {"prompt": prompt, "max_tokens": n, "stream": stream, "first_difference_at": at,
+                   "got_len": len(ids), "want_tokens": len(want), "trace": trace}
+        gap = ref.tie_gap(prompt, want, at, ids) if len(ids) == len(want) and at < len(ids) else None
+        if gap is not None:  # float32's near-tie: another summation order may pick either token
+            stats["completed_near_tie"] += 1
+            stats["near_tie_examples"] = stats["near_tie_examples"][-2:] + [{**example, "logit_gap": gap}]
+        else:
+            stats["completed_wrong"] += 1
+            stats["wrong_examples"] = stats["wrong_examples"][-4:] + [example]
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
         # (what the client had: a stream cut or stalled after some tokens, or a request never answered)
         stats["lost"] += 1
@@ -141,11 +154,34 @@ async def main_async(args, url):
     _, tok = hf_model(path)
     cache = {}
 
-    def ref(prompt, n):
+    def ref(prompt, n, ids=None, n_ids=0):
+        """generate()'s greedy tokens for a prompt (or, with `ids`, for those token ids)."""
+        if ids is not None:
+            return hf_greedy(path, ids, n_ids) if n_ids > 0 else []
         key = (prompt, n)
         if key not in cache:
             cache[key] = hf_greedy(path, tok(prompt)["input_ids"], n)
         return cache[key]
+
+    def tie_gap(prompt, want, at, got, ulps=8):
+        """Where the tokens part: generate()'s top logit less that of the token the server chose,
+        if that is within `ulps` of float32's spacing at the top logit (a near-tie, where any other
+        order of summation may pick either); else None (wrong)."""
+        import torch
+
+        model, _ = hf_model(path)
+        with torch.inference_mode():
+            logits = model(torch.tensor([tok(prompt)["input_ids"] + want[:at]])).logits[0, -1].float()
+        got_token = got[at]
+        top = float(logits.max())
+        gap = top - float(logits[got_token])
+        if not 0 <= gap <= ulps * 2.0 ** (math.frexp(abs(top))[1] - 24):  # (float32's spacing there)
+            return None
+        # and from the token it chose, the rest is generate()'s own continuation
+        return round(gap, 9) if got[at + 1:] == ref(None, None, tok(prompt)["input_ids"] + got[:at + 1],
+                                                       len(want) - at - 1) else None
+
+    ref.tie_gap = tie_gap
 
     # capacity on prompts as long as the soak's (with --tiers: a head of ~200 tokens, random here:
     # no cache hits, so the figure errs low)
@@ -154,7 +190,8 @@ async def main_async(args, url):
     capacity = sum(r.ok for r in res) / wall
     rate = 2 * capacity
     print(f"measured capacity {capacity:.1f} req/s; soaking at {rate:.1f} req/s for {args.minutes} min", flush=True)
-    stats = {"sent": 0, "completed_correct": 0, "completed_wrong": 0, "rejected_clear_error": 0, "lost": 0,
+    stats = {"sent": 0, "completed_correct": 0, "completed_near_tie": 0, "near_tie_examples": [],
+             "completed_wrong": 0, "rejected_clear_error": 0, "lost": 0,
              "bad_rejected_4xx": 0, "bad_overloaded_503": 0, "bad_wrong_answer": 0, "kills": 0, "max_stream_gap_s": 0.0,
              "stream_gaps_over_2s": 0, "lost_examples": [],
              "worst_gaps": [], "wrong_examples": []}
