@@ -73,16 +73,16 @@ class History:
 
 
 def apply(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], histories: list[History],
-          lengths: list[tuple[int, int]], eos_ids) -> None:
+          eos_ids) -> None:
     """Adjust float32 `logits` [B, V] in place: for each k, row rows[k] by params[k], whose
-    history histories[k] is up to date and whose (tokens so far, prompt tokens) are lengths[k].
+    history histories[k] is up to date (`History.update` with its tokens so far).
     Per row only views are gathered; the indices and values are made for all rows at once."""
     V, dev = logits.shape[1], logits.device
     flat = logits.view(-1)
     bias, ends = ([], [], []), ([], [])  # (rows, ids per row[, values per row])
     rep: dict[float, tuple[list, list]] = {}
     pen = ([], [], [], [], [])  # rows, ids, counts, frequency, presence
-    for r, p, h, (n, num_prompt) in zip(rows, params, histories, lengths):
+    for r, p, h in zip(rows, params, histories):
         if p.logit_bias:
             lb = p.logit_bias
             bias[0].append(r)
@@ -100,7 +100,7 @@ def apply(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], h
             pen[2].append(d.counts[:d.n])
             pen[3].append(p.frequency_penalty)
             pen[4].append(p.presence_penalty)
-        if n - num_prompt < p.min_tokens:
+        if h.covered - h.num_prompt < p.min_tokens:
             enders = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
             if enders:
                 ends[0].append(r)
@@ -137,5 +137,5 @@ def process_logits(row: torch.Tensor, token_ids: list[int], num_prompt: int, p: 
     x = row.float().clone()[None]
     h = History()
     h.update(token_ids, num_prompt, p)
-    apply(x, [0], [p], [h], [(len(token_ids), num_prompt)], eos_ids)
+    apply(x, [0], [p], [h], eos_ids)
     return x[0]

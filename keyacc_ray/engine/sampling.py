@@ -163,13 +163,10 @@ class Sampler:
         if proc:
             logits = logits.clone() if logits.dtype == torch.float32 else logits.float()
             if plan.adjusted:  # penalties, a logit bias, min_tokens: every such row at once
-                lengths = []
                 for i, h in zip(plan.adjusted, plan.histories):
                     tokens, num_prompt, eos_ids = history(i)
                     h.update(tokens, num_prompt, params[i])
-                    lengths.append((len(tokens), num_prompt))
-                penalties.apply(logits, plan.adjusted, [params[i] for i in plan.adjusted], plan.histories, lengths,
-                                eos_ids)
+                penalties.apply(logits, plan.adjusted, [params[i] for i in plan.adjusted], plan.histories, eos_ids)
             constrained = []  # (row, (request id, grammar, output so far)), eos ids
             for i in proc:
                 p = params[i]

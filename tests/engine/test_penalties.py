@@ -248,7 +248,7 @@ def test_a_batch_of_adjusted_rows_equals_each_row_alone():
         h = History()
         h.update(hists[r], nps[r], params[r])
         hs.append(h)
-    apply(got, rows, [params[r] for r in rows], hs, [(len(hists[r]), nps[r]) for r in rows], eos_ids={8})
+    apply(got, rows, [params[r] for r in rows], hs, eos_ids={8})
     for r in rows:
         assert torch.equal(got[r], process_logits(logits[r], hists[r], nps[r], params[r], eos_ids={8})), r
     assert torch.equal(got[4], logits[4])
