@@ -277,13 +277,6 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.ids)
             self.pending = b""
         start = self.emitted - self.dropped
-        if not start and not self.holdback:  # (the usual stream: every character it holds goes out)
-            delta = self.text
-            if delta:
-                self.text = ""
-                self.emitted += len(delta)
-                self.dropped = self.emitted
-            return delta
         end = max(start, len(self.text) if final else len(self.text) - self.holdback)
         delta = self.text[start:end]
         self.emitted = self.dropped + end
