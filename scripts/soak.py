@@ -154,10 +154,7 @@ async def main_async(args, url):
     _, tok = hf_model(path)
     cache = {}
 
-    def ref(prompt, n, ids=None, n_ids=0):
-        """generate()'s greedy tokens for a prompt (or, with `ids`, for those token ids)."""
-        if ids is not None:
-            return hf_greedy(path, ids, n_ids) if n_ids > 0 else []
+    def ref(prompt, n):
         key = (prompt, n)
         if key not in cache:
             cache[key] = hf_greedy(path, tok(prompt)["input_ids"], n)
@@ -170,16 +167,17 @@ async def main_async(args, url):
         import torch
 
         model, _ = hf_model(path)
+        ids = tok(prompt)["input_ids"]
         with torch.inference_mode():
-            logits = model(torch.tensor([tok(prompt)["input_ids"] + want[:at]])).logits[0, -1].float()
+            logits = model(torch.tensor([ids + want[:at]])).logits[0, -1].float()
         got_token = got[at]
         top = float(logits.max())
         gap = top - float(logits[got_token])
         if not 0 <= gap <= ulps * 2.0 ** (math.frexp(abs(top))[1] - 24):  # (float32's spacing there)
             return None
         # and from the token it chose, the rest is generate()'s own continuation
-        return round(gap, 9) if got[at + 1:] == ref(None, None, tok(prompt)["input_ids"] + got[:at + 1],
-                                                       len(want) - at - 1) else None
+        rest = len(want) - at - 1
+        return round(gap, 9) if got[at + 1:] == (hf_greedy(path, ids + got[:at + 1], rest) if rest else []) else None
 
     ref.tie_gap = tie_gap
 
