@@ -83,56 +83,124 @@ SCLONES void max_into(float* acc, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] = acc[i] >= y[i] ? acc[i] : y[i];
 }
 
-// The k-th largest of x (1 <= k <= n): the largest value with at least k values >= it. The maxima
-// of G interleaved groups (one vectorised pass) bound it from below when there are enough groups
-// (the k largest maxima are k distinct values); only the values at least that bound (a few
-// dozen on a sampling row) go to a selection.
-float kth_largest(const float* x, int64_t n, int64_t k, std::vector<float>& gm, std::vector<float>& few) {
-  constexpr int64_t G = 8;
-  const int64_t ng = n / G;
-  float floor = -std::numeric_limits<float>::infinity();
-  if (ng >= 2 * k) {
-    gm.assign(x, x + ng);
-    for (int64_t g = 1; g < G; ++g) max_into(gm.data(), x + g * ng, ng);
-    std::nth_element(gm.begin(), gm.begin() + (k - 1), gm.end(), std::greater<float>());
-    floor = gm[k - 1];
+// The values of x at least t and their indices, in index order, into vals / idx (room for n):
+// 16 values tested at a time in vector registers, only the blocks with one kept walked.
+SCLONES int64_t gather_ge(const float* x, int64_t n, float t, float* vals, int64_t* idx) {
+  int64_t m = 0, i = 0;
+  for (; i + 16 <= n; i += 16) {
+    int hit = 0;
+#pragma omp simd reduction(| : hit)
+    for (int j = 0; j < 16; ++j) hit |= x[i + j] >= t;
+    if (hit) {
+      for (int64_t j = i; j < i + 16; ++j) {  // branch-free (NaN never kept)
+        vals[m] = x[j];
+        idx[m] = j;
+        m += x[j] >= t;
+      }
+    }
   }
-  few.resize(n);
-  int64_t m = 0;
-  for (int64_t i = 0; i < n; ++i) {  // branch-free compaction (NaN never kept)
-    few[m] = x[i];
-    m += x[i] >= floor;
+  for (; i < n; ++i) {
+    vals[m] = x[i];
+    idx[m] = i;
+    m += x[i] >= t;
   }
-  if (m < k) return -std::numeric_limits<float>::infinity();  // NaNs
-  std::nth_element(few.begin(), few.begin() + (k - 1), few.begin() + m, std::greater<float>());
-  return few[k - 1];
+  return m;
 }
 
-// The probability of the token at which the descending cumulative mass of p (all >= 0) first
-// reaches `need`: the largest value with a mass of at least `need` at or above it (the tokens as
-// likely as it are all kept); 0 when the whole mass falls short of it (rounding): every token
-// kept. Only values >= at_least are looked at (the caller knows the answer is not below it).
-float top_p_threshold(const float* p, int64_t n, double need, float at_least, std::vector<float>& few) {
-  const float lo = std::max(at_least, std::numeric_limits<float>::min());
-  few.resize(n);
-  float pmin = std::numeric_limits<float>::infinity(), pmax = 0.0f;
-  int64_t m = 0;
-  for (int64_t i = 0; i < n; ++i) {  // branch-free compaction
-    const float v = p[i];
-    few[m] = v;
-    m += v >= lo;
-    pmax = std::max(pmax, v);
+struct RowScratch {
+  std::vector<float> few, cand, gm;
+  std::vector<int64_t> idx;
+  std::vector<int32_t> count;
+  std::vector<double> mass;
+};
+
+// Of v[0..m) (no NaN), how many values exceed each one, into c (room for m): counted branch-free,
+// m passes of vector comparisons, which on the few dozen values a sampling row leaves costs less
+// than a selection's mispredicted branches.
+SCLONES void count_greater(const float* v, int64_t m, int32_t* c) {
+  for (int64_t i = 0; i < m; ++i) c[i] = 0;
+  for (int64_t j = 0; j < m; ++j) {
+    const float y = v[j];
+#pragma omp simd
+    for (int64_t i = 0; i < m; ++i) c[i] += static_cast<int32_t>(y > v[i]);
   }
-  few.resize(m);
-  for (int64_t i = 0; i < m; ++i) pmin = std::min(pmin, few[i]);
-  if (m <= 64) {  // a few candidates (top-k, or a peaked row): sorted outright
-    std::sort(few.begin(), few.end(), std::greater<float>());
-    double acc = 0.0;
-    for (const float v : few) {
-      acc += v;
-      if (acc >= need) return v;
+}
+
+// Of p[0..m) (all >= 0), the mass of the values at least each one (double), into at (room for m):
+// each row of the sum in the same order, m vectorised passes.
+SCLONES void mass_at_least_each(const float* p, int64_t m, double* at) {
+  for (int64_t i = 0; i < m; ++i) at[i] = 0.0;
+  for (int64_t j = 0; j < m; ++j) {
+    const float y = p[j];
+#pragma omp simd
+    for (int64_t i = 0; i < m; ++i) at[i] += static_cast<double>(kept(y, p[i]));
+  }
+}
+
+constexpr int64_t FEW = 128;  // sets up to this size are ranked by counting, larger ones selected
+
+// The k-th largest of v[0..m) (1 <= k <= m, no NaN).
+float kth_of(const float* v, int64_t m, int64_t k, RowScratch& rs) {
+  if (m <= FEW) {
+    rs.count.resize(m);
+    count_greater(v, m, rs.count.data());
+    float kth = std::numeric_limits<float>::infinity();  // the least of those fewer than k exceed
+    for (int64_t i = 0; i < m; ++i) kth = rs.count[i] < k ? std::min(kth, v[i]) : kth;
+    return kth;
+  }
+  rs.few.assign(v, v + m);
+  std::nth_element(rs.few.begin(), rs.few.begin() + (k - 1), rs.few.end(), std::greater<float>());
+  return rs.few[k - 1];
+}
+
+// The tokens of x (n values) at least its k-th largest (1 <= k <= n; ties kept; NaN never), with
+// their indices, gathered in index order into rs.cand / rs.idx; returns how many. A lower bound
+// first: the element-wise maxima of the contiguous runs of w values (w >= 2k; one vectorised pass
+// over x) hold k distinct values of x, so their k-th largest is at most x's; on a sampling row
+// only about k tokens are at least that bound, and only those are gathered and ranked.
+int64_t top_k_of(const float* x, int64_t n, int64_t k, RowScratch& rs) {
+  const int64_t w = std::max<int64_t>(2 * k, 64);
+  float floor = -std::numeric_limits<float>::infinity();
+  if (n >= 2 * w) {
+    rs.gm.assign(x, x + w);
+    for (int64_t g = 1; g < n / w; ++g) max_into(rs.gm.data(), x + g * w, w);
+    int64_t c = 0;  // (a NaN maximum left out)
+    for (int64_t i = 0; i < w; ++i) {
+      rs.gm[c] = rs.gm[i];
+      c += rs.gm[i] == rs.gm[i];
     }
-    return 0.0f;
+    if (c >= k) floor = kth_of(rs.gm.data(), c, k, rs);
+  }
+  rs.cand.resize(n);
+  rs.idx.resize(n);
+  const int64_t m = gather_ge(x, n, floor, rs.cand.data(), rs.idx.data());
+  if (m < k) return gather_ge(x, n, -std::numeric_limits<float>::infinity(), rs.cand.data(), rs.idx.data());  // NaNs: every other token
+  const float kth = kth_of(rs.cand.data(), m, k, rs);
+  int64_t c = 0;
+  for (int64_t i = 0; i < m; ++i) {  // those at least the k-th, still in index order
+    rs.cand[c] = rs.cand[i];
+    rs.idx[c] = rs.idx[i];
+    c += rs.cand[i] >= kth;
+  }
+  return c;
+}
+
+// The probability at which the descending cumulative mass of p[0..m) (all > 0) first reaches
+// `need`: the largest value with a mass of at least `need` at or above it (the tokens as likely as
+// it are all kept); 0 when the whole mass falls short of it (rounding): every token kept.
+float top_p_threshold(const float* p, int64_t m, double need, std::vector<float>& few, std::vector<double>& mass) {
+  if (m <= FEW) {  // a few candidates (top-k, or a peaked row): each one's mass at or above it
+    mass.resize(m);
+    mass_at_least_each(p, m, mass.data());
+    float best = 0.0f;
+    for (int64_t i = 0; i < m; ++i) best = mass[i] >= need ? std::max(best, p[i]) : best;
+    return best;
+  }
+  few.assign(p, p + m);
+  float pmin = std::numeric_limits<float>::infinity(), pmax = 0.0f;
+  for (int64_t i = 0; i < m; ++i) {
+    pmin = std::min(pmin, few[i]);
+    pmax = std::max(pmax, few[i]);
   }
   if (static_cast<double>(mass_ge(few.data(), m, pmin)) < need) return 0.0f;
   return float_of(bisect(key_of(pmin), key_of(pmax),
@@ -172,52 +240,47 @@ int64_t draw(const float* p, const int64_t* ids, int64_t n, float tau, double u)
   return ids ? ids[i] : i;
 }
 
-struct RowScratch {
-  std::vector<float> few, cand;
-  std::vector<int64_t> idx;
-};
-
 int64_t sample_row(const float* x, const float* e, int64_t V, float T, int64_t k, float top_p, float min_p,
                    double u, RowScratch& rs) {
   auto& cand = rs.cand;
   if (k > 0 && k < V) {
-    // top-k on the logits themselves: the k-th largest, every token at least that large kept;
-    // softmax over them of x / T (the largest of them is the row's largest)
-    const float kth = kth_largest(x, V, k, rs.few, rs.cand);
-    auto& idx = rs.idx;
-    idx.clear();
-    cand.clear();
+    // top-k on the logits themselves: every token at least the k-th largest kept (ties), in
+    // token-id order; softmax over them of x / T (the largest of them is the row's largest)
+    const int64_t n = top_k_of(x, V, k, rs);
     float m = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < V; ++i)
-      if (x[i] >= kth) {
-        idx.push_back(i);
-        cand.push_back(x[i] / T);
-        m = std::max(m, cand.back());
-      }
-    double s = 0.0;
-    for (auto& v : cand) {
-      v = std::exp(v - m);
-      s += v;
+    for (int64_t i = 0; i < n; ++i) {
+      cand[i] = cand[i] / T;
+      m = std::max(m, cand[i]);
     }
-    const int64_t n = static_cast<int64_t>(cand.size());
+    double s = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      cand[i] = std::exp(cand[i] - m);
+      s += cand[i];
+    }
     const float fs = static_cast<float>(s);
     float pmax = 0.0f;
-    for (auto& v : cand) {
-      v /= fs;
-      pmax = std::max(pmax, v);
+    for (int64_t i = 0; i < n; ++i) {
+      cand[i] /= fs;
+      pmax = std::max(pmax, cand[i]);
     }
     if (min_p > 0.0f) {  // ruled out, then renormalised among the rest
       const float cut = min_p * pmax;
       double r = 0.0;
-      for (auto& v : cand) {
-        if (v < cut) v = 0.0f;
-        r += v;
+      for (int64_t i = 0; i < n; ++i) {
+        if (cand[i] < cut) cand[i] = 0.0f;
+        r += cand[i];
       }
       const float fr = static_cast<float>(r);
-      for (auto& v : cand) v /= fr;
+      for (int64_t i = 0; i < n; ++i) cand[i] /= fr;
     }
-    const float tau = top_p < 1.0f ? top_p_threshold(cand.data(), n, top_p, 0.0f, rs.few) : 0.0f;
-    return draw(cand.data(), idx.data(), n, tau, u);
+    float tau = 0.0f;
+    if (top_p < 1.0f) {  // (the ones min-p ruled out hold no mass: left out of the selection)
+      rs.gm.clear();
+      for (int64_t i = 0; i < n; ++i)
+        if (cand[i] >= std::numeric_limits<float>::min()) rs.gm.push_back(cand[i]);
+      tau = top_p_threshold(rs.gm.data(), static_cast<int64_t>(rs.gm.size()), top_p, rs.few, rs.mass);
+    }
+    return draw(cand.data(), rs.idx.data(), n, tau, u);
   }
   // no top-k: the whole vocabulary (e's largest is exp(0) = 1, so min-p compares with min_p)
   if (top_p >= 1.0f) {
@@ -226,15 +289,30 @@ int64_t sample_row(const float* x, const float* e, int64_t V, float T, int64_t k
     for (int64_t i = 0; i < V; ++i) cand[i] = e[i] < min_p ? 0.0f : e[i];
     return draw(cand.data(), nullptr, V, 0.0f, u);
   }
+  // top-p: the probabilities p = e / sum (e below min_p ruled out). Only tokens at least
+  // (1 - top_p) / V likely can be kept (the ones below hold less than 1 - top_p together, so the
+  // threshold is never under it): only those are gathered (a pass over e at a bound a little
+  // under it, then each gathered p computed and compared exactly), selected from and drawn from.
+  const float fs = static_cast<float>(kept_mass(e, V, min_p));  // (e below min_p: 0)
+  const float lo = std::max((1.0f - top_p) / static_cast<float>(V), std::numeric_limits<float>::min());
   cand.resize(V);
-  for (int64_t i = 0; i < V; ++i) cand[i] = e[i] < min_p ? 0.0f : e[i];
-  const float fs = static_cast<float>(kept_mass(cand.data(), V, 0.0f));  // (vectorised)
-  for (auto& v : cand) v /= fs;
-  // Only tokens at least (1 - top_p) / V likely can be kept: the ones below it hold less than
-  // 1 - top_p together, so the threshold is never under it.
-  const float floor_p = (1.0f - top_p) / static_cast<float>(V);
-  const float tau = top_p_threshold(cand.data(), V, top_p, floor_p, rs.few);
-  return draw(cand.data(), nullptr, V, tau, u);
+  rs.idx.resize(V);
+  const int64_t g = gather_ge(e, V, std::max(min_p, lo * fs * 0.999f), cand.data(), rs.idx.data());
+  int64_t n = 0;
+  for (int64_t i = 0; i < g; ++i) {
+    const float p = cand[i] / fs;
+    cand[n] = p;
+    rs.idx[n] = rs.idx[i];
+    n += p >= lo;
+  }
+  if (n == 0) return draw(e, nullptr, V, 0.0f, u);  // (not reached on a finite row: its best is 1 / fs)
+  const float tau = top_p_threshold(cand.data(), n, top_p, rs.few, rs.mass);
+  if (tau > 0.0f) return draw(cand.data(), rs.idx.data(), n, tau, u);
+  // the whole mass short of top_p (rounding): every token kept, as the plain draw over p
+  auto& all = rs.few;
+  all.resize(V);
+  for (int64_t i = 0; i < V; ++i) all[i] = e[i] < min_p ? 0.0f : e[i] / fs;
+  return draw(all.data(), nullptr, V, 0.0f, u);
 }
 
 }  // namespace
