@@ -84,19 +84,19 @@ SCLONES void max_into(float* acc, const float* y, int64_t n) {
 }
 
 // The values of x at least t and their indices, in index order, into vals / idx (room for n):
-// 16 values tested at a time in vector registers, only the blocks with one kept walked.
+// 16 values compared at a time into a bit mask (vector registers), then only the kept ones
+// walked, by their bits.
 SCLONES int64_t gather_ge(const float* x, int64_t n, float t, float* vals, int64_t* idx) {
   int64_t m = 0, i = 0;
   for (; i + 16 <= n; i += 16) {
-    int hit = 0;
-#pragma omp simd reduction(| : hit)
-    for (int j = 0; j < 16; ++j) hit |= x[i + j] >= t;
-    if (hit) {
-      for (int64_t j = i; j < i + 16; ++j) {  // branch-free (NaN never kept)
-        vals[m] = x[j];
-        idx[m] = j;
-        m += x[j] >= t;
-      }
+    uint32_t mask = 0;
+#pragma omp simd reduction(| : mask)
+    for (int j = 0; j < 16; ++j) mask |= static_cast<uint32_t>(x[i + j] >= t) << j;  // (NaN never kept)
+    while (mask) {
+      const int j = __builtin_ctz(mask);
+      vals[m] = x[i + j];
+      idx[m++] = i + j;
+      mask &= mask - 1;
     }
   }
   for (; i < n; ++i) {
@@ -110,21 +110,34 @@ SCLONES int64_t gather_ge(const float* x, int64_t n, float t, float* vals, int64
 struct RowScratch {
   std::vector<float> few, cand, gm;
   std::vector<int64_t> idx;
-  std::vector<int32_t> count;
   std::vector<double> mass;
 };
 
-// Of v[0..m) (no NaN), how many values exceed each one, into c (room for m): counted branch-free,
-// m passes of vector comparisons, which on the few dozen values a sampling row leaves costs less
-// than a selection's mispredicted branches.
-SCLONES void count_greater(const float* v, int64_t m, int32_t* c) {
-  for (int64_t i = 0; i < m; ++i) c[i] = 0;
+// The k-th largest of v[0..m) (1 <= k <= m <= L, no NaN): the least of the values fewer than k
+// others exceed. Counted branch-free in vector registers (L lanes, the unused ones -inf: they
+// exceed nothing and are never the answer), which on the few dozen values a sampling row leaves
+// costs less than a selection's mispredicted branches.
+template <int L>
+float kth_of_few(const float* v, int64_t m, int64_t k) {
+  float w[L];
+  int32_t c[L];
+  for (int i = 0; i < L; ++i) {
+    w[i] = i < m ? v[i] : -std::numeric_limits<float>::infinity();
+    c[i] = 0;
+  }
   for (int64_t j = 0; j < m; ++j) {
     const float y = v[j];
 #pragma omp simd
-    for (int64_t i = 0; i < m; ++i) c[i] += static_cast<int32_t>(y > v[i]);
+    for (int i = 0; i < L; ++i) c[i] += static_cast<int32_t>(y > w[i]);
   }
+  float kth = std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(min : kth)
+  for (int i = 0; i < L; ++i) kth = std::min(kth, c[i] < k && i < m ? w[i] : std::numeric_limits<float>::infinity());
+  return kth;
 }
+SCLONES float kth_of_32(const float* v, int64_t m, int64_t k) { return kth_of_few<32>(v, m, k); }
+SCLONES float kth_of_64(const float* v, int64_t m, int64_t k) { return kth_of_few<64>(v, m, k); }
+SCLONES float kth_of_128(const float* v, int64_t m, int64_t k) { return kth_of_few<128>(v, m, k); }
 
 // Of p[0..m) (all >= 0), the mass of the values at least each one (double), into at (room for m):
 // each row of the sum in the same order, m vectorised passes.
@@ -141,13 +154,9 @@ constexpr int64_t FEW = 128;  // sets up to this size are ranked by counting, la
 
 // The k-th largest of v[0..m) (1 <= k <= m, no NaN).
 float kth_of(const float* v, int64_t m, int64_t k, RowScratch& rs) {
-  if (m <= FEW) {
-    rs.count.resize(m);
-    count_greater(v, m, rs.count.data());
-    float kth = std::numeric_limits<float>::infinity();  // the least of those fewer than k exceed
-    for (int64_t i = 0; i < m; ++i) kth = rs.count[i] < k ? std::min(kth, v[i]) : kth;
-    return kth;
-  }
+  if (m <= 32) return kth_of_32(v, m, k);
+  if (m <= 64) return kth_of_64(v, m, k);
+  if (m <= FEW) return kth_of_128(v, m, k);
   rs.few.assign(v, v + m);
   std::nth_element(rs.few.begin(), rs.few.begin() + (k - 1), rs.few.end(), std::greater<float>());
   return rs.few[k - 1];
@@ -189,7 +198,7 @@ int64_t top_k_of(const float* x, int64_t n, int64_t k, RowScratch& rs) {
 // `need`: the largest value with a mass of at least `need` at or above it (the tokens as likely as
 // it are all kept); 0 when the whole mass falls short of it (rounding): every token kept.
 float top_p_threshold(const float* p, int64_t m, double need, std::vector<float>& few, std::vector<double>& mass) {
-  if (m <= FEW) {  // a few candidates (top-k, or a peaked row): each one's mass at or above it
+  if (m <= 64) {  // a few candidates (top-k, or a peaked row): each one's mass at or above it
     mass.resize(m);
     mass_at_least_each(p, m, mass.data());
     float best = 0.0f;
