@@ -21,6 +21,7 @@ from keyacc_ray.errors import InvalidRequest, KeyaccError
 from keyacc_ray.serve import metrics as prom
 from keyacc_ray.serve import protocol, tools
 from keyacc_ray.serve.aio import wait_at_most
+from keyacc_ray.serve.heap import freeze_startup_heap
 from keyacc_ray.serve.driver import RemoteRouter, RequestDriver
 from keyacc_ray.serve.mux import MuxClient
 from keyacc_ray.serve.messages import ErrorItem, TokenChunk, Trace
@@ -148,6 +149,7 @@ class Ingress:
         self.api_keys = env_api_keys(api_keys_file) | self.operator_keys
         log.info("keyacc ingress: %s; route pinning: %s", "API keys required" if self.api_keys else
                  "no API keys (open)", allow_route_pinning)
+        freeze_startup_heap("ingress")
 
     def _key(self, request: Request) -> str | None:
         auth = request.headers.get("authorization", "")

@@ -34,6 +34,7 @@ from keyacc_ray.hw.pinning import pin_process
 from keyacc_ray.hw.topology import gpu_info, gpu_local_cpus, numa_nodes
 from keyacc_ray.serve.aio import wait_at_most
 from keyacc_ray.serve.engine_loop import AsyncEngine, Checkpoint
+from keyacc_ray.serve.heap import freeze_startup_heap
 from keyacc_ray.serve.monitor import MONITOR_NAME, MONITOR_NAMESPACE  # noqa: F401 - also imported from here
 from keyacc_ray.serve.kv_directory import NAME as KV_DIRECTORY, KVDirectory
 from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopAccepted, HopEnd, SegmentStart,
@@ -121,6 +122,7 @@ class EnginePool:
         self._report_wake = threading.Event()  # a request came: report at the busy rate from now
         self._reporter = threading.Thread(target=self._report_loop, name="keyacc-report", daemon=True)
         self._reporter.start()
+        freeze_startup_heap(f"{self.deployment} replica {self.replica}")
 
     # ---- requests ----------------------------------------------------------------------
     async def generate(self, req: GenerateRequest, handoff: Handoff | None = None,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from keyacc_ray.policies import LoadView, PoolLoad, RequestView, make_policy
 from keyacc_ray.policies.base import HOLD, OutputLengths
 from keyacc_ray.serve.aio import wait_at_most
+from keyacc_ray.serve.heap import freeze_startup_heap
 from keyacc_ray.serve.driver import FAILOVER, MAX_RECOVERIES, error_item as _err
 from keyacc_ray.serve.messages import HopEnd, Ticket
 from keyacc_ray.serve.monitor import MONITOR_NAME, MONITOR_NAMESPACE, LoadMonitor, mean_measured
@@ -109,6 +110,7 @@ class Router:
                 name=MONITOR_NAME, namespace=MONITOR_NAMESPACE, get_if_exists=True, lifetime="detached",
                 max_restarts=-1, num_cpus=0).remote()
         self.monitor = monitor
+        freeze_startup_heap("router")
 
     # ---- monitor snapshot --------------------------------------------------------------
     def _ensure_refresher(self) -> None:
