@@ -18,9 +18,9 @@
     python scripts/bench_host.py --pieces 256                   # where a decode step's host time goes
 
 `--pieces B`: instead, B rows decoding in each mode, each piece of a decode step timed on its own
-(median ms over --steps x 3 steps): scheduling, the step's inputs (`runner._decode_rows`), the
-model (the fused step), sampling, postprocessing (of which detokenization), and the rest of
-`LLMEngine.step`.
+(median ms over --steps x 3 steps): scheduling, the step's inputs (the engine's decode arrays and
+`runner._decode_inputs`), the model (the fused step), sampling, postprocessing (of which
+detokenization), and the rest of `LLMEngine.step`.
 bench_engine.py runs the same functions and adds the keys to its JSON.
 """
 from __future__ import annotations
@@ -185,8 +185,13 @@ def host_pieces(model: str, batch: int, steps: int, kernels: str = "auto", modes
             return run
 
         eng.scheduler.schedule = timed(eng.scheduler.schedule, "schedule")
-        eng.runner._decode_rows = timed(eng.runner._decode_rows, "inputs")
         eng.runner.forward = timed(eng.runner.forward, "forward")
+        if not hasattr(eng.runner, "decode"):  # (an older engine: decode rows as StepItems)
+            eng.runner._decode_rows = timed(eng.runner._decode_rows, "inputs")
+        else:  # decode rows as arrays (the engine's common step) or as StepItems, both through here
+            eng.runner._decode_inputs = timed(eng.runner._decode_inputs, "inputs")
+            eng.runner.decode = timed(eng.runner.decode, "forward")
+            eng._decode_arrays = timed(eng._decode_arrays, "inputs_arrays")
         fused = eng.runner.fused_step is not None
         if fused:
             eng.runner.fused_step = timed(eng.runner.fused_step, "model")
@@ -206,10 +211,12 @@ def host_pieces(model: str, batch: int, steps: int, kernels: str = "auto", modes
             le.step_all = step_all
         med = {k: statistics.median(v) * 1e3 for k, v in spent.items()}
         step = statistics.median(totals) * 1e3
-        pieces = {"schedule": med["schedule"], "inputs": med.get("inputs", 0.0),
-                  "forward_other": med["forward"] - med["model"] - med.get("inputs", 0.0),
+        inputs = med.get("inputs", 0.0)
+        pieces = {"schedule": med["schedule"], "inputs": inputs + med.get("inputs_arrays", 0.0),
+                  "forward_other": med["forward"] - med["model"] - inputs,
                   "sample": med["sample"], "postprocess": med["postprocess"], "of_which_detok": med["detok"]}
-        pieces["step_other"] = step - med["schedule"] - med["forward"] - med["sample"] - med["postprocess"]
+        pieces["step_other"] = (step - med["schedule"] - med["forward"] - med["sample"] - med["postprocess"]
+                                - med.get("inputs_arrays", 0.0))
         pieces["host"] = step - med["model"]
         out.update({f"pieces_b{batch}_{mode}_{k}": round(v, 3) for k, v in pieces.items()})
     return out

@@ -8,6 +8,7 @@ import warnings
 from dataclasses import dataclass
 from itertools import repeat
 
+import numpy as np
 import torch
 
 from keyacc_ray.config import EngineConfig
@@ -235,6 +236,11 @@ class LLMEngine:
                 s.arrival, s.scheduled_at = None, now
             if s.imported is not None:
                 self._write_imported(s)
+        arrays = self._decode_arrays(sched.decode) if not sched.prefill and self.runner.fused_step is not None else None
+        if arrays is not None:  # decode rows alone on the fused step (the common step): arrays, no items
+            self.histograms["vllm:iteration_tokens_total"].observe(len(sched.decode))
+            logits = self.runner.decode(*arrays)
+            return self._decoded(sched.decode, logits)
         table, row = self.blocks.table_ref, self.blocks.row.get
         items = [StepItem([s.token_ids[-1]], s.num_cached, table(s.request_id), "last", row(s.request_id, -1))
                  for s in sched.decode]
@@ -253,13 +259,9 @@ class LLMEngine:
             parts = ([self.runner.forward(items[:nd])] if nd else []) + [self.runner.forward([it])
                                                                         for it in items[nd:]]
             logits = torch.cat(parts)
+        if not sched.prefill:  # decode rows alone: a token each, logits in order
+            return self._decoded(sched.decode, logits)
         caching, bs = self.blocks.prefix_caching, self.blocks.block_size
-        if not sched.prefill:  # decode rows alone (the common step): a token each, logits in order
-            for s in sched.decode:
-                s.num_cached += 1
-                if caching and s.num_cached % bs == 0:
-                    self._cache_blocks(s)
-            return self._postprocess(sched.decode, self._sample(logits, sched.decode))
         rows, seqs, at = [], [], 0
         for i, (s, it) in enumerate(zip([*sched.decode, *(p[0] for p in sched.prefill)], items)):
             n = it.num_logits
@@ -280,6 +282,26 @@ class LLMEngine:
         sampled = self._sample(logits, seqs)
         self._prefill_timed(sched.prefill, t0, None)
         return self._postprocess(seqs, sampled)
+
+    def _decode_arrays(self, seqs: list[Sequence]) -> tuple | None:
+        """Decode rows as the runner's arrays: each one's last token id, position and row of the
+        block manager's array (None where one has no row there: its table is too wide)."""
+        n, row = len(seqs), self.blocks.row.get
+        rows = np.fromiter((row(s.request_id, -1) for s in seqs), dtype=np.int64, count=n)
+        if not n or rows.min() < 0:
+            return None
+        return (np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=n),
+                np.fromiter((s.num_cached for s in seqs), dtype=np.int64, count=n), rows)
+
+    def _decoded(self, seqs: list[Sequence], logits) -> list[RequestOutput]:
+        """After a step of decode rows alone: each row's KV now holds its last token; one token
+        each sampled from the logits (in row order)."""
+        caching, bs = self.blocks.prefix_caching, self.blocks.block_size
+        for s in seqs:
+            s.num_cached += 1
+            if caching and s.num_cached % bs == 0:
+                self._cache_blocks(s)
+        return self._postprocess(seqs, self._sample(logits, seqs))
 
     def _prefill_timed(self, prefill: list, t0: float, logits) -> None:
         """The prefill rate of steps with many prompt tokens: what the router's policies read (a

@@ -485,15 +485,27 @@ class ModelRunner:
         if rows is None:
             ids, pos, blk, off = self._slots(items)
             return ids, pos, blk, off, self._tables(items, torch.int32), pos + 1
-        n, bs = len(items), self.block_size
-        arr = np.empty((3, n), dtype=np.int64)
-        arr[0] = np.fromiter((it.tokens[0] for it in items), dtype=np.int64, count=n)
-        arr[1] = np.fromiter((it.start for it in items), dtype=np.int64, count=n)
+        n = len(items)
+        return self._decode_inputs(np.fromiter((it.tokens[0] for it in items), dtype=np.int64, count=n),
+                                   np.fromiter((it.start for it in items), dtype=np.int64, count=n), rows)
+
+    def _decode_inputs(self, ids: np.ndarray, pos: np.ndarray, rows: np.ndarray):
+        """_decode_rows from arrays: each row's token id, position and row of `block_array`."""
+        bs = self.block_size
+        arr = np.empty((3, len(ids)), dtype=np.int64)
+        arr[0], arr[1] = ids, pos
         arr[2] = self.block_array[rows, arr[1] // bs]
         tables = self.block_array[rows, :int(arr[1].max()) // bs + 1]  # the blocks up to each row's token
         t = torch.from_numpy(arr).to(self.device)
         pos = t[1]
         return t[0], pos, t[2], pos % bs, torch.from_numpy(tables).to(self.device, torch.int32), pos + 1
+
+    @torch.inference_mode()
+    def decode(self, ids: np.ndarray, pos: np.ndarray, rows: np.ndarray) -> torch.Tensor:
+        """A step of decode rows alone given as arrays (each row's token id, position, and row of
+        `block_array`), through the fused step (set: `fused_step`): the engine's common step with
+        no per-row object. Logits [rows, vocab] in row order."""
+        return self.fused_step(*self._decode_inputs(ids, pos, rows), self.cache.k, self.cache.v, self.windows)
 
     @torch.inference_mode()
     def forward(self, items: list[StepItem], decode: bool = False) -> torch.Tensor:
