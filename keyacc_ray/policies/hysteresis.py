@@ -84,15 +84,25 @@ def fits(req: RequestView, pool: PoolLoad) -> bool:
 
 
 def return_decision(policy: Policy, gate: PoolGate, req: RequestView, load: LoadView) -> str:
-    """After a CPU decode period: back to the GPU only if its gate accepts again and the memory
-    check passes; otherwise the decode keeps running on the CPU."""
+    """After a CPU decode period: back to the GPU only if its gate accepts again, the memory
+    check passes and the GPU decode pool has a free place now (a stream moved to a full pool
+    waits mid-stream); otherwise the decode keeps running on the CPU."""
     policy.observe(load)
     if gate.overloaded:
         return "cpu"
     if not fits(req, load.gpu_decode):
         policy.count("moves_refused_memory")
         return "cpu"
+    if not has_place(load.gpu_decode):
+        policy.count("moves_kept_gpu_full")
+        return "cpu"
     return "gpu"
+
+
+def has_place(pool: PoolLoad) -> bool:
+    """A pool with a free place now: nothing queued, and (where its slots are known) fewer
+    requests sent there than it runs at once."""
+    return pool.queue == 0 and (not pool.slots or pool.inflight < pool.slots)
 
 
 def gpu_batch(req: RequestView, load: LoadView) -> int | None:

@@ -336,3 +336,48 @@ def test_recall_from_the_cpu_queue_up_to_the_gpu_places(name, recalls):
     assert p.recall(waiting, now(gpu_inflight=0, free_blocks=1)) == 0  # its KV does not fit there now
     assert p.recall([], now(gpu_inflight=0)) == 0
     assert make_policy(name, {}, clock=Clock()).recall(waiting, now(gpu_inflight=0)) is None  # off by default
+
+
+@pytest.mark.parametrize("name", ["stage_offload", "auto"])
+def test_a_prefilled_stream_moves_only_to_a_free_cpu_place(name):
+    """After its prefill a request has streamed its first token: under GPU overload (or short of
+    GPU memory) its decode moves to the CPU pool only while that pool has a free place; with every
+    place taken (or anything queued there) it decodes on the GPU, where it already runs."""
+    clock = Clock()
+    p = make_policy(name, {"trigger_window_s": 0.2, "return_window_s": 1.0}, clock=clock)
+
+    def busy(cpu_inflight, cpu_queue=0, free_blocks=100):
+        v = view(gpu_queue=5, free_blocks=free_blocks)
+        v.cpu = PoolLoad(queue=cpu_queue, slots=16, inflight=cpu_inflight, free_blocks=100, known=True)
+        return v
+
+    drive(p, clock, lambda t: busy(0), 0.4)  # the GPU decode pool overloaded past the window
+    req = RequestView(20, 1, 40)
+    assert p.after_prefill(req, busy(15)) == "cpu"
+    assert p.after_prefill(req, busy(16)) == "gpu"
+    assert p.after_prefill(req, busy(3, cpu_queue=1)) == "gpu"
+    assert p.counters["decode_kept_cpu_full"] == 2
+    clock.t += 5  # calm again; short of GPU memory, the same rule
+    drive(p, clock, lambda t: view(), 1.5)
+    assert p.after_prefill(RequestView(20, 1, 400), busy(15, free_blocks=10)) == "cpu"
+    assert p.after_prefill(RequestView(20, 1, 400), busy(16, free_blocks=10)) == "gpu"
+
+
+@pytest.mark.parametrize("name", ["stage_offload", "auto"])
+def test_a_cpu_decode_moves_back_only_to_a_free_gpu_place(name):
+    """After a CPU period, with the GPU calm again and memory to spare, the decode moves back only
+    if the GPU decode pool has a free place now."""
+    clock = Clock()
+    p = make_policy(name, {"trigger_window_s": 0.2, "return_window_s": 0.5}, clock=clock)
+    drive(p, clock, lambda t: view(), 1.0)
+
+    def calm(inflight, slots=8):
+        v = view()
+        v.gpu_decode = PoolLoad(queue=max(0, inflight - slots), slots=slots, inflight=inflight, free_blocks=100,
+                                total_blocks=100, known=True)
+        return v
+
+    req = RequestView(20, 8, 40)
+    assert p.after_period(req, calm(7)) == "gpu"
+    assert p.after_period(req, calm(8)) == "cpu"
+    assert p.counters["moves_kept_gpu_full"] == 1
