@@ -266,6 +266,9 @@ def main() -> None:
     ap.add_argument("--kill-only", nargs="+", metavar="DEPLOYMENT", default=None,
                     help="kill replicas of these deployments only (e.g. CpuDecode)")
     ap.add_argument("--no-mux", action="store_true", help="one Serve stream per hop (stream_mux: false)")
+    ap.add_argument("--gpu-engine", type=json.loads, default={}, metavar="JSON",
+                    help='engine settings for the GPU pool, over the soak\'s (e.g. \'{"kv_allocation": "reserve"}\')')
+    ap.add_argument("--cpu-engine", type=json.loads, default={}, metavar="JSON", help="the same for the CPU pool")
     ap.add_argument("--policy-options", type=json.loads, default={},
                     help='more policy options, JSON (e.g. \'{"cpu_reserved_places": 4}\')')
     args = ap.parse_args()
@@ -285,6 +288,9 @@ def main() -> None:
                  "enable_prefix_caching": not args.no_prefix_caching}
         cfg["gpu"] = {"device": "auto", "max_num_seqs": 8, "num_kv_blocks": 40, **tiers}
         cfg["cpu"] = {"device": "cpu", "max_num_seqs": 16, "num_kv_blocks": 160, **tiers}
+    for pool, extra in (("gpu", args.gpu_engine), ("cpu", args.cpu_engine)):
+        if extra:
+            cfg[pool] = {**cfg.get(pool, {}), **extra}
     serve.run(build_app(cfg), name="keyacc", route_prefix="/")
     stats, mem = asyncio.run(main_async(args, f"http://127.0.0.1:{args.port}"))
     stats["lost_examples"] = stats["lost_examples"][:5]
