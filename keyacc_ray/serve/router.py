@@ -320,11 +320,23 @@ class Router:
             t.route = t.pinned_route
             return self._start(t, "pinned")
         # behind requests already held here, a new one waits its turn
-        route = HOLD if self._held else self.policy.route(self._view(t, 0), self.load_view())
+        route = HOLD if self._held else self._route(t, 0.0)
         if route == HOLD:
             return await self._hold(t)
         t.route = route
         return self._start(t, "policy")
+
+    def _route(self, t: Ticket, held_s: float) -> str:
+        """The policy's route for a new request, except that while the monitor shows no live CPU
+        decode replica (killed, its replacement starting) a request it sends to the CPU pool goes
+        to the GPU pool instead: its queue is bounded (a clear 503 when full), where Serve's queue
+        for a dead deployment waits for the replacement, and a pool killed again and again left
+        requests there past their clients' timeouts (the kill soak's lost requests)."""
+        route = self.policy.route(self._view(t, 0, held_s=held_s), self.load_view())
+        if route == "cpu" and self._cpu_gone():
+            self._count("requests_rerouted_total|reason=cpu_unavailable")
+            return "gpu"
+        return route
 
     def _start(self, t: Ticket, why: str) -> Ticket:
         """Count the request as started and enter the first hop of its route."""
@@ -371,7 +383,7 @@ class Router:
                 self._held.popleft()
                 continue
             t = held.ticket
-            route = self.policy.route(self._view(t, 0, held_s=now - held.since), self.load_view())
+            route = self._route(t, now - held.since)
             if route == HOLD:
                 return
             self._held.popleft()
@@ -443,7 +455,7 @@ class Router:
             # recalled just before it (still waiting for their blocks) and went back to the CPU.
             # A recall that lapsed (RECALL_HOLD_S) is routed again, as new.
             recalled = self._recalled.pop(t.request_id, None) is not None
-            route = "gpu" if recalled else self.policy.route(self._view(t, 0), self.load_view())
+            route = "gpu" if recalled else self._route(t, 0.0)
             if route == HOLD:  # no place anywhere any more: back in line, as new
                 return await self._hold(t)
             self._count(f"moves_total|from=cpu,to={'cpu' if route == 'cpu' else 'gpu'},reason=recall")

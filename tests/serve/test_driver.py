@@ -874,6 +874,33 @@ def test_a_preempted_gpu_decode_stays_on_the_gpu_while_no_cpu_replica_lives(cpu_
     asyncio.run(run())
 
 
+
+@pytest.mark.parametrize("cpu_alive", [True, False])
+def test_a_new_request_for_the_cpu_pool_goes_to_the_gpu_while_no_cpu_replica_lives(cpu_alive):
+    """A new request the policy sends to the CPU pool goes to the GPU pool instead while the
+    monitor's fresh snapshot shows no live CPU decode replica: Serve's queue for a dead deployment
+    waits for the replacement (a pool killed again and again left requests there past their
+    clients' timeouts), the GPU pool's queue is bounded. Held requests released to it likewise."""
+    from keyacc_ray.serve.monitor import Snapshot
+
+    async def answer(since):
+        snap = three_pools_snapshot()
+        if not cpu_alive:
+            snap = Snapshot(0.0, {k: v for k, v in snap.deployments.items() if k != "CpuDecode"}, version=1)
+        return snap
+
+    r = Router(["CpuDecode"], "full_offload", {}, monitor=FakeMonitor(answer), colocated_gpu=True)
+    r.policy.route = lambda *a: "cpu"
+
+    async def run():
+        await r.snapshot_dict()
+        t = await r.begin(Ticket("a", 64, 96))
+        assert t.hop == ("cpu_decode/0" if cpu_alive else "gpu_decode")
+        assert r._counters.get("requests_rerouted_total|reason=cpu_unavailable", 0) == (0 if cpu_alive else 1)
+        await r.finish(t, HopEnd("done", 0.5, 96, finished=True))
+        assert settled(r)
+    asyncio.run(run())
+
 def test_a_router_given_its_monitor_keeps_it_when_ray_runs_a_named_one(monkeypatch):
     """A router handed a monitor (tests, the simulator) keeps it when a call to it fails, even
     with Ray up in the same process and a detached monitor of that name alive: it did not look it
