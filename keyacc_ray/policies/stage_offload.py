@@ -6,7 +6,8 @@ pool while the GPU decode pool is overloaded (its queue above `gpu_queue_high` f
 would not fit there now (the memory check, not debounced: it is a fact, not a trend), and only
 where the CPU pool has a free place (else it decodes on the GPU: a stream moved to a full pool
 waits mid-stream). Elastic pipeline: CPU decode runs in periods of `decode_period_tokens`; after
-each, the decode moves back to the GPU if the pool accepts again and the memory check passes.
+each, the decode moves back to the GPU if the pool accepts again, the memory check passes and it
+has a free place.
 """
 from keyacc_ray.policies import register
 from keyacc_ray.policies.base import LoadView, Policy, RequestView
@@ -29,7 +30,7 @@ def decode_placement(policy: Policy, gate: PoolGate, req: RequestView, load: Loa
 
 DEFAULTS = {
     "gpu_queue_high": 1, "gpu_queue_safe": 1, "trigger_window_s": 0.5, "return_window_s": 2.0,
-    "decode_period_tokens": 16, "cpu_queue_high": 4,
+    "decode_period_tokens": 16,
 }
 
 
