@@ -846,20 +846,24 @@ def test_a_period_check_that_crosses_the_requests_end_counts_nothing(answer):
     asyncio.run(run())
 
 
+def _monitor_seeing_cpu(alive: bool) -> "FakeMonitor":
+    """A monitor whose snapshot shows all three pools, or (not alive) no CPU decode replica."""
+    from keyacc_ray.serve.monitor import Snapshot
+
+    async def answer(since):
+        snap = three_pools_snapshot()
+        if not alive:
+            snap = Snapshot(0.0, {k: v for k, v in snap.deployments.items() if k != "CpuDecode"}, version=1)
+        return snap
+    return FakeMonitor(answer)
+
+
 @pytest.mark.parametrize("cpu_alive", [True, False])
 def test_a_preempted_gpu_decode_stays_on_the_gpu_while_no_cpu_replica_lives(cpu_alive):
     """A GPU decode preempted out of KV moves to the CPU pool, unless the monitor's fresh snapshot
     shows no live CPU decode replica (killed, its replacement starting): there it would wait in
     Serve's queue for the replacement (30 s stalls in the soak), so it waits on the GPU for blocks."""
-    from keyacc_ray.serve.monitor import Snapshot
-
-    async def answer(since):
-        snap = three_pools_snapshot()
-        if not cpu_alive:
-            snap = Snapshot(0.0, {k: v for k, v in snap.deployments.items() if k != "CpuDecode"}, version=1)
-        return snap
-
-    r = Router(["CpuDecode"], "full_offload", {}, monitor=FakeMonitor(answer), colocated_gpu=True)
+    r = Router(["CpuDecode"], "full_offload", {}, monitor=_monitor_seeing_cpu(cpu_alive), colocated_gpu=True)
 
     async def run():
         await r.snapshot_dict()
@@ -881,15 +885,7 @@ def test_a_new_request_for_the_cpu_pool_goes_to_the_gpu_while_no_cpu_replica_liv
     monitor's fresh snapshot shows no live CPU decode replica: Serve's queue for a dead deployment
     waits for the replacement (a pool killed again and again left requests there past their
     clients' timeouts), the GPU pool's queue is bounded. Held requests released to it likewise."""
-    from keyacc_ray.serve.monitor import Snapshot
-
-    async def answer(since):
-        snap = three_pools_snapshot()
-        if not cpu_alive:
-            snap = Snapshot(0.0, {k: v for k, v in snap.deployments.items() if k != "CpuDecode"}, version=1)
-        return snap
-
-    r = Router(["CpuDecode"], "full_offload", {}, monitor=FakeMonitor(answer), colocated_gpu=True)
+    r = Router(["CpuDecode"], "full_offload", {}, monitor=_monitor_seeing_cpu(cpu_alive), colocated_gpu=True)
     r.policy.route = lambda *a: "cpu"
 
     async def run():
