@@ -427,6 +427,18 @@ class Router:
             # is dead and being replaced, or full): the other pool, once; pinned, the same pool again
             self._count(f"stalled_starts_total|hop={kind}")
             t.stall_moved = True
+            if not end.num_output_tokens and not end.has_handoff and t.pinned_route is None:
+                # a new request its first pool did not take within the (longer) bound for new
+                # ones: routed again as new, once (the policy may keep it there; with the CPU
+                # pool dead, it goes to the GPU)
+                before, route = t.route, self._route(t, 0.0)
+                if route == HOLD:
+                    return await self._hold(t)
+                t.route = route
+                if (before == "cpu") != (route == "cpu"):
+                    self._count(f"moves_total|from={'cpu' if before == 'cpu' else 'gpu'},"
+                                f"to={'cpu' if route == 'cpu' else 'gpu'},reason=stalled")
+                return self._enter_first_hop(t)
             other = "gpu_decode" if kind == "cpu_decode" else "cpu_decode"
             if t.pinned_route is not None or kind not in ("gpu_decode", "cpu_decode"):
                 return self._enter(t, t.hop, t.export_after)

@@ -1029,8 +1029,9 @@ def test_a_hop_cancelled_as_stalled_after_it_streamed_goes_on_from_what_the_clie
 
 
 def test_a_new_request_or_a_slow_kv_import_is_not_a_stall(monkeypatch):
-    """The bound is for streams under way: a request with no token yet waits for its first
-    place as before, and a hop its replica took (HopAccepted) may take its time importing the KV."""
+    """The 1 s bound is for streams under way: a request with no token yet waits for its first
+    place longer (NEW_HOP_START_BOUND_S), and a hop its replica took (HopAccepted) may take its
+    time importing the KV."""
     from keyacc_ray.serve import driver as driver_mod
 
     monkeypatch.setattr(driver_mod, "HOP_START_BOUND_S", 0.05)
@@ -1042,4 +1043,31 @@ def test_a_new_request_or_a_slow_kv_import_is_not_a_stall(monkeypatch):
     tokens, errors, trace = asyncio.run(collect(driver, request(6, route="stage", rid="r2")))
     assert tokens == [100 + i for i in range(6)] and [s["pool"] for s in trace["segments"]] == ["gpu", "cpu"]
     assert not any(k.startswith("stalled_starts_total") for k in router._counters)
+    assert settled(router)
+
+
+@pytest.mark.parametrize("cpu_alive", [True, False])
+def test_a_new_request_not_taken_by_its_pool_is_routed_again_once(monkeypatch, cpu_alive):
+    """A new request its first pool's replica does not take within NEW_HOP_START_BOUND_S (Serve's
+    queue for a pool whose replicas died and are being replaced: the kill soak lost requests there
+    to their clients' timeouts) is routed again as new, once: with no live CPU replica it goes to
+    the GPU pool; with one, the policy may keep it there, and it waits as long as it takes."""
+    from keyacc_ray.serve import driver as driver_mod
+
+    monkeypatch.setattr(driver_mod, "NEW_HOP_START_BOUND_S", 0.05)
+    driver, router, pools = make("full_offload")
+    router.policy.route = lambda *a: "cpu"
+    seen = []  # the monitor's view of the CPU pool: alive when the request begins; then as the test says
+    router._cpu_gone = lambda: bool(seen.append(1) or (len(seen) > 1 and not cpu_alive))
+    cpu = pools["cpu_decode/0"]
+    cpu.start_delay = 0.5
+    tokens, errors, trace = asyncio.run(asyncio.wait_for(collect(driver, request(6)), 4))
+    assert not errors and tokens == [100 + i for i in range(6)]
+    assert router._counters["stalled_starts_total|hop=cpu_decode"] == 1 and cpu.streams[0].cancelled
+    if cpu_alive:  # routed again to the CPU pool, where it now waits as long as it takes
+        assert [s["pool"] for s in trace["segments"]] == ["cpu"] and len(cpu.calls) == 2
+    else:
+        assert {s["pool"] for s in trace["segments"]} == {"gpu"}  # (its prefill, then its decode)
+        assert router._counters["moves_total|from=cpu,to=gpu,reason=stalled"] == 1
+        assert router._counters["requests_rerouted_total|reason=cpu_unavailable"] == 1
     assert settled(router)
