@@ -33,10 +33,11 @@ MAX_RECOVERIES = 2
 # then (it waits in Serve's queue: the replica died and is being replaced, or it is full) goes on
 # on the other pool instead, once per request: the client's longest gap stays near this.
 HOP_START_BOUND_S = 1.0
-# A new request (no token yet) waits for its first place longer, as a queue does, but not without
-# end: a hop whose replica has not taken it by then (Serve's queue for a pool whose replicas died
-# and are being replaced, again and again under the kill soak, kept requests past their clients'
-# timeouts) goes on on the other pool the same way, once.
+# A new request (no token yet) sent to the CPU pool waits for its first place longer, as a queue
+# does, but not without end: a hop whose replica has not taken it by then (Serve's queue for a pool
+# whose replicas died and are being replaced, again and again under the kill soak, kept requests
+# past their clients' timeouts) is routed again as new, once. (Not on the GPU pools: there the
+# policy would route it back to the same queue, behind where it was.)
 NEW_HOP_START_BOUND_S = 20.0
 # Pool streams and router calls use Serve's gRPC transport (`_by_reference=False`): per streamed
 # item it costs the ingress about half the CPU of Ray's task streaming (docs/benchmarks.md).
@@ -174,8 +175,9 @@ class RequestDriver:
                     in_periods.update(hop.call_kwargs)
                 stream = self.hops[t.hop].options(**POOL_CALL).generate.remote(req, handoff, t.export_after,
                                                                                **in_periods)
-                if not t.stall_moved:
-                    bound = HOP_START_BOUND_S if generated else NEW_HOP_START_BOUND_S
+                bound = (HOP_START_BOUND_S if generated else
+                         NEW_HOP_START_BOUND_S if t.hop.startswith("cpu_decode") else None)
+                if bound is not None and not t.stall_moved:
                     waiting["timer"] = asyncio.get_running_loop().call_later(bound, _stalled, stream, waiting)
                 async for items in (stream if hop is None else hop.attach(stream)):
                     if waiting["timer"] is not None:  # anything from the hop (its HopAccepted, or its
