@@ -231,7 +231,7 @@ class RequestDriver:
                 if waiting["stalled"]:  # cancelled here: its replica did not take it in time
                     outcome = "stalled"
                     log.warning("hop %s of %s not taken within %.1f s after %d tokens", t.hop, req.request_id,
-                                HOP_START_BOUND_S if had else NEW_HOP_START_BOUND_S, len(generated))
+                                bound, len(generated))
                     if segment_started:  # (it had: the cancellation crossed its acceptance)
                         trace.segments[-1]["stalled"] = True
                 elif outcome == "failed":

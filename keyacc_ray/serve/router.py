@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from keyacc_ray.policies import LoadView, PoolLoad, RequestView, make_policy
 from keyacc_ray.policies.base import HOLD, OutputLengths
 from keyacc_ray.serve.aio import wait_at_most
-from keyacc_ray.serve.heap import freeze_startup_heap
 from keyacc_ray.serve.driver import FAILOVER, MAX_RECOVERIES, error_item as _err
+from keyacc_ray.serve.heap import freeze_startup_heap
 from keyacc_ray.serve.messages import HopEnd, Ticket
 from keyacc_ray.serve.monitor import MONITOR_NAME, MONITOR_NAMESPACE, LoadMonitor, mean_measured
 

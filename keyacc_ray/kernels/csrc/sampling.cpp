@@ -197,7 +197,7 @@ int64_t top_k_of(const float* x, int64_t n, int64_t k, RowScratch& rs) {
 // The probability at which the descending cumulative mass of p[0..m) (all > 0) first reaches
 // `need`: the largest value with a mass of at least `need` at or above it (the tokens as likely as
 // it are all kept); 0 when the whole mass falls short of it (rounding): every token kept.
-float top_p_threshold(const float* p, int64_t m, double need, std::vector<float>& few, std::vector<double>& mass) {
+float top_p_threshold(const float* p, int64_t m, double need, std::vector<double>& mass) {
   if (m <= 64) {  // a few candidates (top-k, or a peaked row): each one's mass at or above it
     mass.resize(m);
     mass_at_least_each(p, m, mass.data());
@@ -205,15 +205,14 @@ float top_p_threshold(const float* p, int64_t m, double need, std::vector<float>
     for (int64_t i = 0; i < m; ++i) best = mass[i] >= need ? std::max(best, p[i]) : best;
     return best;
   }
-  few.assign(p, p + m);
   float pmin = std::numeric_limits<float>::infinity(), pmax = 0.0f;
   for (int64_t i = 0; i < m; ++i) {
-    pmin = std::min(pmin, few[i]);
-    pmax = std::max(pmax, few[i]);
+    pmin = std::min(pmin, p[i]);
+    pmax = std::max(pmax, p[i]);
   }
-  if (static_cast<double>(mass_ge(few.data(), m, pmin)) < need) return 0.0f;
+  if (static_cast<double>(mass_ge(p, m, pmin)) < need) return 0.0f;
   return float_of(bisect(key_of(pmin), key_of(pmax),
-                         [&](uint32_t key) { return static_cast<double>(mass_ge(few.data(), m, float_of(key))) >= need; }));
+                         [&](uint32_t key) { return static_cast<double>(mass_ge(p, m, float_of(key))) >= need; }));
 }
 
 // The first kept token (p > 0 and p >= tau) whose cumulative mass (token-id order, double)
@@ -287,7 +286,7 @@ int64_t sample_row(const float* x, const float* e, int64_t V, float T, int64_t k
       rs.gm.clear();
       for (int64_t i = 0; i < n; ++i)
         if (cand[i] >= std::numeric_limits<float>::min()) rs.gm.push_back(cand[i]);
-      tau = top_p_threshold(rs.gm.data(), static_cast<int64_t>(rs.gm.size()), top_p, rs.few, rs.mass);
+      tau = top_p_threshold(rs.gm.data(), static_cast<int64_t>(rs.gm.size()), top_p, rs.mass);
     }
     return draw(cand.data(), rs.idx.data(), n, tau, u);
   }
@@ -315,7 +314,7 @@ int64_t sample_row(const float* x, const float* e, int64_t V, float T, int64_t k
     n += p >= lo;
   }
   if (n == 0) return draw(e, nullptr, V, 0.0f, u);  // (not reached on a finite row: its best is 1 / fs)
-  const float tau = top_p_threshold(cand.data(), n, top_p, rs.few, rs.mass);
+  const float tau = top_p_threshold(cand.data(), n, top_p, rs.mass);
   if (tau > 0.0f) return draw(cand.data(), rs.idx.data(), n, tau, u);
   // the whole mass short of top_p (rounding): every token kept, as the plain draw over p
   auto& all = rs.few;
