@@ -79,9 +79,10 @@ def test_kernel_argmax_is_torch_argmax(K, dtype):
     """Greedy rows on CPU: the first largest logit, as torch.argmax (ties, all-negative rows,
     -0 beside 0, a real-sized vocabulary)."""
     g = torch.Generator().manual_seed(4)
-    for n, vocab in [(1, 7), (33, 512), (5, 151936)]:
+    for n, vocab in [(1, 7), (33, 512), (3, 1000), (5, 151936)]:
         x = (torch.randn(n, vocab, generator=g) * 3).to(dtype)
         x[0, vocab // 2] = x[0, vocab // 3] = x.max() + 1  # a tie at the top: the first wins
+        x[-1, vocab - 1] = x[-1].max() + 1  # the largest last (past the kernel's blocks of 64)
         if n > 1:
             x[1] = -x[1].abs() - 1
             x[1, 2], x[1, 4] = -0.0, 0.0  # equal maxima of different signs: the first

@@ -327,19 +327,29 @@ int64_t sample_row(const float* x, const float* e, int64_t V, float T, int64_t k
 
 namespace {
 
-SCLONES uint32_t max_key(const float* x, int64_t n) {  // the largest value's key (an integer max: vectorised)
+// The largest value's key (an integer max: vectorised, 64 lanes so that four vectors' maxima
+// are in flight at once, not one dependent chain; + 0: -0 and 0 one key).
+SCLONES uint32_t max_key(const float* x, int64_t n) {
+  uint32_t acc[64] = {0};
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+#pragma omp simd
+    for (int j = 0; j < 64; ++j) acc[j] = std::max(acc[j], key_of(x[i + j] + 0.0f));
+  }
   uint32_t m = 0;
-#pragma omp simd reduction(max : m)
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, key_of(x[i] + 0.0f));  // (+ 0: -0 and 0 one key)
+  for (int j = 0; j < 64; ++j) m = std::max(m, acc[j]);
+  for (; i < n; ++i) m = std::max(m, key_of(x[i] + 0.0f));
   return m;
 }
 
-// The first index holding key m: 16 at a time (a vectorised test), then within the block.
-int64_t first_with(const float* x, int64_t n, uint32_t m) {
+// The first index holding key m: 64 at a time (a vectorised test: an early exit inside the
+// block, or a bool's |=, keeps the compiler scalar, about 1 ns a value), then within the block.
+SCLONES int64_t first_with(const float* x, int64_t n, uint32_t m) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    bool hit = false;
-    for (int j = 0; j < 16; ++j) hit |= key_of(x[i + j] + 0.0f) == m;
+  for (; i + 64 <= n; i += 64) {
+    uint32_t hit = 0;
+#pragma omp simd reduction(| : hit)
+    for (int j = 0; j < 64; ++j) hit |= static_cast<uint32_t>(key_of(x[i + j] + 0.0f) == m);
     if (hit) break;
   }
   for (; i < n; ++i)
