@@ -240,6 +240,31 @@ class IncrementalDetokenizer:
         with `include_stop`)."""
         return step_all([self], [token_id])[0]
 
+    @property
+    def streams_bytes(self) -> bool:
+        """Decoding is bytes and no stop string is looked for: each token's text is known at once
+        and nothing is held back (stream_step)."""
+        return self.bytes is not None and not self.stop
+
+    def stream_step(self, token_id: int) -> str:
+        """Where streams_bytes: step(token_id) and take(False) in one (the common stream, its
+        text never kept: nothing is held back, so take() would hand it all over at once)."""
+        self.ids.append(token_id)
+        table, skip = self.bytes, self.skip_special_tokens
+        b = (table.skipping if skip else table.keeping).get(token_id)
+        pending = self.pending + (b if b is not None else table.of(token_id, skip))
+        text = pending.decode("utf-8", "replace")
+        if not text or text[-1] == "\ufffd":  # a character still incomplete: wait
+            self.pending = pending
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.pending = b""
+        n = len(text)
+        self.emitted += n
+        self.dropped += n
+        return text
+
     def _add_text(self, text: str) -> bool:
         """The tokens since the last text (the newest appended to `ids`) add `text`, whole
         characters: what _advance does when the window's texts differ by `text`."""

@@ -354,14 +354,16 @@ class LLMEngine:
         return ids, lps
 
     def _postprocess(self, seqs: list[Sequence], sampled: tuple[list[int], list | None]) -> list[RequestOutput]:
-        """Every row's new token: end of sequence or a stop token id, then the text (detokenized
-        for the whole batch in a few calls) and its stop strings, then the length limit."""
+        """Every row's new token: end of sequence or a stop token id, then the text (a stream
+        decoded as bytes without stop strings at once, the others detokenized for the whole
+        batch in a few calls, with their stop strings), then the length limit."""
         tokens, lps = sampled
-        eos, limit = self.eos_ids, self.max_model_len
-        ds = [self.detok[s.request_id] for s in seqs]
+        eos, limit, detok = self.eos_ids, self.max_model_len, self.detok
+        ds = [detok[s.request_id] for s in seqs]
+        texts: list = [None] * len(seqs)  # the rows' text where known in the first pass
         stopped: dict[int, SeqStatus] = {}
-        det_d, det_t, det_i = [], [], []  # rows whose token's text is wanted
-        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+        det_d, det_t, det_i = [], [], []  # rows detokenized together
+        for i, (seq, token, d) in enumerate(zip(seqs, tokens, ds)):
             seq.token_ids.append(token)
             p = seq.params
             # (a grammar's end is an end of sequence even with ignore_eos: nothing else may follow)
@@ -369,7 +371,10 @@ class LLMEngine:
                 stopped[i] = SeqStatus.FINISHED_STOPPED
                 if not p.include_stop_str_in_output:  # else the stop token's own text, as vLLM
                     continue
-            det_d.append(ds[i])
+            if d.bytes is not None and not d.stop:
+                texts[i] = d.stream_step(token)
+                continue
+            det_d.append(d)
             det_t.append(token)
             det_i.append(i)
         self.tokens_generated += len(seqs)
@@ -380,7 +385,8 @@ class LLMEngine:
         outs = []
         scores = self._prompt_scores
         now = time.monotonic()
-        for i, (seq, token, d, lp) in enumerate(zip(seqs, tokens, ds, lps if lps is not None else repeat(None))):
+        for i, (seq, token, d, lp, text) in enumerate(zip(seqs, tokens, ds, lps if lps is not None else repeat(None),
+                                                          texts)):
             if seq.first_token_at is None:  # its first token here: a prompt's ends its prefill
                 seq.first_token_at = now
                 if seq.num_output_tokens == 1 and seq.scheduled_at is not None:
@@ -390,13 +396,17 @@ class LLMEngine:
             st = stopped.get(i) if stopped else None
             if st is None and (n_out >= seq.params.max_tokens or n >= limit):
                 st = SeqStatus.FINISHED_LENGTH
-            final = st is not None
-            outs.append(RequestOutput(seq.request_id, [token], d.take(final), final,
-                                      st.finish_reason if final else None, seq.num_prompt_tokens, n_out,
+            if st is None:
+                outs.append(RequestOutput(seq.request_id, [token], d.take(False) if text is None else text, False,
+                                          None, seq.num_prompt_tokens, n_out, None if lp is None else [lp],
+                                          scores.pop(seq.request_id, None) if scores else None,
+                                          seq.num_cached_prompt_tokens))
+                continue
+            outs.append(RequestOutput(seq.request_id, [token], d.take(True) if text is None else text + d.take(True),
+                                      True, st.finish_reason, seq.num_prompt_tokens, n_out,
                                       None if lp is None else [lp], scores.pop(seq.request_id, None) if scores else None,
                                       seq.num_cached_prompt_tokens))
-            if final:
-                self._finish(seq, st)
+            self._finish(seq, st)
         return outs
 
     def _finish(self, seq: Sequence, status: SeqStatus) -> None:

@@ -16,17 +16,23 @@ def tok(qwen3_path):
     return AutoTokenizer.from_pretrained(qwen3_path)
 
 
-def run(tok, prompts, streams, by_bytes: bool, stop, skip):
-    """Each stream's (hit, text taken) after every step, through step_all."""
+def run(tok, prompts, streams, by_bytes: bool | str, stop, skip):
+    """Each stream's (hit, text taken) after every step, through step_all; `by_bytes` "stream":
+    as the engine runs them, the streams decoded as bytes without stop strings through
+    stream_step, the others through step_all."""
     ds = [IncrementalDetokenizer(tok, p, stop, skip_special_tokens=skip) for p in prompts]
     if not by_bytes:
         for d in ds:
             d.bytes = None
     out = []
     for step in range(len(streams[0])):
+        last = step == len(streams[0]) - 1
         live = [i for i, d in enumerate(ds) if not d.stopped]
-        hits = step_all([ds[i] for i in live], [streams[i][step] for i in live])
-        out.append([(i, h, ds[i].take(final=h or step == len(streams[0]) - 1)) for i, h in zip(live, hits)])
+        fast = {i: ds[i].stream_step(streams[i][step]) for i in live if by_bytes == "stream" and ds[i].streams_bytes}
+        rest = [i for i in live if i not in fast]
+        hits = dict(zip(rest, step_all([ds[i] for i in rest], [streams[i][step] for i in rest])))
+        out.append([(i, False, fast[i] + (ds[i].take(final=True) if last else "")) if i in fast
+                    else (i, hits[i], ds[i].take(final=hits[i] or last)) for i in live])
     return out
 
 
@@ -44,7 +50,15 @@ def test_the_byte_path_gives_what_the_window_decode_gives(tok, skip, stop):
         prompts.append([rng.randrange(len(tok)) for _ in range(rng.randint(1, 8))])  # some end mid-character
     streams.append(text_ids[:40] + [0] * (40 - len(text_ids[:40])))
     prompts.append([1, 2])
-    assert run(tok, prompts, streams, True, stop, skip) == run(tok, prompts, streams, False, stop, skip)
+    windows = run(tok, prompts, streams, False, stop, skip)
+    assert run(tok, prompts, streams, True, stop, skip) == windows
+    assert run(tok, prompts, streams, "stream", stop, skip) == windows
+    if not stop:  # the whole text: the tokenizer's decode of the output after a prompt of whole characters
+        for i, (p, ids) in enumerate(zip(prompts, streams)):
+            head = tok.decode(p, skip_special_tokens=skip)
+            if not head.endswith("\ufffd"):
+                got = "".join(t for row in windows for j, _, t in row if j == i)
+                assert head + got == tok.decode(p + ids, skip_special_tokens=skip)
 
 
 def test_an_imported_detokenizer_continues_on_the_byte_path(tok):
