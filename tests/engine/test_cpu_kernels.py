@@ -1,6 +1,7 @@
 """The C++ CPU kernels against torch / transformers references, on the kernel variant this CPU
-runs; `test_portable_fallback` reruns this file with KEYACC_CPU_ISA=portable (the code a CPU
-without AVX-512 takes)."""
+runs; `test_portable_fallback` and `test_avx2_path` rerun this file and the sampling kernel's
+tests (test_sampling.py) with KEYACC_CPU_ISA=portable / avx2 (the code a CPU without AVX-512
+takes)."""
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ def K():
     assert mod is not None, f"kernels failed to build: {kernels.unavailable_reason()}"
     if os.environ.get("KEYACC_CPU_ISA") in ("portable", "avx2"):
         assert mod.isa() == os.environ["KEYACC_CPU_ISA"]
+        assert mod.sampling_isa() == os.environ["KEYACC_CPU_ISA"]
     return mod
 
 
@@ -178,7 +180,8 @@ def test_rope_kv_write_rejects_out_of_range_position(K):
 
 def _rerun_with(isa: str):
     env = {**os.environ, "KEYACC_CPU_ISA": isa}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+    sampling = os.path.join(os.path.dirname(__file__), "test_sampling.py")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, sampling],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert " passed" in r.stdout

@@ -15,17 +15,28 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
+// Everything a row runs is inlined (HOT) into one entry point per ISA (sample_row_avx512,
+// _avx2, _portable; argmax_row likewise), so that all of it is compiled for that ISA; the entry
+// points are chosen once per process by CPUID, or forced as the linear kernels are
+// (KEYACC_CPU_ISA=portable | avx2). (A helper left out of line runs as the baseline's SSE2 code
+// when an AVX-512 function calls it: with helpers cloned one by one, a template instantiation
+// was not, and the top-k ranking ran 6x slower than in an AVX-512 build.)
+#define HOT inline __attribute__((always_inline))
 #if defined(__x86_64__)
-#define SCLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define SAMPLING_X86 1
+#define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define AVX2_FN __attribute__((target("avx2,fma")))
 #else
-#define SCLONES
+#define SAMPLING_X86 0
 #endif
 
 // Floats as unsigned keys in the same order (negative ones flipped), and back.
@@ -52,14 +63,14 @@ inline float kept(float v, float t) {
   return r;
 }
 
-SCLONES double kept_mass(const float* p, int64_t n, float t) {
+HOT double kept_mass(const float* p, int64_t n, float t) {
   double s = 0.0;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += kept(p[i], t);
   return s;
 }
 
-SCLONES float mass_ge(const float* p, int64_t n, float t) {  // float lanes: vectorised
+HOT float mass_ge(const float* p, int64_t n, float t) {  // float lanes: vectorised
   float s = 0.0f;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += kept(p[i], t);
@@ -70,7 +81,7 @@ SCLONES float mass_ge(const float* p, int64_t n, float t) {  // float lanes: vec
 // bisection over the values' keys, each step one branch-free vectorised pass over the values,
 // cheaper on the small and flat rows sampling sees than a selection's data-dependent branches.
 template <typename Enough>
-uint32_t bisect(uint32_t lo, uint32_t hi, Enough enough) {
+HOT uint32_t bisect(uint32_t lo, uint32_t hi, Enough enough) {
   while (lo < hi) {
     const uint32_t mid = lo + (hi - lo) / 2 + 1;
     if (enough(mid)) lo = mid;
@@ -79,14 +90,14 @@ uint32_t bisect(uint32_t lo, uint32_t hi, Enough enough) {
   return lo;
 }
 
-SCLONES void max_into(float* acc, const float* y, int64_t n) {
+HOT void max_into(float* acc, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] = acc[i] >= y[i] ? acc[i] : y[i];
 }
 
 // The values of x at least t and their indices, in index order, into vals / idx (room for n):
 // 16 values compared at a time into a bit mask (vector registers), then only the kept ones
 // walked, by their bits.
-SCLONES int64_t gather_ge(const float* x, int64_t n, float t, float* vals, int64_t* idx) {
+HOT int64_t gather_ge(const float* x, int64_t n, float t, float* vals, int64_t* idx) {
   int64_t m = 0, i = 0;
   for (; i + 16 <= n; i += 16) {
     uint32_t mask = 0;
@@ -118,7 +129,7 @@ struct RowScratch {
 // exceed nothing and are never the answer), which on the few dozen values a sampling row leaves
 // costs less than a selection's mispredicted branches.
 template <int L>
-float kth_of_few(const float* v, int64_t m, int64_t k) {
+HOT float kth_of_few(const float* v, int64_t m, int64_t k) {
   float w[L];
   int32_t c[L];
   for (int i = 0; i < L; ++i) {
@@ -135,13 +146,10 @@ float kth_of_few(const float* v, int64_t m, int64_t k) {
   for (int i = 0; i < L; ++i) kth = std::min(kth, c[i] < k && i < m ? w[i] : std::numeric_limits<float>::infinity());
   return kth;
 }
-SCLONES float kth_of_32(const float* v, int64_t m, int64_t k) { return kth_of_few<32>(v, m, k); }
-SCLONES float kth_of_64(const float* v, int64_t m, int64_t k) { return kth_of_few<64>(v, m, k); }
-SCLONES float kth_of_128(const float* v, int64_t m, int64_t k) { return kth_of_few<128>(v, m, k); }
 
 // Of p[0..m) (all >= 0), the mass of the values at least each one (double), into at (room for m):
 // each row of the sum in the same order, m vectorised passes.
-SCLONES void mass_at_least_each(const float* p, int64_t m, double* at) {
+HOT void mass_at_least_each(const float* p, int64_t m, double* at) {
   for (int64_t i = 0; i < m; ++i) at[i] = 0.0;
   for (int64_t j = 0; j < m; ++j) {
     const float y = p[j];
@@ -153,10 +161,10 @@ SCLONES void mass_at_least_each(const float* p, int64_t m, double* at) {
 constexpr int64_t FEW = 128;  // sets up to this size are ranked by counting, larger ones selected
 
 // The k-th largest of v[0..m) (1 <= k <= m, no NaN).
-float kth_of(const float* v, int64_t m, int64_t k, RowScratch& rs) {
-  if (m <= 32) return kth_of_32(v, m, k);
-  if (m <= 64) return kth_of_64(v, m, k);
-  if (m <= FEW) return kth_of_128(v, m, k);
+HOT float kth_of(const float* v, int64_t m, int64_t k, RowScratch& rs) {
+  if (m <= 32) return kth_of_few<32>(v, m, k);
+  if (m <= 64) return kth_of_few<64>(v, m, k);
+  if (m <= FEW) return kth_of_few<128>(v, m, k);
   rs.few.assign(v, v + m);
   std::nth_element(rs.few.begin(), rs.few.begin() + (k - 1), rs.few.end(), std::greater<float>());
   return rs.few[k - 1];
@@ -167,7 +175,7 @@ float kth_of(const float* v, int64_t m, int64_t k, RowScratch& rs) {
 // first: the element-wise maxima of the contiguous runs of w values (w >= 2k; one vectorised pass
 // over x) hold k distinct values of x, so their k-th largest is at most x's; on a sampling row
 // only about k tokens are at least that bound, and only those are gathered and ranked.
-int64_t top_k_of(const float* x, int64_t n, int64_t k, RowScratch& rs) {
+HOT int64_t top_k_of(const float* x, int64_t n, int64_t k, RowScratch& rs) {
   const int64_t w = std::max<int64_t>(2 * k, 64);
   float floor = -std::numeric_limits<float>::infinity();
   if (n >= 2 * w) {
@@ -197,7 +205,7 @@ int64_t top_k_of(const float* x, int64_t n, int64_t k, RowScratch& rs) {
 // The probability at which the descending cumulative mass of p[0..m) (all > 0) first reaches
 // `need`: the largest value with a mass of at least `need` at or above it (the tokens as likely as
 // it are all kept); 0 when the whole mass falls short of it (rounding): every token kept.
-float top_p_threshold(const float* p, int64_t m, double need, std::vector<double>& mass) {
+HOT float top_p_threshold(const float* p, int64_t m, double need, std::vector<double>& mass) {
   if (m <= 64) {  // a few candidates (top-k, or a peaked row): each one's mass at or above it
     mass.resize(m);
     mass_at_least_each(p, m, mass.data());
@@ -217,7 +225,22 @@ float top_p_threshold(const float* p, int64_t m, double need, std::vector<double
 
 // The first kept token (p > 0 and p >= tau) whose cumulative mass (token-id order, double)
 // passes u x the kept mass; `ids` null: the index itself. Branch-free over the tokens.
-int64_t draw(const float* p, const int64_t* ids, int64_t n, float tau, double u) {
+// The first kept token of a row short enough to walk (see draw).
+HOT int64_t draw_walk(const float* p, int64_t n, float t, double target) {
+  double cum = 0.0;
+  int64_t i = 0;
+  for (; i < n; ++i) {
+    cum += kept(p[i], t);  // rises only at a kept token, so the first to pass is kept
+    if (cum > target) break;
+  }
+  if (i == n) {  // rounding: the last kept token
+    for (i = n - 1; i > 0 && !(p[i] >= t); --i) {
+    }
+  }
+  return i;
+}
+
+HOT int64_t draw(const float* p, const int64_t* ids, int64_t n, float tau, double u) {
   const float t = tau > 0.0f ? tau : std::numeric_limits<float>::denorm_min();
   constexpr int64_t CHUNK = 1024;  // a long row: chunk masses first (vectorised), then one chunk walked
   if (n > 8 * CHUNK) {
@@ -231,24 +254,15 @@ int64_t draw(const float* p, const int64_t* ids, int64_t n, float tau, double u)
     for (; c < nc - 1 && before + mass[c] <= target; ++c) before += mass[c];
     while (c > 0 && mass[c] == 0.0) before -= mass[--c];  // (rounding past the last chunk with mass)
     const int64_t start = c * CHUNK, len = std::min(CHUNK, n - start);
-    const int64_t j = start + draw(p + start, nullptr, len, tau, (target - before) / std::max(mass[c], 1e-300));
+    const double v = (target - before) / std::max(mass[c], 1e-300);  // (the chunk's own u)
+    const int64_t j = start + draw_walk(p + start, len, t, v * kept_mass(p + start, len, t));
     return ids ? ids[j] : j;
   }
-  const double target = u * kept_mass(p, n, t);
-  double cum = 0.0;
-  int64_t i = 0;
-  for (; i < n; ++i) {
-    cum += kept(p[i], t);  // rises only at a kept token, so the first to pass is kept
-    if (cum > target) break;
-  }
-  if (i == n) {  // rounding: the last kept token
-    for (i = n - 1; i > 0 && !(p[i] >= t); --i) {
-    }
-  }
+  const int64_t i = draw_walk(p, n, t, u * kept_mass(p, n, t));
   return ids ? ids[i] : i;
 }
 
-int64_t sample_row(const float* x, const float* e, int64_t V, float T, int64_t k, float top_p, float min_p,
+HOT int64_t sample_row(const float* x, const float* e, int64_t V, float T, int64_t k, float top_p, float min_p,
                    double u, RowScratch& rs) {
   auto& cand = rs.cand;
   if (k > 0 && k < V) {
@@ -323,13 +337,23 @@ int64_t sample_row(const float* x, const float* e, int64_t V, float T, int64_t k
   return draw(all.data(), nullptr, V, 0.0f, u);
 }
 
+#define SAMPLE_ROW_ARGS                                                                                     \
+  const float *x, const float *e, int64_t V, float T, int64_t k, float top_p, float min_p, double u, \
+      RowScratch &rs
+using SampleRowFn = int64_t (*)(SAMPLE_ROW_ARGS);
+#if SAMPLING_X86
+AVX512_FN int64_t sample_row_avx512(SAMPLE_ROW_ARGS) { return sample_row(x, e, V, T, k, top_p, min_p, u, rs); }
+AVX2_FN int64_t sample_row_avx2(SAMPLE_ROW_ARGS) { return sample_row(x, e, V, T, k, top_p, min_p, u, rs); }
+#endif
+int64_t sample_row_portable(SAMPLE_ROW_ARGS) { return sample_row(x, e, V, T, k, top_p, min_p, u, rs); }
+
 }  // namespace
 
 namespace {
 
 // The largest value's key (an integer max: vectorised, 64 lanes so that four vectors' maxima
 // are in flight at once, not one dependent chain; + 0: -0 and 0 one key).
-SCLONES uint32_t max_key(const float* x, int64_t n) {
+HOT uint32_t max_key(const float* x, int64_t n) {
   uint32_t acc[64] = {0};
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
@@ -344,7 +368,7 @@ SCLONES uint32_t max_key(const float* x, int64_t n) {
 
 // The first index holding key m: 64 at a time (a vectorised test: an early exit inside the
 // block, or a bool's |=, keeps the compiler scalar, about 1 ns a value), then within the block.
-SCLONES int64_t first_with(const float* x, int64_t n, uint32_t m) {
+HOT int64_t first_with(const float* x, int64_t n, uint32_t m) {
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
     uint32_t hit = 0;
@@ -357,7 +381,39 @@ SCLONES int64_t first_with(const float* x, int64_t n, uint32_t m) {
   return 0;
 }
 
+using ArgmaxRowFn = int64_t (*)(const float*, int64_t);
+#if SAMPLING_X86
+AVX512_FN int64_t argmax_row_avx512(const float* x, int64_t n) { return first_with(x, n, max_key(x, n)); }
+AVX2_FN int64_t argmax_row_avx2(const float* x, int64_t n) { return first_with(x, n, max_key(x, n)); }
+#endif
+int64_t argmax_row_portable(const float* x, int64_t n) { return first_with(x, n, max_key(x, n)); }
+
+struct RowPaths {
+  SampleRowFn sample;
+  ArgmaxRowFn argmax;
+  const char* name;
+};
+
+// The best this CPU runs, unless KEYACC_CPU_ISA forces a lesser one (portable, avx2).
+const RowPaths& row_paths() {
+  static const RowPaths p = [] {
+    const char* f = std::getenv("KEYACC_CPU_ISA");
+    const std::string forced = f ? f : "";
+#if SAMPLING_X86
+    if (forced != "portable" && forced != "avx2" && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+      return RowPaths{sample_row_avx512, argmax_row_avx512, "avx512"};
+    if (forced != "portable" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+      return RowPaths{sample_row_avx2, argmax_row_avx2, "avx2"};
+#endif
+    return RowPaths{sample_row_portable, argmax_row_portable, "portable"};
+  }();
+  return p;
+}
+
 }  // namespace
+
+std::string sampling_isa() { return row_paths().name; }
 
 // The index of each row's largest logit, the first one where several are equal (torch.argmax's
 // rule), for float32 or bfloat16 logits [n, V]: torch's CPU argmax over bf16 took 3.4 ms for
@@ -370,8 +426,9 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   auto out = torch::empty({n}, torch::kInt64);
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
+  const ArgmaxRowFn row = row_paths().argmax;
   at::parallel_for(0, n, std::max<int64_t>(1, 262144 / std::max<int64_t>(V, 1)), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) op[r] = first_with(xp + r * V, V, max_key(xp + r * V, V));
+    for (int64_t r = b; r < e; ++r) op[r] = row(xp + r * V, V);
   });
   return out;
 }
@@ -404,6 +461,7 @@ torch::Tensor sample_rows(torch::Tensor x, torch::Tensor temperature, torch::Ten
   int64_t* op = out.data_ptr<int64_t>();
   // rows are cheap on a small vocabulary: threads only where each gets real work
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(V, 1));
+  const SampleRowFn sample_row = row_paths().sample;
   at::parallel_for(0, n, grain, [&](int64_t b, int64_t end) {
     RowScratch rs;
     for (int64_t r = b; r < end; ++r)
