@@ -3,6 +3,7 @@ drives it from a background thread (see `keyacc_ray/serve/engine_loop.py`)."""
 from __future__ import annotations
 
 import logging
+import operator
 import time
 import warnings
 from dataclasses import dataclass
@@ -119,6 +120,7 @@ class LLMEngine:
         # the CPU kernels sample too, where built; grammars: structured outputs' token masks
         self.sampler = Sampler(self.runner.kernels, Grammars(self.tokenizer, self.runner.vocab_size, self.eos_ids))
         self.tokens_generated = 0
+        self._rows: tuple | None = None  # the last sampled batch: (its sequences, their ids, params, rows wanting logprobs)
         self.prefill_rate = PrefillRate()
         # vLLM's queue / prefill / decode / inference times and tokens per step, as this engine sees them
         self.histograms = {name: Histogram(b) for name, (b, _) in ENGINE_HISTOGRAMS.items()}
@@ -240,7 +242,7 @@ class LLMEngine:
         if arrays is not None:  # decode rows alone on the fused step (the common step): arrays, no items
             self.histograms["vllm:iteration_tokens_total"].observe(len(sched.decode))
             logits = self.runner.decode(*arrays)
-            return self._decoded(sched.decode, logits)
+            return self._decoded(sched.decode, logits, arrays[1] + 1)
         table, row = self.blocks.table_ref, self.blocks.row.get
         items = [StepItem([s.token_ids[-1]], s.num_cached, table(s.request_id), "last", row(s.request_id, -1))
                  for s in sched.decode]
@@ -293,15 +295,16 @@ class LLMEngine:
         return (np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=n),
                 np.fromiter((s.num_cached for s in seqs), dtype=np.int64, count=n), rows)
 
-    def _decoded(self, seqs: list[Sequence], logits) -> list[RequestOutput]:
+    def _decoded(self, seqs: list[Sequence], logits, positions=None) -> list[RequestOutput]:
         """After a step of decode rows alone: each row's KV now holds its last token; one token
-        each sampled from the logits (in row order)."""
+        each sampled from the logits (in row order). `positions`: the new tokens' (an array),
+        where the caller has them."""
         caching, bs = self.blocks.prefix_caching, self.blocks.block_size
         for s in seqs:
             s.num_cached += 1
             if caching and s.num_cached % bs == 0:
                 self._cache_blocks(s)
-        return self._postprocess(seqs, self._sample(logits, seqs))
+        return self._postprocess(seqs, self._sample(logits, seqs, positions))
 
     def _prefill_timed(self, prefill: list, t0: float, logits) -> None:
         """The prefill rate of steps with many prompt tokens: what the router's policies read (a
@@ -338,13 +341,18 @@ class LLMEngine:
             self._prompt_scores[s.request_id] += self.sampler.logprobs(
                 logits[:len(targets)], targets, [s.params.prompt_logprobs] * len(targets), ranks=True)
 
-    def _sample(self, logits, seqs: list[Sequence]) -> tuple[list[int], list | None]:
-        """One token per row, and (where some request asked for them) each row's logprobs or None."""
-        params = [s.params for s in seqs]
-        ids = self.sampler.sample(logits, [s.request_id for s in seqs], params,
+    def _sample(self, logits, seqs: list[Sequence], positions=None) -> tuple[list[int], list | None]:
+        """One token per row, and (where some request asked for them) each row's logprobs or None.
+        `positions`: each new token's position (its sequence's length), where the caller has them."""
+        rows = self._rows
+        if rows is None or len(rows[0]) != len(seqs) or not all(map(operator.is_, rows[0], seqs)):
+            params = [s.params for s in seqs]  # (a decode batch is the same rows step after step)
+            rows = self._rows = (list(seqs), [s.request_id for s in seqs], params,
+                                 [i for i, p in enumerate(params) if p.logprobs is not None])
+        _, rids, params, want = rows
+        ids = self.sampler.sample(logits, rids, params,
                                   lambda i: (seqs[i].token_ids, seqs[i].num_prompt_tokens, self.eos_ids),
-                                  positions=[len(s.token_ids) for s in seqs])
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+                                  positions=[len(s.token_ids) for s in seqs] if positions is None else positions)
         if not want:
             return ids, None
         lps: list = [None] * len(seqs)

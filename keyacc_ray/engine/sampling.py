@@ -78,7 +78,8 @@ class _Plan:
     premixed for the draw. Built again whenever the batch changes (a few µs a row); kept,
     a step's sampling costs no Python per row but the check that it still holds."""
 
-    __slots__ = ("ids", "params", "flags", "proc", "adjusted", "histories", "rows", "greedy", "kernel_rows", "seeds")
+    __slots__ = ("ids", "params", "flags", "proc", "adjusted", "histories", "rows", "greedy", "kernel_rows", "seeds",
+                 "kernel_args")
 
     def __init__(self, request_ids: list[str], params: list[SamplingParams], info: dict, seeds: dict,
                  histories: dict):
@@ -94,9 +95,29 @@ class _Plan:
         self.kernel_rows = kernel_rows([self.flags[i][3] for i in self.rows]) if self.rows else None
         self.seeds = (_mix(np.array([seeds[request_ids[i]] for i in self.rows], dtype=np.uint64))
                       if self.rows else None)
+        self.kernel_args = None  # (vocabulary, the CPU kernel's arguments for the sampled rows)
 
     def holds_for(self, request_ids: list[str], params: list[SamplingParams]) -> bool:
         return self.ids == request_ids and all(map(operator.is_, self.params, params))
+
+    def kernel_draw(self, kernels, x: torch.Tensor, positions) -> torch.Tensor:
+        """kernel_sample_rows for the sampled rows (x: their logits), the uniforms made in the
+        kernel from the premixed seeds and the positions (all rows' given): the batch's
+        arguments made once, not every step."""
+        vocab = x.shape[1]
+        ka = self.kernel_args
+        if ka is None or ka[0] != vocab:
+            temp, k, top_p, min_p = self.kernel_rows
+            k = np.where(k >= vocab, 0, k)
+            ka = self.kernel_args = (vocab, temp, torch.from_numpy(k), top_p, min_p,
+                                     torch.from_numpy(self.seeds.view(np.int64)), bool(k.all()))
+        _, temp, k, top_p, min_p, seeds, every_top_k = ka
+        p = np.asarray(positions, dtype=np.int64)
+        if len(self.rows) < len(p):
+            p = p[self.rows]
+        xf = x.float()
+        e = torch.empty(0) if every_top_k else _exp(xf, temp)
+        return kernels.sample_rows_seeded(xf, temp, k, top_p, min_p, seeds, torch.from_numpy(p), e)
 
     def uniforms(self, positions: list[int]) -> np.ndarray:
         """uniforms() of the sampled rows at these positions (all rows' positions given)."""
@@ -188,11 +209,10 @@ class Sampler:
             for r in request_ids:
                 self._drawn[r] += 1
         if rows:
-            u = plan.uniforms(positions)
             if self._kernels is not None and logits.device.type == "cpu":
-                got = kernel_sample_rows(self._kernels, _take(logits, rows), plan.kernel_rows, u)
+                got = plan.kernel_draw(self._kernels, _take(logits, rows), positions)
             else:
-                got = sample_rows(_take(logits, rows), [params[i] for i in rows], u)
+                got = sample_rows(_take(logits, rows), [params[i] for i in rows], plan.uniforms(positions))
             if len(rows) == len(params):
                 out = got
             else:

@@ -150,3 +150,24 @@ def test_kernel_agrees_on_masked_rows(K, vocab):
         got = kernel_sample_rows(K, x, rows_of(params), u).tolist()
         assert got == sample_rows(x, params, u).tolist()
         assert all(torch.isfinite(x[r, t]) for r, t in enumerate(got))
+
+
+def test_the_kernel_makes_the_uniforms_the_python_rule_makes(K):
+    """The sampler's CPU path draws with uniforms the kernel makes from each row's premixed seed
+    and position: the same numbers as uniforms(), so the same tokens as the torch path (seeds
+    across the whole 64-bit range, positions small and large)."""
+    from keyacc_ray.engine.sampling import _exp, _mix
+    g = torch.Generator().manual_seed(11)
+    n = 3 * len(KWS)
+    x = torch.randn(n, 3000, generator=g) * 3
+    params = [SamplingParams(temperature=0.9, **KWS[i % len(KWS)]).validate() for i in range(n)]
+    seeds = [(i * 0x9E3779B97F4A7C15 + 12345) % 2**64 for i in range(n)]
+    premixed = torch.from_numpy(_mix(np.array(seeds, dtype=np.uint64)).view(np.int64))
+    temp, k, top_p, min_p = (torch.as_tensor(np.ascontiguousarray(c)) for c in rows_of(params).T)
+    k = k.long()
+    for positions in ([0] * n, list(range(n)), [2**40 + 7 * i for i in range(n)]):
+        want = sample_rows(x, params, uniforms(seeds, positions)).tolist()
+        e = _exp(x, temp.float())  # (rows without top-k read it)
+        got = K.sample_rows_seeded(x, temp.float(), torch.where(k >= 3000, 0, k), top_p.float(), min_p.float(),
+                                   premixed, torch.tensor(positions), e).tolist()
+        assert got == want

@@ -1296,6 +1296,8 @@ torch::Tensor sample_rows(torch::Tensor x, torch::Tensor temperature, torch::Ten
                           torch::Tensor min_p, torch::Tensor u, torch::Tensor e);
 torch::Tensor argmax_rows(torch::Tensor x);
 std::string sampling_isa();
+torch::Tensor sample_rows_seeded(torch::Tensor x, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
+                                 torch::Tensor min_p, torch::Tensor seeds, torch::Tensor positions, torch::Tensor e);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16", &pack_bf16, "prepack [N, K] bf16 weights into 16-row k-pair blocks");
@@ -1314,6 +1316,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample_rows", &sample_rows,
         "top-k / min-p / top-p and the seeded inverse-CDF draw per row (engine/sampling.py's rule)");
   m.def("argmax_rows", &argmax_rows, "each row's first largest logit (float32 / bfloat16), as torch.argmax");
+  m.def("sample_rows_seeded", &sample_rows_seeded,
+        "sample_rows with each row's uniform made from its premixed seed and position (sampling.uniforms' rule)");
   m.def("sampling_isa", &sampling_isa, "the variant the sampling kernels run (avx512 | avx2 | portable)");
   m.def("isa", &isa, "the linear kernel variant this CPU runs (amx: AMX tiles for products of 8 rows or more)");
 }

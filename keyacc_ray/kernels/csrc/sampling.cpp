@@ -469,3 +469,23 @@ torch::Tensor sample_rows(torch::Tensor x, torch::Tensor temperature, torch::Ten
   });
   return out;
 }
+
+// sample_rows with each row's uniform made here from its seed (premixed: splitmix64's finalizer
+// applied once, as engine/sampling.py's _Plan keeps them) and its position, as
+// sampling.uniforms() makes it: u = (mix(seed ^ position) >> 11) * 2^-53.
+torch::Tensor sample_rows_seeded(torch::Tensor x, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
+                                 torch::Tensor min_p, torch::Tensor seeds, torch::Tensor positions, torch::Tensor e) {
+  auto sd = seeds.to(torch::kInt64).contiguous(), ps = positions.to(torch::kInt64).contiguous();
+  TORCH_CHECK(sd.numel() == ps.numel(), "sample_rows_seeded: a seed and a position a row");
+  auto u = torch::empty({sd.numel()}, torch::kFloat64);
+  const int64_t *sp = sd.data_ptr<int64_t>(), *pp = ps.data_ptr<int64_t>();
+  double* up = u.data_ptr<double>();
+  for (int64_t r = 0; r < sd.numel(); ++r) {
+    uint64_t z = (static_cast<uint64_t>(sp[r]) ^ static_cast<uint64_t>(pp[r])) + 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    up[r] = static_cast<double>(z >> 11) * 0x1.0p-53;
+  }
+  return sample_rows(x, temperature, top_k, top_p, min_p, u, e);
+}
