@@ -428,16 +428,14 @@ class Router:
             self._count(f"stalled_starts_total|hop={kind}")
             t.stall_moved = True
             if not end.num_output_tokens and not end.has_handoff and t.pinned_route is None:
-                # a new request its first pool did not take within the (longer) bound for new
-                # ones: routed again as new, once (the policy may keep it there; with the CPU
-                # pool dead, it goes to the GPU)
-                before, route = t.route, self._route(t, 0.0)
-                if route == HOLD:
-                    return await self._hold(t)
-                t.route = route
-                if (before == "cpu") != (route == "cpu"):
-                    self._count(f"moves_total|from={'cpu' if before == 'cpu' else 'gpu'},"
-                                f"to={'cpu' if route == 'cpu' else 'gpu'},reason=stalled")
+                # a new request the CPU pool did not take within the (longer) bound for new ones
+                # (the only pool with that bound) starts on the GPU pools, whose queue is bounded
+                # (a clear 503 when full). The stall is fresher news than the monitor's snapshot:
+                # a pool killed again and again looks alive between its deaths, and a request
+                # routed back to it waited without a bound (the kill soak's last lost requests).
+                if t.route == "cpu":
+                    self._count("moves_total|from=cpu,to=gpu,reason=stalled")
+                t.route = "gpu"
                 return self._enter_first_hop(t)
             other = "gpu_decode" if kind == "cpu_decode" else "cpu_decode"
             if t.pinned_route is not None or kind not in ("gpu_decode", "cpu_decode"):
