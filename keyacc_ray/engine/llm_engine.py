@@ -238,8 +238,8 @@ class LLMEngine:
                 s.arrival, s.scheduled_at = None, now
             if s.imported is not None:
                 self._write_imported(s)
-        arrays = self._decode_arrays(sched.decode) if not sched.prefill and self.runner.fused_step is not None else None
-        if arrays is not None:  # decode rows alone on the fused step (the common step): arrays, no items
+        arrays = self._decode_arrays(sched.decode) if not sched.prefill and self.runner.decodes_arrays else None
+        if arrays is not None:  # decode rows alone (the common step): arrays, no items
             self.histograms["vllm:iteration_tokens_total"].observe(len(sched.decode))
             logits = self.runner.decode(*arrays)
             return self._decoded(sched.decode, logits, arrays[1] + 1)

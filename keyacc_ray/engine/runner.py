@@ -500,12 +500,26 @@ class ModelRunner:
         pos = t[1]
         return t[0], pos, t[2], pos % bs, torch.from_numpy(tables).to(self.device, torch.int32), pos + 1
 
+    @property
+    def decodes_arrays(self) -> bool:
+        """Whether `decode` runs a step of decode rows given as arrays: through the fused step,
+        or the paged model's own forward (the gather mode takes StepItems)."""
+        return self.block_array is not None and (self.fused_step is not None or self.paged)
+
     @torch.inference_mode()
     def decode(self, ids: np.ndarray, pos: np.ndarray, rows: np.ndarray) -> torch.Tensor:
         """A step of decode rows alone given as arrays (each row's token id, position, and row of
-        `block_array`), through the fused step (set: `fused_step`): the engine's common step with
-        no per-row object. Logits [rows, vocab] in row order."""
-        return self.fused_step(*self._decode_inputs(ids, pos, rows), self.cache.k, self.cache.v, self.windows)
+        `block_array`), through the fused step where it runs, else the paged model's forward
+        (`decodes_arrays`): the engine's common step with no per-row object. Logits [rows, vocab]
+        in row order."""
+        inputs = self._decode_inputs(ids, pos, rows)
+        if self.fused_step is not None:
+            return self.fused_step(*inputs, self.cache.k, self.cache.v, self.windows)
+        ids_t, pos_t, blk, off, tables, ctx = inputs
+        b = StepBatch(ids_t[None], pos_t[None], blk, off, [], [], [], [], chunks=[])
+        b.dec = torch.arange(len(ids), device=self.device)  # packed index i is row i
+        b.dec_tables, b.dec_tables_long, b.dec_ctx = tables, tables.long(), ctx
+        return self._run_packed(b, 0)  # (0: every row's logits)
 
     @torch.inference_mode()
     def forward(self, items: list[StepItem], decode: bool = False) -> torch.Tensor:
@@ -562,11 +576,16 @@ class ModelRunner:
             b.dec_ctx = torch.tensor([it.start + 1 for it in dec], device=self.device)
         if b.dec is not None:
             b.dec_tables = b.dec_tables_long.to(torch.int32)
+        return self._run_packed(b, self._keep(items))
+
+    def _run_packed(self, b: StepBatch, keep) -> torch.Tensor:
+        """The model's forward over a packed step (the paged attention reads `b`); the logits of
+        the packed positions `keep` (an index tensor, or 0 for all)."""
         self.cache.batch = b
         try:
             with active(self.attn):
                 out = self.model(input_ids=b.input_ids, position_ids=b.positions, use_cache=True,
-                                 logits_to_keep=self._keep(items), **{self._cache_kw: self.cache})
+                                 logits_to_keep=keep, **{self._cache_kw: self.cache})
         finally:
             self.cache.batch = None
         return out.logits[0]

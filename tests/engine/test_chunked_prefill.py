@@ -65,6 +65,27 @@ def test_paged_and_chunked_other_architectures(tmp_path, cls, kw, chunk):
         assert out == hf_greedy(path, p, 16)
 
 
+@pytest.mark.parametrize("cls,kw", [("Qwen3Config", {"head_dim": 16}),
+                                    ("Qwen3Config", {"head_dim": 16, "layer_types": ["sliding_attention", "full_attention"],
+                                                     "sliding_window": 8, "use_sliding_window": True})])
+def test_decode_steps_without_the_fused_step_go_as_arrays(tmp_path, cls, kw):
+    """The paged runner without the CPU kernels' fused step (what a GPU runs): a step of decode
+    rows alone goes to the model's forward as arrays (`ModelRunner.decode`, no StepItem per row),
+    prompts and mixed steps as items; the same tokens as generate() (sliding windows too)."""
+    path = _random_model(tmp_path, cls, **kw)
+    prompts = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((14, 3, 9))]
+    eng = LLMEngine(EngineConfig(model=path, dtype="float32", max_num_seqs=8, cpu_kernels="off",
+                                 max_prefill_tokens=6, kv_block_size=4))
+    assert eng.runner.paged and eng.runner.fused_step is None and eng.runner.decodes_arrays
+    rows = []
+    real = eng.runner.decode
+    eng.runner.decode = lambda ids, pos, r: rows.append(len(ids)) or real(ids, pos, r)
+    outs = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert rows and max(rows) == 3  # decode steps of every row, as arrays
+    for p, out in zip(prompts, outs):
+        assert out == hf_greedy(path, p, 12)
+
+
 def test_off_prefills_one_forward_each(qwen3_path):
     prompts = [[10 + k for k in range(20)], [20 + k for k in range(19)]]
     eng, outs, calls = _run(qwen3_path, prompts, 6, batched_prefill=False)
