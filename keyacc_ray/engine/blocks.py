@@ -57,6 +57,7 @@ class BlockManager:
         mirrored = max_seqs > 0 and max_blocks_per_seq > 0
         self.array = np.zeros((max_seqs, max_blocks_per_seq), dtype=np.int32) if mirrored else None
         self.row: dict[str, int] = {}  # sequence id -> its row of `array` (a table too wide has none)
+        self.row_changes = 0  # how often `row` has changed (a row given or taken back)
         self._free_rows: list[int] = list(range(max_seqs - 1, -1, -1)) if mirrored else []
 
     def _mirror(self, seq_id: str, start: int) -> None:
@@ -69,9 +70,11 @@ class BlockManager:
             if not self._free_rows or len(table) > self.array.shape[1]:
                 return
             r = self.row[seq_id] = self._free_rows.pop()
+            self.row_changes += 1
             start = 0
         elif len(table) > self.array.shape[1]:  # (a longer sequence than the engine serves: no row)
             self._free_rows.append(self.row.pop(seq_id))
+            self.row_changes += 1
             return
         self.array[r, start:len(table)] = table[start:]
 
@@ -181,6 +184,7 @@ class BlockManager:
         r = self.row.pop(seq_id, None)
         if r is not None:
             self._free_rows.append(r)
+            self.row_changes += 1
 
     def reset_prefix_cache(self) -> int:
         """Drop every key (vLLM's reset_prefix_cache); blocks in use stay. Returns the keys dropped."""

@@ -120,7 +120,9 @@ class LLMEngine:
         # the CPU kernels sample too, where built; grammars: structured outputs' token masks
         self.sampler = Sampler(self.runner.kernels, Grammars(self.tokenizer, self.runner.vocab_size, self.eos_ids))
         self.tokens_generated = 0
-        self._rows: tuple | None = None  # the last sampled batch: (its sequences, their ids, params, rows wanting logprobs)
+        # the last sampled batch: (its sequences, their ids, params, rows wanting logprobs, the tokens drawn)
+        self._rows: tuple | None = None
+        self._last_decode: tuple | None = None  # the last step's decode arrays, if it was decode rows alone
         self.prefill_rate = PrefillRate()
         # vLLM's queue / prefill / decode / inference times and tokens per step, as this engine sees them
         self.histograms = {name: Histogram(b) for name, (b, _) in ENGINE_HISTOGRAMS.items()}
@@ -242,7 +244,10 @@ class LLMEngine:
         if arrays is not None:  # decode rows alone (the common step): arrays, no items
             self.histograms["vllm:iteration_tokens_total"].observe(len(sched.decode))
             logits = self.runner.decode(*arrays)
-            return self._decoded(sched.decode, logits, arrays[1] + 1)
+            outs = self._decoded(sched.decode, logits, arrays[1] + 1)
+            self._last_decode = (arrays, self._rows, self.blocks.row_changes)
+            return outs
+        self._last_decode = None
         table, row = self.blocks.table_ref, self.blocks.row.get
         items = [StepItem([s.token_ids[-1]], s.num_cached, table(s.request_id), "last", row(s.request_id, -1))
                  for s in sched.decode]
@@ -287,7 +292,16 @@ class LLMEngine:
 
     def _decode_arrays(self, seqs: list[Sequence]) -> tuple | None:
         """Decode rows as the runner's arrays: each one's last token id, position and row of the
-        block manager's array (None where one has no row there: its table is too wide)."""
+        block manager's array (None where one has no row there: its table is too wide). The
+        same rows as the last step, which was a step of decode rows alone, in the same order, and
+        no row given or taken since (a decode batch, step after step): the tokens it sampled, its
+        positions + 1, its rows, with no pass over the sequences."""
+        last = self._last_decode
+        if last is not None:
+            (_, pos, rows), (prev, _, _, _, sampled), changes = last
+            if (changes == self.blocks.row_changes and len(prev) == len(seqs) and sampled is not None
+                    and all(map(operator.is_, prev, seqs))):
+                return sampled, pos + 1, rows
         n, row = len(seqs), self.blocks.row.get
         rows = np.fromiter((row(s.request_id, -1) for s in seqs), dtype=np.int64, count=n)
         if not n or rows.min() < 0:
@@ -347,12 +361,14 @@ class LLMEngine:
         rows = self._rows
         if rows is None or len(rows[0]) != len(seqs) or not all(map(operator.is_, rows[0], seqs)):
             params = [s.params for s in seqs]  # (a decode batch is the same rows step after step)
-            rows = self._rows = (list(seqs), [s.request_id for s in seqs], params,
-                                 [i for i, p in enumerate(params) if p.logprobs is not None])
-        _, rids, params, want = rows
+            rows = (list(seqs), [s.request_id for s in seqs], params,
+                    [i for i, p in enumerate(params) if p.logprobs is not None], None)
+        _, rids, params, want, _ = rows
         ids = self.sampler.sample(logits, rids, params,
                                   lambda i: (seqs[i].token_ids, seqs[i].num_prompt_tokens, self.eos_ids),
                                   positions=[len(s.token_ids) for s in seqs] if positions is None else positions)
+        # (and what it sampled, as the next step's token ids if the batch holds)
+        self._rows = (*rows[:4], np.array(ids, dtype=np.int64))
         if not want:
             return ids, None
         lps: list = [None] * len(seqs)

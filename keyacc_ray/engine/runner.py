@@ -490,7 +490,13 @@ class ModelRunner:
                                    np.fromiter((it.start for it in items), dtype=np.int64, count=n), rows)
 
     def _decode_inputs(self, ids: np.ndarray, pos: np.ndarray, rows: np.ndarray):
-        """_decode_rows from arrays: each row's token id, position and row of `block_array`."""
+        """_decode_rows from arrays: each row's token id, position and row of `block_array` (in
+        one call of the CPU kernels where built: the same figures)."""
+        K = self.kernels
+        if K is not None and hasattr(K, "decode_inputs"):
+            got = K.decode_inputs(torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(rows),
+                                  torch.from_numpy(self.block_array), self.block_size)
+            return tuple(got)  # (the kernels are the CPU engine's: no copy to make)
         bs = self.block_size
         arr = np.empty((3, len(ids)), dtype=np.int64)
         arr[0], arr[1] = ids, pos

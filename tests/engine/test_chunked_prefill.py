@@ -118,3 +118,52 @@ def test_the_memory_profile_forward_runs_before_the_pool_exists(qwen3_path, monk
     eng = LLMEngine(EngineConfig(model=qwen3_path, dtype="float32", max_prefill_tokens=300, num_kv_blocks=64))
     assert seen == [(1, eng.runner.vocab_size)] and eng.runner.num_blocks == 64
     assert eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0)) == [hf_greedy(qwen3_path, [5, 6, 7], 4)]
+
+
+@pytest.mark.parametrize("kernels", ["auto", "off"])
+def test_a_decode_batch_carries_its_arrays_from_step_to_step(qwen3_path, kernels):
+    """While a step of decode rows alone follows another with the same rows, the engine takes the
+    last step's sampled tokens, positions + 1 and rows instead of reading every sequence: at every
+    step they equal what reading the sequences gives, as requests arrive, finish, get aborted and
+    cross block boundaries; and the
+    tokens are generate()'s."""
+    import numpy as np
+
+    from keyacc_ray.engine.llm_engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(model=qwen3_path, dtype="float32", max_num_seqs=6, cpu_kernels=kernels,
+                                 kv_block_size=4, max_prefill_tokens=64))
+    real, carried = eng._decode_arrays, []
+
+    def checked(seqs):
+        got = real(seqs)
+        last, eng._last_decode = eng._last_decode, None
+        fresh = real(seqs)  # read from the sequences
+        eng._last_decode = last
+        carried.append(last is not None and got is not None)
+        assert (got is None) == (fresh is None)
+        if got is not None:
+            assert all(np.array_equal(a, b) for a, b in zip(got, fresh))
+        return got
+
+    eng._decode_arrays = checked
+    greedy = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+    prompts = {f"r{i}": [(17 * i + 3 * k) % 300 + 5 for k in range(3 + 2 * i)] for i in range(5)}
+    outs: dict = {}
+    for step in range(60):
+        if step in (0, 3, 7):  # arrivals while others decode
+            for rid in list(prompts)[:2] if step == 0 else [list(prompts)[2 + (step > 3) * 1]]:
+                eng.add_request(rid, prompts[rid], greedy)
+        if step == 5:
+            eng.add_request("gone", [1, 2, 3], greedy)
+        if step == 9:
+            eng.abort("gone")
+        if step == 12:
+            eng.add_request("r4", prompts["r4"], greedy)
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if not eng.has_unfinished() and step > 12:
+            break
+    assert any(carried) and not all(carried)
+    for rid, p in prompts.items():
+        assert outs[rid] == hf_greedy(qwen3_path, p, 9), rid

@@ -298,3 +298,28 @@ def test_paged_decode_attention_matches_the_torch_reference(K, dtype, window, D)
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
     with pytest.raises(RuntimeError, match="block id out of range"):
         K.paged_decode_attention(q, kp, vp, torch.full_like(tl, nb, dtype=torch.int32), ctx, window, 0.3)
+
+
+def test_decode_inputs_are_the_runner_arrays_made_in_one_call(K):
+    """A decode step's inputs from the engine's arrays (token ids, positions, block-array rows) in
+    one kernel call: the same tensors as the runner's numpy path, for rows of mixed lengths in any
+    order, block boundaries included; out-of-range input is refused."""
+    import numpy as np
+
+    from keyacc_ray.engine.runner import ModelRunner
+
+    rng = np.random.default_rng(3)
+    bs, S, M = 4, 9, 6
+    ba = rng.integers(0, 100, size=(S, M)).astype(np.int32)
+    ids = rng.integers(0, 500, size=7).astype(np.int64)
+    pos = np.array([0, 3, 4, 23, 7, 8, 15], dtype=np.int64)
+    rows = np.array([8, 0, 3, 3, 5, 1, 2], dtype=np.int64)
+    runner = ModelRunner.__new__(ModelRunner)  # only what _decode_inputs reads
+    runner.block_size, runner.block_array, runner.device, runner._kernels = bs, ba, torch.device("cpu"), None
+    want = runner._decode_inputs(ids, pos, rows)
+    got = K.decode_inputs(*(torch.from_numpy(a) for a in (ids, pos, rows, ba)), bs)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+    with pytest.raises(RuntimeError, match="out of range"):
+        K.decode_inputs(*(torch.from_numpy(a) for a in (ids, pos * 10, rows, ba)), bs)

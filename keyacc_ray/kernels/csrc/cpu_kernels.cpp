@@ -1292,6 +1292,44 @@ std::string isa() {
 }  // namespace
 
 // sampling.cpp
+// A decode step's inputs from the engine's arrays, in one call (each numpy or torch operation it
+// replaces cost 10-20 us right after a forward, its code cold): ids, positions, rows of the block
+// array (int64 [n]) and the block array (int32 [seqs, max blocks]) -> token ids, positions, each
+// new token's block and row in it, the block tables up to the furthest row's token (int32
+// [n, widest]) and the context lengths (positions + 1).
+std::vector<torch::Tensor> decode_inputs(torch::Tensor ids, torch::Tensor pos, torch::Tensor rows,
+                                         torch::Tensor block_array, int64_t block_size) {
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && pos.scalar_type() == torch::kInt64 &&
+                  rows.scalar_type() == torch::kInt64 && block_array.scalar_type() == torch::kInt32,
+              "decode_inputs: int64 ids / pos / rows, an int32 block array");
+  ids = ids.contiguous(), pos = pos.contiguous(), rows = rows.contiguous(), block_array = block_array.contiguous();
+  const int64_t n = ids.numel(), S = block_array.size(0), M = block_array.size(1);
+  TORCH_CHECK(pos.numel() == n && rows.numel() == n && n > 0 && block_size > 0, "decode_inputs: one of each a row");
+  const int64_t *ip = ids.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>(), *rp = rows.data_ptr<int64_t>();
+  int64_t most = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(pp[r] >= 0 && pp[r] / block_size < M && rp[r] >= 0 && rp[r] < S, "decode_inputs: out of range");
+    most = std::max(most, pp[r]);
+  }
+  const int64_t W = most / block_size + 1;
+  auto out = torch::empty({5, n}, torch::kInt64);
+  auto tables = torch::empty({n, W}, torch::kInt32);
+  int64_t* o = out.data_ptr<int64_t>();
+  int32_t* t = tables.data_ptr<int32_t>();
+  const int32_t* ba = block_array.data_ptr<int32_t>();
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t p = pp[r];
+    const int32_t* row = ba + rp[r] * M;
+    o[r] = ip[r];
+    o[n + r] = p;
+    o[2 * n + r] = row[p / block_size];
+    o[3 * n + r] = p % block_size;
+    o[4 * n + r] = p + 1;
+    std::memcpy(t + r * W, row, W * sizeof(int32_t));
+  }
+  return {out[0], out[1], out[2], out[3], tables, out[4]};
+}
+
 torch::Tensor sample_rows(torch::Tensor x, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
                           torch::Tensor min_p, torch::Tensor u, torch::Tensor e);
 torch::Tensor argmax_rows(torch::Tensor x);
@@ -1318,6 +1356,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's first largest logit (float32 / bfloat16), as torch.argmax");
   m.def("sample_rows_seeded", &sample_rows_seeded,
         "sample_rows with each row's uniform made from its premixed seed and position (sampling.uniforms' rule)");
+  m.def("decode_inputs", &decode_inputs,
+        "a decode step's ids, positions, blocks, rows in block, block tables (int32) and context lengths");
   m.def("sampling_isa", &sampling_isa, "the variant the sampling kernels run (avx512 | avx2 | portable)");
   m.def("isa", &isa, "the linear kernel variant this CPU runs (amx: AMX tiles for products of 8 rows or more)");
 }
