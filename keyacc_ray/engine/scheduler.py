@@ -84,21 +84,23 @@ class Scheduler:
         budget starts with a chunk of it)."""
         out = SchedulerOutput()
         budget = self.max_prefill_tokens
-        tables, bs = self.blocks.tables, self.blocks.block_size
+        tables, bs, lazy = self.blocks.tables, self.blocks.block_size, self.lazy
+        running, decoding = self.running, out.decode
         i = 0
-        while i < len(self.running):
-            seq = self.running[i]
-            decode = seq.decoding
+        while i < len(running):
+            seq = running[i]
+            cached = seq.num_cached
+            decode = cached > 0 and len(seq.token_ids) - cached == 1  # (Sequence.decoding, inline: every row, every step)
             n = 1 if decode else self._chunk(seq, budget)
             if n == 0:  # the budget is spent: this prompt goes on next step
                 i += 1
                 continue
-            if (self.lazy and seq.num_cached + n > len(tables[seq.request_id]) * bs
-                    and not self.blocks.grow(seq.request_id, seq.num_cached + n)):
+            if (lazy and cached + n > len(tables[seq.request_id]) * bs
+                    and not self.blocks.grow(seq.request_id, cached + n)):
                 self._preempt_newest(out)  # possibly seq itself; then the loop ends here
                 continue
             if decode:
-                out.decode.append(seq)
+                decoding.append(seq)
             else:
                 out.prefill.append((seq, n))
                 budget -= n
