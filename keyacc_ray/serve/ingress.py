@@ -398,11 +398,20 @@ class Ingress:
         pending = [None] * n  # only a choice's finishing chunk waits, so its trace can ride on it
         offset, seen = [0] * n, [False] * n
         outs = [tools.ToolOutput(p.tools) for _ in range(n)] if p.tools is not None else None
+        # chunks of nothing but text (the common stream): their events made from the text alone
+        plain = (outs is None and not p.continuous_usage and not p.return_token_ids and not p.echo_only
+                 and all(r.params.get("logprobs") is None for r in p.requests))
+        text_event = [protocol.sse_text_event(p, created, k) for k in range(n)] if plain else None
         async for k, i in items:
             if isinstance(i, TokenChunk):
                 timer.tokens(k, len(i.token_ids))
                 n_out[k] = 0 if p.echo_only else i.num_output_tokens or n_out[k]
                 reason[k] = i.finish_reason or reason[k]
+                if text_event is not None and seen[k] and i.finish_reason is None:
+                    event = text_event[k](i.text)
+                    if event is not None:
+                        yield event
+                        continue
                 if not seen[k]:
                     cached[k] = i.num_cached_tokens  # (the first hop's: where the prompt was prefilled)
                 text, covered, entries, generated = protocol.as_sent(p, k, i, not seen[k])

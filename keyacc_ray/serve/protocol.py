@@ -508,6 +508,28 @@ def chunk_body(p: ParsedRequest, created: int, text: str, finish_reason, token_i
                                     tool_calls=tool_calls)]}
 
 
+_TEXT_MARK = "\x00keyacc-text\x00"
+
+
+def sse_text_event(p: ParsedRequest, created: int, index: int):
+    """For a stream whose chunks carry nothing but text (no logprobs, tool calls, token ids or
+    usage), a function text -> the SSE event of a mid-stream chunk with that text: exactly
+    `data: ` + json.dumps(chunk_body(...)) (ASCII-escaped), with only the text encoded per event
+    (the dict and the whole body's encoding cost the ingress about a tenth of a token's CPU).
+    The empty chat delta (`{}`, no content) is not one of these: None for it."""
+    whole = json.dumps(chunk_body(p, created, _TEXT_MARK, None, index=index))
+    head, tail = whole.split(json.dumps(_TEXT_MARK))
+    head, tail = "data: " + head, tail + "\n\n"
+    chat = p.kind == "chat"
+
+    def event(text: str) -> str | None:
+        if chat and not text:
+            return None
+        return head + json.dumps(text) + tail
+
+    return event
+
+
 def full_body(p: ParsedRequest, choices: list[dict], n_out: int, traces: list[dict], cached: int = 0) -> dict:
     """The whole response: `choices` from choice_body, in order, and each choice's trace. One
     choice: `keyacc` is its trace; several: every segment is marked with its choice, and each

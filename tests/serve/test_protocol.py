@@ -296,3 +296,25 @@ def test_fields_the_server_does_not_read_are_named():
             "metadata": {"a": 1}, "store": True, "frobnicate": 1, "keyacc": {"route": "gpu"}}
     assert ignored_fields(body) == ["frobnicate", "metadata", "store"]
     assert not READ_FIELDS & set(NEUTRAL)
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_text_chunks_event_is_the_whole_bodys_encoding(qwen3_path, kind):
+    """The ingress makes a mid-stream chunk of nothing but text from its text alone: the same
+    bytes as encoding the whole chunk (ASCII-escaped: quotes, backslashes, line and paragraph
+    separators, astral characters, control characters), for every choice index."""
+    from keyacc_ray.serve.ingress import _sse
+    from keyacc_ray.serve.protocol import chunk_body, sse_text_event
+
+    tok = AutoTokenizer.from_pretrained(qwen3_path)
+    body = {"model": "m", "n": 3, "stream": True,
+            **({"messages": [{"role": "user", "content": "hi"}]} if kind == "chat" else {"prompt": "hi"})}
+    p = parse(body, kind, tokenizer=tok, served_names={"m"}, max_model_len=256)
+    texts = ["a", " word", 'q"uote\\', "line\nbreak\u2028sep\u0085", "жЖ€𝄞", "\x00\x1c\t", "}]}\", \"x"]
+    for k in range(3):
+        event = sse_text_event(p, 1700000000, k)
+        for text in texts:
+            assert event(text) == _sse(chunk_body(p, 1700000000, text, None, index=k))
+        assert (event("") is None) == (kind == "chat")  # (chat's empty delta is `{}`: the whole path)
+        if kind != "chat":
+            assert event("") == _sse(chunk_body(p, 1700000000, "", None, index=k))
