@@ -241,13 +241,13 @@ class LLMEngine:
             if s.imported is not None:
                 self._write_imported(s)
         arrays = self._decode_arrays(sched.decode) if not sched.prefill and self.runner.decodes_arrays else None
+        self._last_decode = None  # (carried only from a step of decode rows alone that completed)
         if arrays is not None:  # decode rows alone (the common step): arrays, no items
             self.histograms["vllm:iteration_tokens_total"].observe(len(sched.decode))
             logits = self.runner.decode(*arrays)
             outs = self._decoded(sched.decode, logits, arrays[1] + 1)
             self._last_decode = (arrays, self._rows, self.blocks.row_changes)
             return outs
-        self._last_decode = None
         table, row = self.blocks.table_ref, self.blocks.row.get
         items = [StepItem([s.token_ids[-1]], s.num_cached, table(s.request_id), "last", row(s.request_id, -1))
                  for s in sched.decode]
