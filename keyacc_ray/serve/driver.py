@@ -36,8 +36,9 @@ HOP_START_BOUND_S = 1.0
 # A new request (no token yet) sent to the CPU pool waits for its first place longer, as a queue
 # does, but not without end: a hop whose replica has not taken it by then (Serve's queue for a pool
 # whose replicas died and are being replaced, again and again under the kill soak, kept requests
-# past their clients' timeouts) is routed again as new, once. (Not on the GPU pools: there the
-# policy would route it back to the same queue, behind where it was.)
+# past their clients' timeouts) starts over on the GPU pools. (Not on the GPU pools: there the
+# policy would route it back to the same queue, behind where it was.) A pinned request stalled
+# once waits this long on its own pool again, then goes on elsewhere (its pool may be gone).
 NEW_HOP_START_BOUND_S = 20.0
 # Pool streams and router calls use Serve's gRPC transport (`_by_reference=False`): per streamed
 # item it costs the ingress about half the CPU of Ray's task streaming (docs/benchmarks.md).
@@ -177,7 +178,9 @@ class RequestDriver:
                                                                                **in_periods)
                 bound = (HOP_START_BOUND_S if generated else
                          NEW_HOP_START_BOUND_S if t.hop.startswith("cpu_decode") else None)
-                if bound is not None and not t.stall_moved:
+                if t.stall_moved:  # moved once: no bound, but a pinned request back on its own pool
+                    bound = NEW_HOP_START_BOUND_S if bound is not None and t.pinned_route is not None else None
+                if bound is not None:
                     waiting["timer"] = asyncio.get_running_loop().call_later(bound, _stalled, stream, waiting)
                 async for items in (stream if hop is None else hop.attach(stream)):
                     if waiting["timer"] is not None:  # anything from the hop (its HopAccepted, or its

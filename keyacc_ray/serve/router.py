@@ -426,7 +426,7 @@ class Router:
             # a stream under way that its pool did not take within the driver's bound (the replica
             # is dead and being replaced, or full): the other pool, once; pinned, the same pool again
             self._count(f"stalled_starts_total|hop={kind}")
-            t.stall_moved = True
+            again, t.stall_moved = t.stall_moved, True
             if not end.num_output_tokens and not end.has_handoff and t.pinned_route is None:
                 # a new request the CPU pool did not take within the (longer) bound for new ones
                 # (the only pool with that bound) starts on the GPU pools, whose queue is bounded
@@ -439,7 +439,17 @@ class Router:
                 return self._enter_first_hop(t)
             other = "gpu_decode" if kind == "cpu_decode" else "cpu_decode"
             if t.pinned_route is not None or kind not in ("gpu_decode", "cpu_decode"):
-                return self._enter(t, t.hop, t.export_after)
+                if not again:  # pinned: the same pool again, waiting up to the longer bound
+                    return self._enter(t, t.hop, t.export_after)
+                # not taken there twice: its pool is gone for now (a node removed, replicas that
+                # cannot be placed); it goes on elsewhere, as after a failure, not without end
+                nxt = FAILOVER[kind]
+                log.warning("hop %s of %s not taken twice; continuing on %s after %d tokens", t.hop, t.request_id,
+                            nxt, end.num_output_tokens)
+                self._count(f"moves_total|from={'cpu' if kind == 'cpu_decode' else 'gpu'},"
+                            f"to={'cpu' if nxt == 'cpu_decode' else 'gpu'},reason=stalled")
+                t.last_cpu = None
+                return self._enter(t, nxt, self._cpu_period(t) if nxt == "cpu_decode" else None)
             src, dst = ("cpu", "gpu") if other == "gpu_decode" else ("gpu", "cpu")
             self._count(f"moves_total|from={src},to={dst},reason=stalled")
             if other == "gpu_decode":

@@ -993,13 +993,40 @@ def test_a_stalled_decode_start_moves_once_and_a_pinned_one_waits_where_it_was_p
     assert not errors and tokens == [100 + i for i in range(10)]
     assert router._counters["stalled_starts_total|hop=cpu_decode"] == 1
     assert cpu.streams[0].cancelled
-    if pinned:  # the same pool again, waiting this time as long as it takes
+    if pinned:  # the same pool again, waiting this time up to the longer bound (it takes it by then)
         assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == [("gpu", 1), ("cpu", 9)]
         assert len(cpu.calls) == 2
     else:
         assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == [("gpu", 1), ("gpu", 9)]
         assert router._counters["moves_total|from=cpu,to=gpu,reason=stalled"] == 1
     assert router._counters.get("recoveries_total|hop=cpu_decode", 0) == 0  # not a failure
+    assert settled(router)
+
+
+def test_a_pinned_stream_its_pool_never_takes_goes_on_elsewhere(monkeypatch):
+    """A pinned stream whose pool does not take it (a node removed: its replicas cannot be placed)
+    waits on that pool again up to NEW_HOP_START_BOUND_S, then goes on on the other pool as after
+    a failure, not without end (the multi-node test's client timed out there)."""
+    from keyacc_ray.serve import driver as driver_mod
+
+    monkeypatch.setattr(driver_mod, "HOP_START_BOUND_S", 0.05)
+    monkeypatch.setattr(driver_mod, "NEW_HOP_START_BOUND_S", 0.2)
+    driver, router, pools = make("stage_offload", {"decode_period_tokens": 100})
+    cpu = pools["cpu_decode/0"]
+    real = cpu._run
+
+    async def never_taken(req, handoff, export_after):  # every call waits in Serve's queue
+        await asyncio.sleep(60)
+        async for items in real(req, handoff, export_after):
+            yield items
+
+    cpu._run = never_taken
+    tokens, errors, trace = asyncio.run(asyncio.wait_for(collect(driver, request(10, route="stage")), 4))
+    assert not errors and tokens == [100 + i for i in range(10)]
+    assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == [("gpu", 1), ("gpu", 9)]
+    assert len(cpu.calls) == 2 and all(s.cancelled for s in cpu.streams)
+    assert router._counters["stalled_starts_total|hop=cpu_decode"] == 2
+    assert router._counters["moves_total|from=cpu,to=gpu,reason=stalled"] == 1
     assert settled(router)
 
 
