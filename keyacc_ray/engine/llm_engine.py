@@ -395,7 +395,7 @@ class LLMEngine:
                 stopped[i] = SeqStatus.FINISHED_STOPPED
                 if not p.include_stop_str_in_output:  # else the stop token's own text, as vLLM
                     continue
-            if d.bytes is not None and not d.stop:
+            if d.bytes is not None and not d.stop:  # (d.streams_bytes, inline)
                 texts[i] = d.stream_step(token)
                 continue
             det_d.append(d)

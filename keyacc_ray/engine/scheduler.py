@@ -90,7 +90,7 @@ class Scheduler:
         while i < len(running):
             seq = running[i]
             cached = seq.num_cached
-            decode = cached > 0 and len(seq.token_ids) - cached == 1  # (Sequence.decoding, inline: every row, every step)
+            decode = cached > 0 and len(seq.token_ids) - cached == 1  # (Sequence.decoding, inline)
             n = 1 if decode else self._chunk(seq, budget)
             if n == 0:  # the budget is spent: this prompt goes on next step
                 i += 1
