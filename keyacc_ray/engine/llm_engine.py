@@ -122,7 +122,8 @@ class LLMEngine:
         self.tokens_generated = 0
         # the last sampled batch: (its sequences, their ids, params, rows wanting logprobs, the tokens drawn)
         self._rows: tuple | None = None
-        self._last_decode: tuple | None = None  # the last step's decode arrays, if it was decode rows alone
+        # the last step's positions, block-array rows and row_changes, if it was decode rows alone
+        self._last_decode: tuple | None = None
         self.prefill_rate = PrefillRate()
         # vLLM's queue / prefill / decode / inference times and tokens per step, as this engine sees them
         self.histograms = {name: Histogram(b) for name, (b, _) in ENGINE_HISTOGRAMS.items()}
@@ -246,7 +247,7 @@ class LLMEngine:
             self.histograms["vllm:iteration_tokens_total"].observe(len(sched.decode))
             logits = self.runner.decode(*arrays)
             outs = self._decoded(sched.decode, logits, arrays[1] + 1)
-            self._last_decode = (arrays, self._rows, self.blocks.row_changes)
+            self._last_decode = (arrays[1], arrays[2], self.blocks.row_changes)  # (its tokens: in self._rows)
             return outs
         table, row = self.blocks.table_ref, self.blocks.row.get
         items = [StepItem([s.token_ids[-1]], s.num_cached, table(s.request_id), "last", row(s.request_id, -1))
@@ -296,11 +297,10 @@ class LLMEngine:
         same rows as the last step, which was a step of decode rows alone, in the same order, and
         no row given or taken since (a decode batch, step after step): the tokens it sampled, its
         positions + 1, its rows, with no pass over the sequences."""
-        last = self._last_decode
-        if last is not None:
-            (_, pos, rows), (prev, _, _, _, sampled), changes = last
-            if (changes == self.blocks.row_changes and len(prev) == len(seqs) and sampled is not None
-                    and all(map(operator.is_, prev, seqs))):
+        if self._last_decode is not None:  # (then self._rows is that step's batch: nothing sampled since)
+            pos, rows, changes = self._last_decode
+            prev, sampled = self._rows[0], self._rows[4]
+            if changes == self.blocks.row_changes and len(prev) == len(seqs) and all(map(operator.is_, prev, seqs)):
                 return sampled, pos + 1, rows
         n, row = len(seqs), self.blocks.row.get
         rows = np.fromiter((row(s.request_id, -1) for s in seqs), dtype=np.int64, count=n)

@@ -438,18 +438,10 @@ class Router:
                 t.route = "gpu"
                 return self._enter_first_hop(t)
             other = "gpu_decode" if kind == "cpu_decode" else "cpu_decode"
-            if t.pinned_route is not None or kind not in ("gpu_decode", "cpu_decode"):
-                if not again:  # pinned: the same pool again, waiting up to the longer bound
-                    return self._enter(t, t.hop, t.export_after)
-                # not taken there twice: its pool is gone for now (a node removed, replicas that
-                # cannot be placed); it goes on elsewhere, as after a failure, not without end
-                nxt = FAILOVER[kind]
-                log.warning("hop %s of %s not taken twice; continuing on %s after %d tokens", t.hop, t.request_id,
-                            nxt, end.num_output_tokens)
-                self._count(f"moves_total|from={'cpu' if kind == 'cpu_decode' else 'gpu'},"
-                            f"to={'cpu' if nxt == 'cpu_decode' else 'gpu'},reason=stalled")
-                t.last_cpu = None
-                return self._enter(t, nxt, self._cpu_period(t) if nxt == "cpu_decode" else None)
+            if (t.pinned_route is not None or kind not in ("gpu_decode", "cpu_decode")) and not again:
+                return self._enter(t, t.hop, t.export_after)  # pinned: the same pool again, up to the longer bound
+            # (a pinned stream not taken there twice: its pool is gone for now, a node removed or
+            # replicas that cannot be placed; it goes on on the other pool too, not without end)
             src, dst = ("cpu", "gpu") if other == "gpu_decode" else ("gpu", "cpu")
             self._count(f"moves_total|from={src},to={dst},reason=stalled")
             if other == "gpu_decode":
