@@ -42,6 +42,10 @@ class EngineConfig:
     # paged attention over the block pool (auto: where the load probe shows it matches the model's
     # own attention; off: the model's own attention over gathered KV)
     paged_attention: str = "auto"
+    # decode steps at fixed batch sizes over static buffers (auto: captured as CUDA graphs on CUDA,
+    # vLLM's default; on: also the same static-buffer step on CPU, eagerly; off: eager, vLLM's
+    # enforce_eager). On CPU the fused decode step of the fast path takes precedence.
+    decode_graphs: str = "auto"
     cpu_kernels: str = "auto"  # CPU fast path (keyacc_ray/kernels): auto (where it builds and checks out), on, off
     cpu_weight_quant: str = "none"  # none, or int8: weight-only int8 (per-row scales) for bf16 linears on the fast path
     trust_remote_code: bool = False  # run the model repository's own Python code (transformers' flag)
@@ -77,6 +81,8 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.paged_attention not in ("auto", "off"):
             raise ConfigError(f"EngineConfig.paged_attention must be auto/off, got {self.paged_attention!r}")
+        if self.decode_graphs not in ("auto", "on", "off"):
+            raise ConfigError(f"EngineConfig.decode_graphs must be auto/on/off, got {self.decode_graphs!r}")
         if self.cpu_kernels not in ("auto", "on", "off"):
             raise ConfigError(f"EngineConfig.cpu_kernels must be auto/on/off, got {self.cpu_kernels!r}")
         if not isinstance(self.enable_prefix_caching, bool):

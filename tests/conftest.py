@@ -1,11 +1,16 @@
 """Shared fixtures: tiny models made by scripts/make_tiny_model.py (no downloads)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+# Triton kernels (the GPU's decode attention) run on CPU tensors through Triton's interpreter in the
+# tests; Triton reads this flag when it is first imported, so it is set before anything imports it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

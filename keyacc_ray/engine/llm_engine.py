@@ -91,12 +91,12 @@ class LLMEngine:
                                   num_kv_blocks=config.num_kv_blocks,
                                   gpu_memory_utilization=config.gpu_memory_utilization,
                                   max_num_batched_tokens=config.max_prefill_tokens,
-                                  paged_attention=config.paged_attention)
+                                  paged_attention=config.paged_attention, decode_graphs=config.decode_graphs)
         self.max_model_len = self.runner.max_model_len
         # The KV budget in blocks is the runner's block pool: the accounting is the memory.
         num_blocks = self.runner.num_blocks
         self.blocks = BlockManager(num_blocks, config.kv_block_size, config.max_num_seqs,
-                                   min(num_blocks, -(-self.max_model_len // config.kv_block_size)),
+                                   self.runner.max_blocks_per_seq,
                                    prefix_caching=config.enable_prefix_caching)
         self.runner.block_array = self.blocks.array
         # The longest sequence this engine can ever hold is its KV budget (reserved at admission,

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from keyacc_ray.engine import triton_attention
+
 ATTN_NAME = "keyacc_paged"
 
 
@@ -56,6 +58,7 @@ class StepBatch:
     gather: bool = False  # gather mode: update() returns the batch's keys and values, padded
     gather_idx: torch.Tensor | None = None  # [rows, blocks] long
     kv_len: int = 0
+    all_decode: bool = False  # every packed token is a decode row (row i = packed index i): no chunk
 
 
 class PagedKVCache:
@@ -102,6 +105,9 @@ class PagedAttention:
         self.cache = cache
         self.windows = windows  # per layer: 0 (full attention) or the sliding window
         self.kernels = kernels  # the CPU extension, for decode rows on CPU
+        # decode rows: "cpu" (the extension's kernel), "triton" (engine/triton_attention.py, CUDA),
+        # "torch" (reference_decode); chosen by the runner at load
+        self.decode_kernel = "cpu" if kernels is not None else "torch"
         self.calls = 0
 
     def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -116,6 +122,8 @@ class PagedAttention:
         window = self.windows[layer]
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         q = query[0]  # [H, T, D]
+        if b.all_decode:
+            return self._decode(q.transpose(0, 1)[:, :, None], kp, vp, b, window, scale)[:, 0][None], None
         out = torch.empty((q.shape[1], q.shape[0], vp.shape[-1]), dtype=query.dtype, device=query.device)
         if b.dec is not None:
             qd = q[:, b.dec].transpose(0, 1)[:, :, None]  # [rows, H, 1, D]
@@ -142,10 +150,13 @@ class PagedAttention:
 
     def _decode(self, qd, kp, vp, b: StepBatch, window: int, scale: float) -> torch.Tensor:
         K = self.kernels
-        if (K is not None and qd.device.type == "cpu" and qd.dtype in (torch.float32, torch.bfloat16)
+        if self.decode_kernel == "triton":
+            return triton_attention.paged_decode(qd, kp, vp, b.dec_tables, b.dec_ctx, window, scale)
+        if (self.decode_kernel == "cpu" and qd.device.type == "cpu" and qd.dtype in (torch.float32, torch.bfloat16)
                 and kp.dtype == qd.dtype and kp.shape[-1] == vp.shape[-1] == qd.shape[-1]):
             return K.paged_decode_attention(qd, kp, vp, b.dec_tables, b.dec_ctx, window, scale)
-        return reference_decode(qd, kp, vp, b.dec_tables_long, b.dec_ctx, window, scale)
+        tables = b.dec_tables_long if b.dec_tables_long is not None else b.dec_tables.long()
+        return reference_decode(qd, kp, vp, tables, b.dec_ctx, window, scale)
 
 
 def reference_decode(qd, kp, vp, tables_long, ctx, window: int, scale: float) -> torch.Tensor:

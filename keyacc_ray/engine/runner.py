@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from keyacc_ray.engine.decode_graphs import StaticDecode
 from keyacc_ray.engine.paged_attention import ATTN_NAME, PagedAttention, PagedKVCache, StepBatch, active, gather, register
 from keyacc_ray.errors import ModelLoadError
 
@@ -129,7 +130,7 @@ class ModelRunner:
                  num_threads: int | None = None, kv_memory_fraction: float = 0.85, cpu_kernels: str = "off",
                  cpu_weight_quant: str = "none", trust_remote_code: bool = False, block_size: int = 16,
                  num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
-                 max_num_batched_tokens: int = 4096, paged_attention: str = "auto"):
+                 max_num_batched_tokens: int = 4096, paged_attention: str = "auto", decode_graphs: str = "auto"):
         from transformers import AutoConfig
 
         if num_threads:
@@ -170,15 +171,66 @@ class ModelRunner:
         self.num_blocks = self._fit_blocks(num_kv_blocks, kv_memory_fraction, gpu_memory_utilization,
                                            max_num_batched_tokens)
         s = self.kv_shape
-        self.cache = PagedKVCache(s.num_layers, self.num_blocks, s.num_kv_heads, block_size, s.head_dim, s.v_dim,
-                                  self.dtype, self.device)
+        # one block more than the block manager hands out: the pad block, where the padding rows of
+        # a fixed-size decode step write their keys (engine/decode_graphs.py)
+        self.pad_block = self.num_blocks
+        self.cache = PagedKVCache(s.num_layers, self.num_blocks + 1, s.num_kv_heads, block_size, s.head_dim,
+                                  s.v_dim, self.dtype, self.device)
         self.windows = [self._window(i) for i in range(s.num_layers)]
         if self.device.type == "cpu" and cpu_kernels != "off":
             self._enable_cpu_kernels(required=cpu_kernels == "on",
                                      quant=None if cpu_weight_quant == "none" else cpu_weight_quant)
         self.attn = PagedAttention(self.cache, self.windows, self._kernels)
+        self.attn.decode_kernel = self._choose_decode_kernel()
         self.paged = paged_attention != "off" and self._try_paged()
         self._check_cache_used()
+        self.static_decode: StaticDecode | None = None  # decode steps at bucket sizes (CUDA graphs)
+        if decode_graphs not in ("auto", "on", "off"):
+            raise ModelLoadError(f"decode_graphs must be auto/on/off, got {decode_graphs!r}", param="decode_graphs")
+        if self.paged and self.fused_step is None and (
+                decode_graphs == "on" or (decode_graphs == "auto" and self.device.type == "cuda")):
+            self.static_decode = StaticDecode(max_num_seqs, self.max_blocks_per_seq, block_size, self.pad_block,
+                                              self.device, self._static_step)
+            self.static_decode.capture()
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """The widest block table: the block manager's array has this many columns."""
+        return min(self.num_blocks, -(-self.max_model_len // self.block_size))
+
+    @property
+    def graphs_captured(self) -> list[int]:
+        """The batch sizes whose decode step replays a CUDA graph."""
+        return sorted(self.static_decode.graphs) if self.static_decode else []
+
+    def _choose_decode_kernel(self) -> str:
+        """Decode attention over the pool: the CPU kernel on CPU where built, the Triton kernel on
+        CUDA where triton runs and agrees with the torch reference on this pool's shapes, else the
+        torch reference (logged). KEYACC_DECODE_ATTENTION=triton|torch forces one (triton on CPU runs
+        under TRITON_INTERPRET=1: the tests')."""
+        from keyacc_ray.engine import triton_attention
+
+        forced = os.environ.get("KEYACC_DECODE_ATTENTION", "")
+        if forced not in ("", "triton", "torch"):
+            raise ModelLoadError(f"KEYACC_DECODE_ATTENTION must be triton or torch, got {forced!r}")
+        if forced == "torch":
+            return "torch"
+        if forced != "triton" and self.device.type == "cpu":
+            return "cpu" if self._kernels is not None else "torch"
+        s = self.kv_shape
+        if not triton_attention.available(self.device):
+            log.warning("decode attention: torch reference (%s)", triton_attention.unavailable_reason())
+            return "torch"
+        try:
+            ok = triton_attention.self_check(self.device, self.dtype, s.num_kv_heads,
+                                             self.hf_config.num_attention_heads, s.head_dim, s.v_dim, self.block_size)
+        except Exception as e:  # noqa: BLE001 - a kernel that does not build here
+            log.warning("decode attention: torch reference (triton kernel failed: %s: %s)", type(e).__name__, e)
+            return "torch"
+        if not ok:
+            log.warning("decode attention: torch reference (triton kernel disagrees with it on this shape)")
+            return "torch"
+        return "triton"
 
     def _window(self, layer: int) -> int:
         """The sliding window of a layer (0: it attends over everything), by the same rule the
@@ -518,14 +570,26 @@ class ModelRunner:
         `block_array`), through the fused step where it runs, else the paged model's forward
         (`decodes_arrays`): the engine's common step with no per-row object. Logits [rows, vocab]
         in row order."""
+        sd = self.static_decode
+        if sd is not None and self.fused_step is None and len(ids) <= sd.max_rows:
+            return sd.run(sd.fill(ids, pos, rows, self.block_array))[:len(ids)]
         inputs = self._decode_inputs(ids, pos, rows)
         if self.fused_step is not None:
             return self.fused_step(*inputs, self.cache.k, self.cache.v, self.windows)
-        ids_t, pos_t, blk, off, tables, ctx = inputs
-        b = StepBatch(ids_t[None], pos_t[None], blk, off, [], [], [], [], chunks=[])
-        b.dec = torch.arange(len(ids), device=self.device)  # packed index i is row i
-        b.dec_tables, b.dec_tables_long, b.dec_ctx = tables, tables.long(), ctx
+        return self._step_decode(len(ids), *inputs)
+
+    def _step_decode(self, n: int, ids, pos, blk, off, tables, ctx) -> torch.Tensor:
+        """The paged model's forward over n decode rows given as device tensors (tables int32)."""
+        b = StepBatch(ids[None], pos[None], blk, off, [], [], [], [], chunks=[], all_decode=True)
+        b.dec_tables, b.dec_ctx = tables, ctx
+        if self.attn.decode_kernel == "torch":
+            b.dec_tables_long = tables.long()
         return self._run_packed(b, 0)  # (0: every row's logits)
+
+    def _static_step(self, n: int, ids, pos, blk, off, tables, ctx) -> torch.Tensor:
+        """StaticDecode's step: the same forward, over its buffers (what a CUDA graph captures)."""
+        with torch.inference_mode():
+            return self._step_decode(n, ids, pos, blk, off, tables, ctx)
 
     @torch.inference_mode()
     def forward(self, items: list[StepItem], decode: bool = False) -> torch.Tensor:

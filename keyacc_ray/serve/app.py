@@ -138,6 +138,7 @@ class PoolConfig:
     resources: dict = field(default_factory=dict)  # custom Ray resources each replica needs (node kind)
     numa: str = "off"  # CPU pool: "auto" = one deployment per NUMA node (from the cluster or this host)
     cpu_kernels: str = "auto"  # engines on CPU: the fast-path kernels (auto / on / off)
+    decode_graphs: str = "auto"  # decode steps as CUDA graphs on CUDA (auto / on / off: eager)
     cpu_weight_quant: str = "none"  # engines on CPU: "int8" = weight-only int8 linears on the fast path
     # A stream's tokens leave a replica at most once per interval (the first at once): each
     # Serve hop costs CPU per chunk, so a longer interval trades burstier inter-token arrival
@@ -254,7 +255,8 @@ class AppConfig:
                                    num_threads=pool.num_threads,
                                    kv_memory_fraction=pool.kv_memory_fraction,
                                    gpu_memory_utilization=pool.gpu_memory_utilization, cpu_kernels=pool.cpu_kernels,
-                                   cpu_weight_quant=pool.cpu_weight_quant, trust_remote_code=self.trust_remote_code))
+                                   cpu_weight_quant=pool.cpu_weight_quant, decode_graphs=pool.decode_graphs,
+                                   trust_remote_code=self.trust_remote_code))
 
 
 def resolve_model(model: str) -> str:

@@ -1,0 +1,161 @@
+"""Decode attention over the paged KV pool as a Triton kernel (the GPU's; issue #21).
+
+One program per (sequence, KV head): it loads the query heads of that KV head's group (grouped
+query attention without repeating K or V), walks the sequence's keys through its block table in
+tiles of `BLOCK_N` tokens up to the sequence's own length (a batch of mixed lengths: nothing padded
+to the longest, a table wider than the sequence costs nothing), with an online softmax, and writes
+the group's outputs. Sliding windows start the walk at the window. Shapes are the block pool's
+(`[blocks, kv_heads, block_size, dim]`, any block size) and the runner's decode rows (`qd` as
+`[rows, heads, 1, dim]`, out `[rows, 1, heads, dim]`), the contract of `reference_decode`.
+
+The kernel is jitted when first wanted; a box without `triton` (the CPU-only install) imports this
+module fine and `available()` says no. Under
+`TRITON_INTERPRET=1` the same kernel runs on CPU tensors through Triton's interpreter (float32 and
+float16: numpy has no bfloat16), which is how the tests check it on a machine without a GPU.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BLOCK_N = 64  # keys per tile
+_kernel = None  # (interpret flag, the jitted kernel)
+_reason = ""
+try:  # the kernel's body below names `tl` as a module global (Triton's interpreter patches those)
+    import triton.language as tl
+except Exception as e:  # noqa: BLE001 - no triton: the torch reference decodes
+    tl = None
+    _reason = f"triton not importable: {type(e).__name__}: {e}"
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _paged_decode(Q, K, V, T, C, O, sq_b, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, st_b, so_b, so_h,
+                scale, window, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                DV: tl.constexpr, DVP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    """One (sequence, KV head): its group's query heads over the sequence's keys (module docstring)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    ctx = tl.load(C + b).to(tl.int32)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, DP)
+    dv = tl.arange(0, DVP)
+    gm = g < G
+    heads = kvh * G + g
+    q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=gm[:, None] & (d[None, :] < D),
+                other=0.0)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DVP], tl.float32)
+    lo = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
+    first = (lo // BN) * BN
+    for start in range(first, ctx, BN):
+        j = start + tl.arange(0, BN)
+        jm = (j >= lo) & (j < ctx)
+        blk = tl.load(T + b * st_b + j // BS, mask=jm, other=0).to(tl.int64)
+        row = (j % BS).to(tl.int64)
+        k = tl.load(K + blk[:, None] * sk_n + kvh * sk_h + row[:, None] * sk_t + d[None, :],
+                    mask=jm[:, None] & (d[None, :] < D), other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(jm[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + blk[:, None] * sv_n + kvh * sv_h + row[:, None] * sv_t + dv[None, :],
+                    mask=jm[:, None] & (dv[None, :] < DV), other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(O + b * so_b + heads[:, None] * so_h + dv[None, :], out.to(O.dtype.element_ty),
+             mask=gm[:, None] & (dv[None, :] < DV))
+
+
+def _build():
+    """The jitted kernel, built on first use (and again if the interpreter flag changed)."""
+    global _kernel, _reason
+    flag = interpreting()
+    if _kernel is not None and _kernel[0] == flag:
+        return _kernel[1]
+    if tl is None:
+        return None
+    import triton
+
+    _kernel = (flag, triton.jit(_paged_decode))
+    return _kernel[1]
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernel can run on `device`: CUDA with triton, or any device under the interpreter."""
+    if device.type != "cuda" and not interpreting():
+        return False
+    return _build() is not None
+
+
+def unavailable_reason() -> str:
+    return _reason
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, 1 << (n - 1).bit_length())
+
+
+def paged_decode(qd: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor,
+                 window: int, scale: float) -> torch.Tensor:
+    """Decode attention: qd [rows, H, 1, D]; kp / vp the layer's pools [blocks, KVH, block_size, D(v)];
+    tables [rows, width] (int32 or int64, entries past a row's length unread); ctx [rows] the keys each
+    row attends over (at least 1). Returns [rows, 1, H, Dv] in qd's dtype. No host sync: capturable."""
+    kernel = _build()
+    rows, heads, _, dim = qd.shape
+    kvh, bs, dv = kp.shape[1], kp.shape[2], vp.shape[-1]
+    group = heads // kvh
+    q = qd[:, :, 0]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    assert kp.stride(-1) == 1 and vp.stride(-1) == 1 and tables.stride(-1) == 1
+    out = torch.empty((rows, 1, heads, dv), dtype=qd.dtype, device=qd.device)
+    o = out[:, 0]
+    kernel[(rows, kvh)](q, kp, vp, tables, ctx, o, q.stride(0), q.stride(1), kp.stride(0), kp.stride(1),
+                        kp.stride(2), vp.stride(0), vp.stride(1), vp.stride(2), tables.stride(0), o.stride(0),
+                        o.stride(1), float(scale), int(window or 0), G=group, GP=_pow2(group), D=dim,
+                        DP=_pow2(dim), DV=dv, DVP=_pow2(dv), BS=bs, BN=BLOCK_N,
+                        IEEE=qd.dtype == torch.float32)
+    return out
+
+
+def self_check(device: torch.device, dtype: torch.dtype, kv_heads: int, heads: int, dim: int, v_dim: int,
+               block_size: int) -> bool:
+    """The kernel against the torch reference on random data of a pool's shapes (a batch of mixed
+    lengths, one with a window), on `device`: what the runner checks before choosing it."""
+    from keyacc_ray.engine.paged_attention import reference_decode
+
+    if heads % kv_heads:
+        return False
+    g = torch.Generator(device="cpu").manual_seed(5)
+    nb, rows = 24, 4
+    kp = torch.randn((nb, kv_heads, block_size, dim), generator=g).to(device, dtype)
+    vp = torch.randn((nb, kv_heads, block_size, v_dim), generator=g).to(device, dtype)
+    qd = torch.randn((rows, heads, 1, dim), generator=g).to(device, dtype)
+    width = nb // 2
+    tables = torch.stack([torch.randperm(nb, generator=g)[:width] for _ in range(rows)]).to(device, torch.int32)
+    ctx = torch.tensor([1, block_size + 3, width * block_size, 5], device=device)
+    scale = dim ** -0.5
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for window in (0, block_size + 1):
+        got = paged_decode(qd, kp, vp, tables, ctx, window, scale).float()
+        ref = reference_decode(qd.float(), kp.float(), vp.float(), tables.long(), ctx, window, scale)
+        if not float((got - ref).abs().max()) <= tol * max(1.0, float(ref.abs().max())):
+            return False
+    return True

@@ -1,0 +1,144 @@
+"""The GPU decode step's parts, checked on CPU (issue #21): the fixed-size decode step over static
+buffers (engine/decode_graphs.py: buckets, padding, the pad block; on CUDA the same step is captured
+as CUDA graphs) and the Triton paged decode-attention kernel (engine/triton_attention.py), run here
+through Triton's interpreter. Tokens are generate()'s through every one of them."""
+import numpy as np
+import pytest
+import torch
+
+from keyacc_ray.config import EngineConfig
+from keyacc_ray.engine import triton_attention
+from keyacc_ray.engine.decode_graphs import StaticDecode, bucket_sizes
+from keyacc_ray.engine.llm_engine import LLMEngine
+from keyacc_ray.engine.paged_attention import reference_decode
+from keyacc_ray.engine.request import SamplingParams
+from tests.engine.test_fast_path import _random_model
+from tests.helpers import hf_greedy
+
+
+def test_bucket_sizes():
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(2) == [1, 2]
+    assert bucket_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert bucket_sizes(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+def test_fill_pads_to_the_bucket_and_the_step_reads_the_buffers():
+    seen = []
+
+    def step(b, ids, pos, blk, off, tables, ctx):
+        seen.append((b, ids.clone(), pos.clone(), blk.clone(), off.clone(), tables.clone(), ctx.clone()))
+        return torch.arange(b * 3, dtype=torch.float32).view(b, 3)
+
+    sd = StaticDecode(max_rows=8, width=6, block_size=4, pad_block=99, device=torch.device("cpu"), step=step)
+    arr = np.arange(10 * 6, dtype=np.int32).reshape(10, 6)  # the block manager's array: row r, column c
+    rows = np.array([7, 2, 5])
+    pos = np.array([9, 0, 17])  # blocks 2, 0 and 4 of those rows
+    b = sd.fill(np.array([11, 12, 13]), pos, rows, arr)
+    assert b == 4 and sd.bucket(5) == 8 and sd.bucket(9) is None
+    sd.run(b)
+    got_b, ids, p, blk, off, tables, ctx = seen[-1]
+    assert got_b == 4
+    assert ids.tolist() == [11, 12, 13, 0] and p.tolist() == [9, 0, 17, 0]
+    assert blk.tolist() == [arr[7, 2], arr[2, 0], arr[5, 4], 99]  # the pad row writes into the pad block
+    assert off.tolist() == [1, 0, 1, 0] and ctx.tolist() == [10, 1, 18, 1]
+    assert tables.shape == (4, 6)
+    assert tables[:3, :5].tolist() == arr[rows, :5].tolist() and tables[3, 0] == 99
+    # a smaller step afterwards: the rows it no longer has are padding again
+    b = sd.fill(np.array([4]), np.array([3]), np.array([1]), arr)
+    sd.run(b)
+    got_b, ids, p, blk, off, tables, ctx = seen[-1]
+    assert got_b == 1 and ids.tolist() == [4] and blk.tolist() == [arr[1, 0]] and ctx.tolist() == [4]
+    b = sd.fill(np.array([4, 5]), np.array([3, 3]), np.array([1, 1]), arr)
+    sd.run(b)
+    assert seen[-1][0] == 2 and seen[-1][6].tolist() == [4, 4]
+    assert not sd.capture()  # no graphs on CPU: the eager step over the same buffers
+
+
+def _generate_with_buckets(path, prompts, max_tokens, **cfg):
+    eng = LLMEngine(EngineConfig(model=path, dtype="float32", max_num_seqs=8, cpu_kernels="off",
+                                 decode_graphs="on", **cfg))
+    sd = eng.runner.static_decode
+    assert sd is not None and eng.runner.decodes_arrays
+    buckets = []
+    real = sd.run
+    sd.run = lambda b: buckets.append(b) or real(b)
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
+    return eng, eng.generate(prompts, params), buckets
+
+
+@pytest.mark.parametrize("cls,kw", [("Qwen3Config", {"head_dim": 16}),
+                                    ("Qwen3Config", {"head_dim": 16, "layer_types": ["sliding_attention", "full_attention"],
+                                                     "sliding_window": 8, "use_sliding_window": True}),
+                                    ("LlamaConfig", {"num_key_value_heads": 1})])
+def test_static_decode_steps_give_generates_tokens(tmp_path, cls, kw):
+    """Five requests that finish one after another: decode steps at buckets 8, 4, 2 and 1 with
+    padding rows, every row generate()'s tokens; the pad block is never one the engine hands out."""
+    path = _random_model(tmp_path, cls, **kw)
+    prompts = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((14, 3, 9, 20, 6))]
+    max_tokens = [3, 6, 9, 12, 16]
+    eng, outs, buckets = _generate_with_buckets(path, prompts, max_tokens, kv_block_size=4, max_prefill_tokens=64)
+    for p, m, out in zip(prompts, max_tokens, outs):
+        assert out == hf_greedy(path, p, m)
+    assert {8, 4, 2, 1} <= set(buckets)
+    r = eng.runner
+    assert r.pad_block == r.num_blocks == eng.blocks.num_blocks and r.cache.k[0].shape[0] == r.num_blocks + 1
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks  # all returned, none was the pad block
+
+
+def test_decode_graphs_off_and_auto_on_cpu(qwen3_path):
+    for mode in ("off", "auto"):
+        eng = LLMEngine(EngineConfig(model=qwen3_path, dtype="float32", cpu_kernels="off", decode_graphs=mode))
+        assert eng.runner.static_decode is None and eng.runner.graphs_captured == []
+    with pytest.raises(Exception, match="decode_graphs"):
+        EngineConfig(model=qwen3_path, decode_graphs="yes")
+
+
+# ---- the Triton kernel, through Triton's interpreter on CPU ------------------------------------------
+triton = pytest.importorskip("triton")
+
+
+@pytest.fixture
+def interpret():
+    """Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET before Triton is imported)."""
+    assert triton_attention.available(torch.device("cpu")), triton_attention.unavailable_reason()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size,window", [
+    (4, 2, 64, 16, 0), (6, 2, 40, 8, 0), (8, 8, 32, 16, 5), (14, 2, 64, 32, 0), (4, 1, 16, 4, 7)])
+def test_triton_paged_decode_matches_the_reference(interpret, dtype, heads, kv_heads, dim, block_size, window):
+    """GQA groups of 1-7 heads, head sizes that are not powers of two, several block sizes, windows,
+    rows of mixed lengths through shuffled block tables wider than any row."""
+    g = torch.Generator().manual_seed(heads * 100 + dim)
+    nb, width = 40, 12
+    kp = torch.randn((nb, kv_heads, block_size, dim), generator=g).to(dtype)
+    vp = torch.randn((nb, kv_heads, block_size, dim), generator=g).to(dtype)
+    qd = torch.randn((5, heads, 1, dim), generator=g).to(dtype)
+    tables = torch.stack([torch.randperm(nb, generator=g)[:width] for _ in range(5)]).to(torch.int32)
+    ctx = torch.tensor([1, 17, min(150, width * block_size), 3, block_size * 6])
+    got = triton_attention.paged_decode(qd, kp, vp, tables, ctx, window, dim ** -0.5)
+    ref = reference_decode(qd.float(), kp.float(), vp.float(), tables.long(), ctx, window, dim ** -0.5)
+    assert got.shape == ref.shape and got.dtype == dtype
+    tol = 2e-6 if dtype == torch.float32 else 3e-3
+    assert float((got.float() - ref).abs().max()) <= tol * max(1.0, float(ref.abs().max()))
+
+
+def test_triton_self_check_and_its_refusal(interpret):
+    assert triton_attention.self_check(torch.device("cpu"), torch.float32, 2, 4, 16, 16, 4)
+    assert not triton_attention.self_check(torch.device("cpu"), torch.float32, 3, 4, 16, 16, 4)  # 4 heads over 3
+
+
+def test_engine_decodes_through_the_triton_kernel_like_generate(interpret, monkeypatch, tmp_path):
+    """The engine with the Triton kernel as its decode attention (forced; interpreted) in the static
+    decode step: generate()'s tokens, windows included."""
+    monkeypatch.setenv("KEYACC_DECODE_ATTENTION", "triton")
+    path = _random_model(tmp_path, "Qwen3Config", head_dim=16, layer_types=["sliding_attention", "full_attention"],
+                         sliding_window=8, use_sliding_window=True)
+    prompts = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((14, 3, 9))]
+    max_tokens = [5, 9, 12]
+    eng, outs, buckets = _generate_with_buckets(path, prompts, max_tokens, kv_block_size=4)
+    assert eng.runner.attn.decode_kernel == "triton" and eng.runner.paged
+    for p, m, out in zip(prompts, max_tokens, outs):
+        assert out == hf_greedy(path, p, m)
+    assert {4, 2, 1} <= set(buckets)
