@@ -59,10 +59,16 @@ def bandwidth(dev: torch.device) -> float:
 
 
 def weight_bytes(model) -> int:
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if head is None or emb.weight.data_ptr() != head.weight.data_ptr():
-        total -= emb.weight.numel() * emb.weight.element_size()
+    """Bytes of every weight a decode step reads: parameters and buffers (the CPU fast path keeps its
+    packed weights as buffers), each tensor once, less an untied input embedding."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    if not getattr(model.config, "tie_word_embeddings", False):
+        emb = model.get_input_embeddings().weight
+        total -= emb.numel() * emb.element_size()
     return total
 
 
@@ -98,7 +104,7 @@ def main() -> None:
            "fused_step": r.fused_step is not None, "graphs_captured": r.graphs_captured,
            "graph_capture_s": round(r.static_decode.capture_s, 2) if r.static_decode else 0.0,
            "graph_failure": r.static_decode.failure if r.static_decode else "",
-           "bandwidth_gbs": round(bw / 1e9, 1), "weight_gb": round(wbytes / 1e9, 3), "num_kv_blocks": r.num_blocks}
+           "bandwidth_gbs": round(bw / 1e9, 1), "weight_bytes": wbytes, "num_kv_blocks": r.num_blocks}
     print(json.dumps(out), flush=True)
 
     fwd = []  # the runner's decode calls, synchronised: (seconds)

@@ -11,12 +11,16 @@
 #   1. env.json: GPU, CPU, Python, torch, what the kernels build to
 #   2. a random-weight model with a real shape the CPU pool decodes usefully (KEYACC_BENCH_SIZE,
 #      default the ~0.4B "bench" shape), made on the GPU
+#   2b. the engine's decode speed on it (issue #21: scripts/bench_gpu_decode.py, CUDA graphs, the Triton
+#      decode attention): tokens/s at batch 1, 16, 64, 256 of 1k-token sequences, each step against the
+#      HBM roofline, prefill tokens/s, host CPU per step -> decode_<size>.json
 #   3. the engine check on it: GPU prefill -> CPU decode continuation (and back), tokens compared
 #   3b. where the host CPU has AMX: the CPU fast path with and without AMX tiles (a JSON line in log.txt)
-#   4. the same with Qwen3-14B's shape (KEYACC_CHECK_SIZE) -> engine_check.json, when time allows
+#   4. Qwen3-14B's shape (KEYACC_CHECK_SIZE): its decode speed at batch 1, 16, 64 (decode_<size>.json),
+#      then its engine check -> engine_check.json, when time allows
 #   5. bench/: the side-by-side policy run on the GPU + the CPU cores (report.json, written after
 #      every run, + PNG plots), on the step-2 model
-# At most 8 files come back from a device run: log.txt, env.json, engine_check.json, bench/ (5).
+# Files that come back: log.txt, env.json, decode_*.json, engine_check.json, bench/ (5).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-$PWD/gpu_check_out}}
@@ -80,6 +84,19 @@ make_model() {  # size dest seconds
     --out "$2" 2>&1 | tail -2 | tee -a "$OUT_DIR/log.txt"
   [ -f "$2/config.json" ]
 }
+CONTEXT=${KEYACC_DECODE_CONTEXT:-1024}
+[ "$DEVICE" = cpu ] && CONTEXT=${KEYACC_DECODE_CONTEXT:-64}
+decode_bench() {  # model size seconds batches...: the engine's decode speed, one JSON line kept
+  local model=$1 size=$2 secs=$3; shift 3
+  [ "$DEVICE" = cpu ] && set -- 1 4
+  timeout "$secs" $PY scripts/bench_gpu_decode.py --model "$model" --batches "$@" --context "$CONTEXT" \
+    --steps 24 >"$WORK/decode_$size.log" 2>&1
+  local rc=$?
+  grep '^{' "$WORK/decode_$size.log" | tail -1 >"$OUT_DIR/decode_$size.json"
+  grep '^{' "$WORK/decode_$size.log" | tee -a "$OUT_DIR/log.txt" | tail -6
+  [ "$rc" = 0 ] || { log "decode bench ($size) exit status $rc"; grep -v Warning "$WORK/decode_$size.log" | tail -15 | tee -a "$OUT_DIR/log.txt"; }
+  return "$rc"
+}
 engine_check() {  # model out seconds
   timeout "$3" $PY scripts/gpu_engine_check.py --model "$1" --out "$2" 2>&1 | grep -v Warning | tail -6 \
     | tee -a "$OUT_DIR/log.txt"
@@ -91,6 +108,9 @@ engine_check() {  # model out seconds
 # so windows of seconds would measure nothing. The engine check runs on both it and the 14B shape.
 log "2/5 model for the engine check and the side-by-side: $BENCH_SIZE (random weights, made on $DEVICE)"
 make_model "$BENCH_SIZE" "$WORK/m-$BENCH_SIZE" "$(cap 90)" || { log "model creation failed"; exit 3; }
+log "2b decode speed on $BENCH_SIZE ($CONTEXT-token sequences)"
+decode_bench "$WORK/m-$BENCH_SIZE" "$BENCH_SIZE" "$(cap 120)" 1 16 64 256
+DECODE_RC=$?
 log "3/5 engine on $BENCH_SIZE: GPU prefill -> CPU decode and back, tokens compared"
 engine_check "$WORK/m-$BENCH_SIZE" "$WORK/engine_check_$BENCH_SIZE.json" "$(cap 90)"
 SMALL_RC=$?
@@ -107,6 +127,8 @@ LARGE_RC=skipped
 if [ "$SIZE" != "$BENCH_SIZE" ] && [ "$(left)" -gt $(( BENCH_RESERVE + 60 )) ]; then
   log "4/5 model $SIZE on $DEVICE and its engine check ($(left) s left)"
   if make_model "$SIZE" "$WORK/m-$SIZE" "$(cap 150 $(( BENCH_RESERVE + 30 )))"; then
+    log "4 decode speed on $SIZE ($(left) s left)"
+    decode_bench "$WORK/m-$SIZE" "$SIZE" "$(cap 150 $(( BENCH_RESERVE + 20 )))" 1 16 64 || DECODE_RC=1
     engine_check "$WORK/m-$SIZE" "$OUT_DIR/engine_check.json" "$(cap 150 "$BENCH_RESERVE")"
     LARGE_RC=$?
     rm -rf "$WORK/m-$SIZE"   # its page cache and disk back to the side-by-side
@@ -136,4 +158,4 @@ if [ "$BENCH_RC" != 0 ]; then   # what went wrong, for the log that comes back
 fi
 log "bench exit status $BENCH_RC; total $(( $(date +%s) - START )) s"
 rm -rf "$WORK"
-[ "$SMALL_RC" = 0 ] && [ "$LARGE_RC" != 1 ] && [ "$BENCH_RC" = 0 ]
+[ "$SMALL_RC" = 0 ] && [ "$LARGE_RC" != 1 ] && [ "$BENCH_RC" = 0 ] && [ "$DECODE_RC" = 0 ]

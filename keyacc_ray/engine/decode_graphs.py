@@ -7,7 +7,7 @@ buffer), and the rows' block tables ([max_rows, width] int32, width = the most b
 can hold). Rows n..B-1 are padding: token 0 at position 0, its key written into the runner's pad
 block (a block the block manager never hands out), attending over that one key; their logits are
 dropped. On CUDA each bucket's step is captured once as a CUDA graph and replayed with the buffers
-refilled (one host-to-device copy of the small buffer and one of the tables' used columns, from
+refilled (one host-to-device copy of the small buffer and one of the bucket's table rows, from
 pinned memory); on CPU the same step runs eagerly over the same buffers, which is how its
 buffer and padding logic is tested on a machine without a GPU.
 
@@ -96,7 +96,7 @@ class StaticDecode:
         self._pad(n, b)
         if self.small is not self.host_small:
             self.small.copy_(self.host_small, non_blocking=True)
-            self.tables[:b, :width].copy_(self.host_tables[:b, :width], non_blocking=True)
+            self.tables[:b].copy_(self.host_tables[:b], non_blocking=True)  # whole rows: one contiguous copy
         return b
 
     def _run_step(self, b: int) -> torch.Tensor:

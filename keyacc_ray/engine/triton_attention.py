@@ -8,8 +8,8 @@ the group's outputs. Sliding windows start the walk at the window. Shapes are th
 (`[blocks, kv_heads, block_size, dim]`, any block size) and the runner's decode rows (`qd` as
 `[rows, heads, 1, dim]`, out `[rows, 1, heads, dim]`), the contract of `reference_decode`.
 
-The kernel is jitted when first wanted; a box without `triton` (the CPU-only install) imports this
-module fine and `available()` says no. Under
+Triton is imported and the kernel jitted when first wanted (never on a CPU replica); a box without
+`triton` imports this module fine and `available()` says no. Under
 `TRITON_INTERPRET=1` the same kernel runs on CPU tensors through Triton's interpreter (float32 and
 float16: numpy has no bfloat16), which is how the tests check it on a machine without a GPU.
 """
@@ -25,11 +25,8 @@ log = logging.getLogger(__name__)
 BLOCK_N = 64  # keys per tile
 _kernel = None  # (interpret flag, the jitted kernel)
 _reason = ""
-try:  # the kernel's body below names `tl` as a module global (Triton's interpreter patches those)
-    import triton.language as tl
-except Exception as e:  # noqa: BLE001 - no triton: the torch reference decodes
-    tl = None
-    _reason = f"triton not importable: {type(e).__name__}: {e}"
+tl = None  # triton.language once imported: the kernel's body names it as a module global (Triton's
+# interpreter patches those); imported when first wanted, so CPU replicas never pay for it
 
 
 def interpreting() -> bool:
@@ -85,14 +82,17 @@ def _paged_decode(Q, K, V, T, C, O, sq_b, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv
 
 def _build():
     """The jitted kernel, built on first use (and again if the interpreter flag changed)."""
-    global _kernel, _reason
+    global _kernel, _reason, tl
     flag = interpreting()
     if _kernel is not None and _kernel[0] == flag:
         return _kernel[1]
-    if tl is None:
+    try:
+        import triton
+        import triton.language
+    except Exception as e:  # noqa: BLE001 - no triton: the torch reference decodes
+        _reason = f"triton not importable: {type(e).__name__}: {e}"
         return None
-    import triton
-
+    tl = triton.language
     _kernel = (flag, triton.jit(_paged_decode))
     return _kernel[1]
 

@@ -142,3 +142,25 @@ def test_engine_decodes_through_the_triton_kernel_like_generate(interpret, monke
     for p, m, out in zip(prompts, max_tokens, outs):
         assert out == hf_greedy(path, p, m)
     assert {4, 2, 1} <= set(buckets)
+
+
+def test_the_gpu_decode_bench_runs_on_cpu(qwen3_path):
+    """scripts/bench_gpu_decode.py (what gpu_check.sh runs on the GPU host), here through the static
+    decode step: every timed step is one decode call of the whole batch; its figures are there."""
+    import json
+    import subprocess
+    import sys
+
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_gpu_decode.py"
+    out = subprocess.run([sys.executable, str(script), "--model", qwen3_path, "--batches", "1", "3",
+                          "--context", "20", "--steps", "2", "--dtype", "float32", "--decode-graphs", "on",
+                          "--cpu-kernels", "off"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["paged"] and res["decode_attention"] == "torch" and res["graphs_captured"] == []
+    for b in (1, 3):
+        row = res[f"b{b}"]
+        assert row["forward_calls"] == 2 and row["tokens_per_s"] > 0 and row["x_roofline"] > 0
+    assert res["prefill_tokens_per_s"] > 0 and res["weight_bytes"] > 0
