@@ -46,6 +46,11 @@ class EngineConfig:
     # vLLM's default; on: also the same static-buffer step on CPU, eagerly; off: eager, vLLM's
     # enforce_eager). On CPU the fused decode step of the fast path takes precedence.
     decode_graphs: str = "auto"
+    # after a step with prompt tokens, fresh prompts wait this many times that step's duration
+    # while sequences decode (vLLM v0's scheduler_delay_factor): prompts arriving meanwhile share
+    # one eager step instead of making one each. None: 1.0 where decode steps replay CUDA graphs
+    # (an eager step costs many graph steps), else 0 (off)
+    prefill_delay_factor: float | None = None
     cpu_kernels: str = "auto"  # CPU fast path (keyacc_ray/kernels): auto (where it builds and checks out), on, off
     cpu_weight_quant: str = "none"  # none, or int8: weight-only int8 (per-row scales) for bf16 linears on the fast path
     trust_remote_code: bool = False  # run the model repository's own Python code (transformers' flag)
@@ -81,6 +86,9 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.paged_attention not in ("auto", "off"):
             raise ConfigError(f"EngineConfig.paged_attention must be auto/off, got {self.paged_attention!r}")
+        v = self.prefill_delay_factor
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 100):
+            raise ConfigError(f"EngineConfig.prefill_delay_factor must be None or a number in [0, 100], got {v!r}")
         if self.decode_graphs not in ("auto", "on", "off"):
             raise ConfigError(f"EngineConfig.decode_graphs must be auto/on/off, got {self.decode_graphs!r}")
         if self.cpu_kernels not in ("auto", "on", "off"):

@@ -111,6 +111,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_waiting,
                                    config.max_prefill_tokens, lazy=config.kv_allocation == "lazy")
         self.tiers, self.kv_store = self._lower_tiers(config)
+        f = config.prefill_delay_factor
+        self.prefill_delay_factor = float(f if f is not None else (1.0 if self.runner.graphs_captured else 0.0))
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
         eos = self.runner.hf_config.eos_token_id
@@ -225,7 +227,17 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One forward for every scheduled sequence (decode rows and prompt chunks together),
         then one batched sampling of the rows that produce a token."""
+        if not self.prefill_delay_factor:
+            return self._step(self.scheduler.schedule())
+        t0 = time.monotonic()
         sched = self.scheduler.schedule()
+        outs = self._step(sched)
+        if sched.prefill:  # a step with prompt tokens (eager): while the sequences decode, fresh
+            now = time.monotonic()  # prompts wait a while for one another (scheduler.py)
+            self.scheduler.hold_until = now + self.prefill_delay_factor * (now - t0)
+        return outs
+
+    def _step(self, sched) -> list[RequestOutput]:
         if self.tiers is not None and self.tiers.moves:  # blocks to and from the lower tiers
             self.kv_store.run(self.tiers.take_moves())
         for s in sched.preempted:

@@ -217,7 +217,7 @@ class Sampler:
                 out = got
             else:
                 out[torch.tensor(rows, device=logits.device)] = got
-        return out.tolist()
+        return host_list(out)
 
     def _mask(self, logits: torch.Tensor, constrained: list, eos_ids) -> torch.Tensor:
         """The grammar rows' logits with every token their grammar does not allow at -inf (all at
@@ -249,6 +249,27 @@ class Sampler:
             out = [(*e, rank[r]) for r, e in enumerate(out)]
         return out
 
+
+
+_pinned: dict = {}  # device -> (pinned host buffer, blocking event): the sampled ids' way to the host
+
+
+def host_list(t: torch.Tensor) -> list[int]:
+    """The step's one device-to-host copy: on CUDA non-blocking into pinned memory, then a wait on
+    an event recorded after it that blocks (the engine thread sleeps while the GPU finishes the
+    step, instead of spinning on a core as a plain `.tolist()`'s synchronous copy does)."""
+    if t.device.type != "cuda":
+        return t.tolist()
+    n = t.numel()
+    got = _pinned.get(t.device)
+    if got is None or got[0].numel() < n or got[0].dtype != t.dtype:
+        got = _pinned[t.device] = (torch.empty(max(n, 1024), dtype=t.dtype, pin_memory=True),
+                                   torch.cuda.Event(blocking=True))
+    buf, done = got
+    buf[:n].copy_(t.reshape(-1), non_blocking=True)
+    done.record()
+    done.synchronize()
+    return buf[:n].tolist()
 
 
 def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -21,9 +21,17 @@ by another sequence's prompt chunk (the choices of an `n > 1` request, a batch o
 common head) waits one step and then shares it: one prefill of a common prefix. Past the blocks
 cached on the device, blocks held in a lower tier (tiers.py: host memory, disk) are loaded into
 new blocks where that is cheaper than computing them.
+
+Holding prompts back (vLLM v0's scheduler delay factor): where a step of decode rows alone is much
+cheaper than one with prompt tokens (CUDA graphs replay the former; the latter runs eagerly), the
+engine sets `hold_until` after a step with prompt tokens, and until then fresh prompts are not
+admitted while sequences are decoding: prompts arriving meanwhile are prefilled together in one
+eager step instead of each making one. Hand-offs (they come with their KV: decode rows) and the
+next chunks of prompts already admitted are never held; with nothing decoding nothing waits.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -43,7 +51,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_waiting: int,
-                 max_prefill_tokens: int, lazy: bool = False):
+                 max_prefill_tokens: int, lazy: bool = False, clock=time.monotonic):
         self.blocks = blocks
         self.lazy = lazy
         self.num_preemptions = 0
@@ -53,6 +61,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.lower = None  # tiers.LowerTiers below the device's cached blocks, if any
+        self.clock = clock
+        self.hold_until = 0.0  # fresh prompts wait while sequences decode, until then (clock's time)
+        self.num_held = 0  # steps in which a fresh prompt was held back
 
     def add(self, seq: Sequence) -> bool:
         """Queue a sequence; False if the waiting queue is full. One whose stream is under way
@@ -107,9 +118,13 @@ class Scheduler:
             i += 1
         caching = self.blocks.prefix_caching
         pending = self._pending(out.prefill) if caching and self.waiting else None
+        hold = bool(decoding) and self.hold_until > 0 and self.clock() < self.hold_until
         while self.waiting and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             decode = seq.decoding  # came with its KV (a hand-off)
+            if hold and not decode:  # a fresh prompt (or a recomputation) waits for the others
+                self.num_held += 1
+                break
             shared: list = []
             loads: list = []
             if pending is not None and seq.num_cached == 0 and seq.share_prefix:

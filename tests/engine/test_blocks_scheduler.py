@@ -170,3 +170,39 @@ def test_a_stream_under_way_queues_ahead_of_fresh_prompts():
     sch.finish(running, SeqStatus.FINISHED_LENGTH)
     out = sch.schedule()
     assert [s.request_id for s in out.admitted] == ["m0"]
+
+
+def test_fresh_prompts_held_while_sequences_decode_until_the_hold_ends():
+    """Prompt hold (vLLM v0's delay factor): after the engine sets hold_until, fresh prompts wait
+    while sequences decode; a hand-off (a decode row) and a prompt's next chunk are not held; with
+    nothing decoding nothing waits; once the hold ends the waiting prompts go in together."""
+    now = [0.0]
+    bm = BlockManager(num_blocks=100, block_size=4)
+    sch = Scheduler(bm, max_num_seqs=8, max_waiting=8, max_prefill_tokens=6, lazy=True, clock=lambda: now[0])
+    long, a = seq("long", 9, 4), seq("a", 3, 8)
+    sch.add(a)
+    sch.add(long)
+    out = ran(sch.schedule())  # a whole, the first 3 tokens of `long`
+    assert out.prefill == [(a, 3), (long, 3)]
+    sch.hold_until = 1.0  # (the engine: after that step)
+    b, c = seq("b", 3, 4), seq("c", 2, 4)
+    moved = seq("m", 4, 8)
+    moved.token_ids += [7]
+    moved.num_cached = 4  # came with its KV: a decode row
+    for s in (b, moved, c):
+        sch.add(s)
+    out = ran(sch.schedule())  # a decodes; long's next chunk goes on; the hand-off joins; b, c held
+    assert out.decode == [a, moved] and out.prefill == [(long, 6)] and out.admitted == [moved]
+    assert [s.request_id for s in sch.waiting] == ["b", "c"] and sch.num_held == 1
+    now[0] = 0.5
+    assert not ran(sch.schedule()).admitted  # still held
+    now[0] = 1.0
+    out = ran(sch.schedule())  # the hold is over: both prompts in one step
+    assert out.admitted == [b, c] and out.prefill == [(b, 3), (c, 2)]
+    # nothing decoding: a fresh prompt is never held
+    bm2 = BlockManager(num_blocks=20, block_size=4)
+    idle = Scheduler(bm2, max_num_seqs=4, max_waiting=4, max_prefill_tokens=16, clock=lambda: 0.0)
+    idle.hold_until = 5.0
+    d = seq("d", 3, 2)
+    idle.add(d)
+    assert idle.schedule().admitted == [d]

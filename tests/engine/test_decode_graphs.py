@@ -86,12 +86,40 @@ def test_static_decode_steps_give_generates_tokens(tmp_path, cls, kw):
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks  # all returned, none was the pad block
 
 
+def test_prompts_held_while_decoding_still_give_generates_tokens(qwen3_path):
+    """prefill_delay_factor (1.0 by default where decode steps replay CUDA graphs; 0 on CPU): prompts
+    that arrive while others decode wait for one another, and every request still gets generate()'s
+    tokens."""
+    assert LLMEngine(EngineConfig(model=qwen3_path, cpu_kernels="off")).prefill_delay_factor == 0.0
+    eng = LLMEngine(EngineConfig(model=qwen3_path, dtype="float32", max_num_seqs=8, cpu_kernels="off",
+                                 decode_graphs="on", prefill_delay_factor=50.0))
+    prompts = [list(range(3 + i, 10 + 2 * i)) for i in range(5)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    got: dict[str, list[int]] = {}
+    admitted_at = {}
+    for step in range(200):
+        if step < len(prompts):  # one arrival a step while the first ones decode
+            eng.add_request(f"r{step}", prompts[step], params)
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            admitted_at.setdefault(o.request_id, step)
+        if step >= len(prompts) and not eng.has_unfinished():
+            break
+    assert eng.scheduler.num_held > 0
+    assert len(set(admitted_at.values())) < len(prompts)  # later arrivals prefilled together
+    for i, p in enumerate(prompts):
+        assert got[f"r{i}"] == hf_greedy(qwen3_path, p, 10)
+
+
 def test_decode_graphs_off_and_auto_on_cpu(qwen3_path):
     for mode in ("off", "auto"):
         eng = LLMEngine(EngineConfig(model=qwen3_path, dtype="float32", cpu_kernels="off", decode_graphs=mode))
         assert eng.runner.static_decode is None and eng.runner.graphs_captured == []
     with pytest.raises(Exception, match="decode_graphs"):
         EngineConfig(model=qwen3_path, decode_graphs="yes")
+    for bad in (-1, "1", True):
+        with pytest.raises(Exception, match="prefill_delay_factor"):
+            EngineConfig(model=qwen3_path, prefill_delay_factor=bad)
 
 
 # ---- the Triton kernel, through Triton's interpreter on CPU ------------------------------------------
