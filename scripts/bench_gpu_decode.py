@@ -100,7 +100,7 @@ def main() -> None:
     wbytes = weight_bytes(r.model)
     kv_tok = r.kv_bytes_per_token()
     out = {"device": r.device_label(), "model": args.model, "dtype": args.dtype, "context": args.context,
-           "load_s": round(load_s, 1), "decode_attention": r.attn.decode_kernel, "paged": r.paged,
+           "load_s": round(load_s, 1), "attention_kernel": r.attn.kernel, "paged": r.paged,
            "fused_step": r.fused_step is not None, "graphs_captured": r.graphs_captured,
            "graph_capture_s": round(r.static_decode.capture_s, 2) if r.static_decode else 0.0,
            "graph_failure": r.static_decode.failure if r.static_decode else "",

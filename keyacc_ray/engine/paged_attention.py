@@ -59,6 +59,8 @@ class StepBatch:
     gather_idx: torch.Tensor | None = None  # [rows, blocks] long
     kv_len: int = 0
     all_decode: bool = False  # every packed token is a decode row (row i = packed index i): no chunk
+    chunk_tables: torch.Tensor | None = None  # [chunks, width] int32: the Triton prefill kernel's tables
+    chunk_meta: dict | None = None  # what that kernel sends to the device once per step
 
 
 class PagedKVCache:
@@ -105,9 +107,9 @@ class PagedAttention:
         self.cache = cache
         self.windows = windows  # per layer: 0 (full attention) or the sliding window
         self.kernels = kernels  # the CPU extension, for decode rows on CPU
-        # decode rows: "cpu" (the extension's kernel), "triton" (engine/triton_attention.py, CUDA),
-        # "torch" (reference_decode); chosen by the runner at load
-        self.decode_kernel = "cpu" if kernels is not None else "torch"
+        # "cpu" (the extension's kernel for decode rows), "triton" (engine/triton_attention.py on CUDA:
+        # decode rows and prompt chunks), "torch" (reference_decode, SDPA per chunk); the runner's choice
+        self.kernel = "cpu" if kernels is not None else "torch"
         self.calls = 0
 
     def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -128,6 +130,12 @@ class PagedAttention:
         if b.dec is not None:
             qd = q[:, b.dec].transpose(0, 1)[:, :, None]  # [rows, H, 1, D]
             out[b.dec] = self._decode(qd, kp, vp, b, window, scale)[:, 0]
+        if b.chunks and b.chunk_tables is not None:  # every chunk in one launch
+            c = b.chunks
+            triton_attention.paged_prefill(q.transpose(0, 1), kp, vp, b.chunk_tables, [b.q_starts[i] for i in c],
+                                           [b.q_lens[i] for i in c], [b.starts[i] for i in c], window, scale, out,
+                                           b.chunk_meta)
+            return out[None], None
         for i in b.chunks:
             s, t, start = b.q_starts[i], b.q_lens[i], b.starts[i]
             qs = q[None, :, s:s + t]
@@ -150,9 +158,9 @@ class PagedAttention:
 
     def _decode(self, qd, kp, vp, b: StepBatch, window: int, scale: float) -> torch.Tensor:
         K = self.kernels
-        if self.decode_kernel == "triton":
+        if self.kernel == "triton":
             return triton_attention.paged_decode(qd, kp, vp, b.dec_tables, b.dec_ctx, window, scale)
-        if (self.decode_kernel == "cpu" and qd.device.type == "cpu" and qd.dtype in (torch.float32, torch.bfloat16)
+        if (self.kernel == "cpu" and qd.device.type == "cpu" and qd.dtype in (torch.float32, torch.bfloat16)
                 and kp.dtype == qd.dtype and kp.shape[-1] == vp.shape[-1] == qd.shape[-1]):
             return K.paged_decode_attention(qd, kp, vp, b.dec_tables, b.dec_ctx, window, scale)
         tables = b.dec_tables_long if b.dec_tables_long is not None else b.dec_tables.long()

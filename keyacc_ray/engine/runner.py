@@ -181,7 +181,7 @@ class ModelRunner:
             self._enable_cpu_kernels(required=cpu_kernels == "on",
                                      quant=None if cpu_weight_quant == "none" else cpu_weight_quant)
         self.attn = PagedAttention(self.cache, self.windows, self._kernels)
-        self.attn.decode_kernel = self._choose_decode_kernel()
+        self.attn.kernel = self._choose_attention_kernel()
         self.paged = paged_attention != "off" and self._try_paged()
         self._check_cache_used()
         self.static_decode: StaticDecode | None = None  # decode steps at bucket sizes (CUDA graphs)
@@ -203,11 +203,12 @@ class ModelRunner:
         """The batch sizes whose decode step replays a CUDA graph."""
         return sorted(self.static_decode.graphs) if self.static_decode else []
 
-    def _choose_decode_kernel(self) -> str:
-        """Decode attention over the pool: the CPU kernel on CPU where built, the Triton kernel on
-        CUDA where triton runs and agrees with the torch reference on this pool's shapes, else the
-        torch reference (logged). KEYACC_DECODE_ATTENTION=triton|torch forces one (triton on CPU runs
-        under TRITON_INTERPRET=1: the tests')."""
+    def _choose_attention_kernel(self) -> str:
+        """Attention over the pool: on CPU the CPU kernel for decode rows where built; on CUDA the
+        Triton kernels (decode rows, prompt chunks) where triton runs and its decode kernel agrees
+        with the torch reference on this pool's shapes (the load probe then checks both against the
+        model's own attention); else the torch reference (logged). KEYACC_DECODE_ATTENTION=triton|torch
+        forces one (triton on CPU runs under TRITON_INTERPRET=1: the tests')."""
         from keyacc_ray.engine import triton_attention
 
         forced = os.environ.get("KEYACC_DECODE_ATTENTION", "")
@@ -582,7 +583,7 @@ class ModelRunner:
         """The paged model's forward over n decode rows given as device tensors (tables int32)."""
         b = StepBatch(ids[None], pos[None], blk, off, [], [], [], [], chunks=[], all_decode=True)
         b.dec_tables, b.dec_ctx = tables, ctx
-        if self.attn.decode_kernel == "torch":
+        if self.attn.kernel == "torch":
             b.dec_tables_long = tables.long()
         return self._run_packed(b, 0)  # (0: every row's logits)
 
@@ -646,6 +647,8 @@ class ModelRunner:
             b.dec_ctx = torch.tensor([it.start + 1 for it in dec], device=self.device)
         if b.dec is not None:
             b.dec_tables = b.dec_tables_long.to(torch.int32)
+        if chunks and self.attn.kernel == "triton":  # the prefill kernel reads every chunk's table
+            b.chunk_tables, b.chunk_meta = self._tables([items[i] for i in chunks], torch.int32), {}
         return self._run_packed(b, self._keep(items))
 
     def _run_packed(self, b: StepBatch, keep) -> torch.Tensor:

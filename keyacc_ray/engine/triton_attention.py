@@ -1,4 +1,5 @@
-"""Decode attention over the paged KV pool as a Triton kernel (the GPU's; issue #21).
+"""Attention over the paged KV pool as Triton kernels (the GPU's; issue #21): decode rows, and a
+step's prompt chunks in one launch.
 
 One program per (sequence, KV head): it loads the query heads of that KV head's group (grouped
 query attention without repeating K or V), walks the sequence's keys through its block table in
@@ -7,6 +8,12 @@ to the longest, a table wider than the sequence costs nothing), with an online s
 the group's outputs. Sliding windows start the walk at the window. Shapes are the block pool's
 (`[blocks, kv_heads, block_size, dim]`, any block size) and the runner's decode rows (`qd` as
 `[rows, heads, 1, dim]`, out `[rows, 1, heads, dim]`), the contract of `reference_decode`.
+
+Prompt chunks (`paged_prefill`): one program per (tile of query tokens of one chunk, KV head), the
+tile's tokens x the group's heads as the rows of one product against the chunk's keys read through
+its block table (its cached blocks and its own new keys, written into the pool before attention),
+causal, windowed: every chunk of a step, fresh prompt or continuation over a cached prefix, in one
+launch per layer instead of a gather, a mask and an SDPA call per chunk.
 
 Triton is imported and the kernel jitted when first wanted (never on a CPU replica); a box without
 `triton` imports this module fine and `available()` says no. Under
@@ -80,8 +87,67 @@ def _paged_decode(Q, K, V, T, C, O, sq_b, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv
              mask=gm[:, None] & (dv[None, :] < DV))
 
 
+def _paged_prefill(Q, K, V, T, TC, TM, QS, QL, ST, O, sq_t, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, st_c,
+                   so_t, so_h, scale, window, G: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr,
+                   D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BS: tl.constexpr,
+                   BN: tl.constexpr, IEEE: tl.constexpr):
+    """One (tile of BM query tokens of one prompt chunk, KV head): the group's heads for those tokens
+    as BM x GP rows against the chunk's keys through its block table, causal, windowed."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    c = tl.load(TC + tile)  # the chunk
+    m0 = tl.load(TM + tile)  # its first token in this tile
+    qs = tl.load(QS + c)  # where the chunk's tokens sit in the packed row
+    ql = tl.load(QL + c)
+    start = tl.load(ST + c)  # tokens cached before the chunk
+    r = tl.arange(0, BM * GP)
+    m = m0 + r // GP  # the row's token within the chunk
+    g = r % GP
+    rm = (m < ql) & (g < G)
+    pos = start + m  # its position: it sees keys 0..pos
+    head = kvh * G + g
+    d = tl.arange(0, DP)
+    dv = tl.arange(0, DVP)
+    q = tl.load(Q + (qs + m)[:, None] * sq_t + head[:, None] * sq_h + d[None, :],
+                mask=rm[:, None] & (d[None, :] < D), other=0.0)
+    m_i = tl.full([BM * GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM * GP], tl.float32)
+    acc = tl.zeros([BM * GP, DVP], tl.float32)
+    hi = start + tl.minimum(m0 + BM, ql)  # keys the tile's last token sees
+    lo = tl.where(window > 0, tl.maximum(start + m0 - window + 1, 0), 0)
+    for j0 in range((lo // BN) * BN, hi, BN):
+        j = j0 + tl.arange(0, BN)
+        jm = j < hi
+        blk = tl.load(T + c * st_c + j // BS, mask=jm, other=0).to(tl.int64)
+        row = (j % BS).to(tl.int64)
+        k = tl.load(K + blk[:, None] * sk_n + kvh * sk_h + row[:, None] * sk_t + d[None, :],
+                    mask=jm[:, None] & (d[None, :] < D), other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        ok = jm[None, :] & (j[None, :] <= pos[:, None])
+        ok = ok & ((window == 0) | (pos[:, None] - j[None, :] < window))
+        s = tl.where(ok, s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet (padding)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + blk[:, None] * sv_n + kvh * sv_h + row[:, None] * sv_t + dv[None, :],
+                    mask=jm[:, None] & (dv[None, :] < DV), other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
+    tl.store(O + (qs + m)[:, None] * so_t + head[:, None] * so_h + dv[None, :], out.to(O.dtype.element_ty),
+             mask=rm[:, None] & (dv[None, :] < DV))
+
+
 def _build():
-    """The jitted kernel, built on first use (and again if the interpreter flag changed)."""
+    """The jitted kernels {name: kernel}, built on first use (and again if the interpreter flag changed)."""
     global _kernel, _reason, tl
     flag = interpreting()
     if _kernel is not None and _kernel[0] == flag:
@@ -89,11 +155,11 @@ def _build():
     try:
         import triton
         import triton.language
-    except Exception as e:  # noqa: BLE001 - no triton: the torch reference decodes
+    except Exception as e:  # noqa: BLE001 - no triton: the torch reference attends
         _reason = f"triton not importable: {type(e).__name__}: {e}"
         return None
     tl = triton.language
-    _kernel = (flag, triton.jit(_paged_decode))
+    _kernel = (flag, {"decode": triton.jit(_paged_decode), "prefill": triton.jit(_paged_prefill)})
     return _kernel[1]
 
 
@@ -112,12 +178,49 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
 
+PREFILL_ROWS = 64  # query rows per prefill program: tokens x the group's heads (padded to a power of 2)
+PREFILL_BN = 32  # keys per tile in prefill
+
+
+def paged_prefill(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, tables: torch.Tensor, q_starts: list[int],
+                  q_lens: list[int], starts: list[int], window: int, scale: float, out: torch.Tensor,
+                  meta: dict) -> None:
+    """The attention of a step's prompt chunks, all in one launch: q [T, H, D] (the packed row's
+    tokens; chunk i's at q_starts[i]..+q_lens[i], after starts[i] tokens it has cached), its keys
+    and values already written into the pool, read through tables [chunks, width] (int32), causal,
+    windowed; the chunks' rows of out [T, H, Dv] written. `meta`: a dict kept for the step (the
+    programs' tile list, sent to the device once for all the layers)."""
+    kernel = _build()["prefill"]
+    heads, dim = q.shape[1], q.shape[2]
+    kvh, bs, dv = kp.shape[1], kp.shape[2], vp.shape[-1]
+    group = heads // kvh
+    gp = _pow2(group, 1)
+    bm = max(1, PREFILL_ROWS // gp)
+    if "tiles" not in meta or meta["bm"] != bm:
+        tc, tm = [], []
+        for c, n in enumerate(q_lens):
+            for m0 in range(0, n, bm):
+                tc.append(c)
+                tm.append(m0)
+        meta["bm"] = bm
+        meta["n"] = len(tc)
+        meta["tiles"] = torch.tensor([tc, tm], dtype=torch.int32).to(q.device, non_blocking=True)
+        meta["chunks"] = torch.tensor([q_starts, q_lens, starts], dtype=torch.int32).to(q.device, non_blocking=True)
+    tiles, chunks = meta["tiles"], meta["chunks"]
+    assert kp.stride(-1) == 1 and vp.stride(-1) == 1 and q.stride(-1) == 1 and tables.stride(-1) == 1
+    kernel[(meta["n"], kvh)](q, kp, vp, tables, tiles[0], tiles[1], chunks[0], chunks[1], chunks[2], out,
+                             q.stride(0), q.stride(1), kp.stride(0), kp.stride(1), kp.stride(2), vp.stride(0),
+                             vp.stride(1), vp.stride(2), tables.stride(0), out.stride(0), out.stride(1),
+                             float(scale), int(window or 0), G=group, GP=gp, BM=bm, D=dim, DP=_pow2(dim),
+                             DV=dv, DVP=_pow2(dv), BS=bs, BN=PREFILL_BN, IEEE=q.dtype == torch.float32)
+
+
 def paged_decode(qd: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor,
                  window: int, scale: float) -> torch.Tensor:
     """Decode attention: qd [rows, H, 1, D]; kp / vp the layer's pools [blocks, KVH, block_size, D(v)];
     tables [rows, width] (int32 or int64, entries past a row's length unread); ctx [rows] the keys each
     row attends over (at least 1). Returns [rows, 1, H, Dv] in qd's dtype. No host sync: capturable."""
-    kernel = _build()
+    kernel = _build()["decode"]
     rows, heads, _, dim = qd.shape
     kvh, bs, dv = kp.shape[1], kp.shape[2], vp.shape[-1]
     group = heads // kvh

@@ -157,19 +157,26 @@ def test_triton_self_check_and_its_refusal(interpret):
     assert not triton_attention.self_check(torch.device("cpu"), torch.float32, 3, 4, 16, 16, 4)  # 4 heads over 3
 
 
-def test_engine_decodes_through_the_triton_kernel_like_generate(interpret, monkeypatch, tmp_path):
-    """The engine with the Triton kernel as its decode attention (forced; interpreted) in the static
-    decode step: generate()'s tokens, windows included."""
+def test_engine_runs_through_the_triton_kernels_like_generate(interpret, monkeypatch, tmp_path):
+    """The engine with the Triton kernels as its attention (forced; interpreted): decode rows in the
+    static decode step, prompt chunks in the prefill kernel (prompts in chunks of 6 tokens, so later
+    chunks attend over cached blocks; two prompts with a common head, the second over the first's
+    cached blocks): generate()'s tokens, windows included."""
     monkeypatch.setenv("KEYACC_DECODE_ATTENTION", "triton")
     path = _random_model(tmp_path, "Qwen3Config", head_dim=16, layer_types=["sliding_attention", "full_attention"],
                          sliding_window=8, use_sliding_window=True)
-    prompts = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((14, 3, 9))]
-    max_tokens = [5, 9, 12]
-    eng, outs, buckets = _generate_with_buckets(path, prompts, max_tokens, kv_block_size=4)
-    assert eng.runner.attn.decode_kernel == "triton" and eng.runner.paged
+    calls = []
+    real = triton_attention.paged_prefill
+    monkeypatch.setattr(triton_attention, "paged_prefill", lambda *a: calls.append(a[5]) or real(*a))
+    head = list(range(40, 52))
+    prompts = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((14, 3, 9))] + [head + [7, 8], head + [9]]
+    max_tokens = [5, 9, 12, 6, 4]
+    eng, outs, buckets = _generate_with_buckets(path, prompts, max_tokens, kv_block_size=4, max_prefill_tokens=6)
+    assert eng.runner.attn.kernel == "triton" and eng.runner.paged
     for p, m, out in zip(prompts, max_tokens, outs):
         assert out == hf_greedy(path, p, m)
-    assert {4, 2, 1} <= set(buckets)
+    assert {4, 2, 1} <= set(buckets) and eng.blocks.hits > 0
+    assert calls and any(any(st > 0 for st in starts) for starts in calls)  # chunks over cached blocks too
 
 
 def test_the_gpu_decode_bench_runs_on_cpu(qwen3_path):
@@ -187,8 +194,49 @@ def test_the_gpu_decode_bench_runs_on_cpu(qwen3_path):
                           "--cpu-kernels", "off"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert res["paged"] and res["decode_attention"] == "torch" and res["graphs_captured"] == []
+    assert res["paged"] and res["attention_kernel"] == "torch" and res["graphs_captured"] == []
     for b in (1, 3):
         row = res[f"b{b}"]
         assert row["forward_calls"] == 2 and row["tokens_per_s"] > 0 and row["x_roofline"] > 0
     assert res["prefill_tokens_per_s"] > 0 and res["weight_bytes"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size,window", [
+    (4, 2, 64, 16, 0), (6, 2, 40, 8, 0), (8, 8, 32, 16, 5), (14, 2, 64, 4, 0), (4, 1, 16, 4, 7)])
+def test_triton_paged_prefill_matches_sdpa_per_chunk(interpret, dtype, heads, kv_heads, dim, block_size, window):
+    """A step's prompt chunks in one launch: fresh prompts and continuations over cached blocks,
+    a one-token chunk, rows of the packed step that are not chunks (decode rows) left alone; the
+    same as SDPA over each chunk's gathered keys with its causal (and window) mask."""
+    import torch.nn.functional as F
+
+    from keyacc_ray.engine.paged_attention import gather
+
+    g = torch.Generator().manual_seed(heads * 10 + block_size)
+    nb, width = 60, 20
+    kp = torch.randn((nb, kv_heads, block_size, dim), generator=g).to(dtype)
+    vp = torch.randn((nb, kv_heads, block_size, dim), generator=g).to(dtype)
+    starts = [0, 9, 11, 0]
+    q_lens = [min(n, width * block_size - s) for n, s in zip([5, 1, 37, 3], starts)]
+    q_starts = [2, 8, 9, 10 + q_lens[2]]
+    total = q_starts[-1] + q_lens[-1] + 2
+    q = torch.randn((total, heads, dim), generator=g).to(dtype)
+    tables = torch.stack([torch.randperm(nb, generator=g)[:width] for _ in q_lens]).to(torch.int32)
+    out = torch.full((total, heads, dim), 7.0, dtype=dtype)
+    scale = dim ** -0.5
+    triton_attention.paged_prefill(q, kp, vp, tables, q_starts, q_lens, starts, window, scale, out, {})
+    chunk_rows = set()
+    for i, (s, t, st) in enumerate(zip(q_starts, q_lens, starts)):
+        chunk_rows.update(range(s, s + t))
+        ks = gather(kp.float(), tables[i][None].long(), st + t)
+        vs = gather(vp.float(), tables[i][None].long(), st + t)
+        qpos, kpos = torch.arange(st, st + t)[:, None], torch.arange(st + t)[None]
+        mask = kpos <= qpos
+        if window:
+            mask &= qpos - kpos < window
+        ref = F.scaled_dot_product_attention(q[s:s + t].transpose(0, 1)[None].float(), ks, vs, attn_mask=mask,
+                                             scale=scale, enable_gqa=True)[0].transpose(0, 1)
+        tol = 2e-6 if dtype == torch.float32 else 3e-3
+        assert float((out[s:s + t].float() - ref).abs().max()) <= tol * max(1.0, float(ref.abs().max()))
+    others = [r for r in range(total) if r not in chunk_rows]
+    assert bool((out[others] == 7.0).all())  # rows that are not chunks' untouched
