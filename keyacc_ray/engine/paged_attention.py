@@ -59,7 +59,8 @@ class StepBatch:
     gather_idx: torch.Tensor | None = None  # [rows, blocks] long
     kv_len: int = 0
     all_decode: bool = False  # every packed token is a decode row (row i = packed index i): no chunk
-    chunk_tables: torch.Tensor | None = None  # [chunks, width] int32: the Triton prefill kernel's tables
+    kernel_chunks: list[int] | None = None  # the chunks the Triton prefill kernel attends (others: SDPA)
+    chunk_tables: torch.Tensor | None = None  # [those chunks, width] int32: their block tables
     chunk_meta: dict | None = None  # what that kernel sends to the device once per step
 
 
@@ -130,13 +131,14 @@ class PagedAttention:
         if b.dec is not None:
             qd = q[:, b.dec].transpose(0, 1)[:, :, None]  # [rows, H, 1, D]
             out[b.dec] = self._decode(qd, kp, vp, b, window, scale)[:, 0]
-        if b.chunks and b.chunk_tables is not None:  # every chunk in one launch
-            c = b.chunks
+        chunks = b.chunks
+        if b.kernel_chunks:  # those chunks in one launch; the rest (long fresh prompts) below
+            c = b.kernel_chunks
             triton_attention.paged_prefill(q.transpose(0, 1), kp, vp, b.chunk_tables, [b.q_starts[i] for i in c],
                                            [b.q_lens[i] for i in c], [b.starts[i] for i in c], window, scale, out,
                                            b.chunk_meta)
-            return out[None], None
-        for i in b.chunks:
+            chunks = [i for i in chunks if i not in b.chunk_meta["set"]]
+        for i in chunks:
             s, t, start = b.q_starts[i], b.q_lens[i], b.starts[i]
             qs = q[None, :, s:s + t]
             if start == 0:

@@ -31,6 +31,10 @@ from keyacc_ray.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
+# a fresh prompt chunk this long goes through SDPA with is_causal (flash attention on CUDA, no mask)
+# rather than the Triton prefill kernel, whose small tiles suit many short chunks and continuations
+FLASH_PROMPT_TOKENS = 1024
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -647,8 +651,11 @@ class ModelRunner:
             b.dec_ctx = torch.tensor([it.start + 1 for it in dec], device=self.device)
         if b.dec is not None:
             b.dec_tables = b.dec_tables_long.to(torch.int32)
-        if chunks and self.attn.kernel == "triton":  # the prefill kernel reads every chunk's table
-            b.chunk_tables, b.chunk_meta = self._tables([items[i] for i in chunks], torch.int32), {}
+        if chunks and self.attn.kernel == "triton":  # in one launch: all but long fresh prompts (flash SDPA's)
+            b.kernel_chunks = [i for i in chunks if items[i].start or len(items[i].tokens) < FLASH_PROMPT_TOKENS]
+            if b.kernel_chunks:
+                b.chunk_tables = self._tables([items[i] for i in b.kernel_chunks], torch.int32)
+                b.chunk_meta = {"set": set(b.kernel_chunks)}
         return self._run_packed(b, self._keep(items))
 
     def _run_packed(self, b: StepBatch, keep) -> torch.Tensor:

@@ -157,12 +157,18 @@ def test_triton_self_check_and_its_refusal(interpret):
     assert not triton_attention.self_check(torch.device("cpu"), torch.float32, 3, 4, 16, 16, 4)  # 4 heads over 3
 
 
-def test_engine_runs_through_the_triton_kernels_like_generate(interpret, monkeypatch, tmp_path):
+@pytest.mark.parametrize("chunk,flash", [(6, 1024), (64, 8)])
+def test_engine_runs_through_the_triton_kernels_like_generate(interpret, monkeypatch, tmp_path, chunk, flash):
     """The engine with the Triton kernels as its attention (forced; interpreted): decode rows in the
     static decode step, prompt chunks in the prefill kernel (prompts in chunks of 6 tokens, so later
     chunks attend over cached blocks; two prompts with a common head, the second over the first's
-    cached blocks): generate()'s tokens, windows included."""
+    cached blocks); with whole prompts in a step and `flash` lowered to 8, fresh prompts of 8 tokens
+    or more go through SDPA beside the kernel's chunks in the same step: generate()'s tokens, windows
+    included."""
+    from keyacc_ray.engine import runner
+
     monkeypatch.setenv("KEYACC_DECODE_ATTENTION", "triton")
+    monkeypatch.setattr(runner, "FLASH_PROMPT_TOKENS", flash)
     path = _random_model(tmp_path, "Qwen3Config", head_dim=16, layer_types=["sliding_attention", "full_attention"],
                          sliding_window=8, use_sliding_window=True)
     calls = []
@@ -171,7 +177,7 @@ def test_engine_runs_through_the_triton_kernels_like_generate(interpret, monkeyp
     head = list(range(40, 52))
     prompts = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((14, 3, 9))] + [head + [7, 8], head + [9]]
     max_tokens = [5, 9, 12, 6, 4]
-    eng, outs, buckets = _generate_with_buckets(path, prompts, max_tokens, kv_block_size=4, max_prefill_tokens=6)
+    eng, outs, buckets = _generate_with_buckets(path, prompts, max_tokens, kv_block_size=4, max_prefill_tokens=chunk)
     assert eng.runner.attn.kernel == "triton" and eng.runner.paged
     for p, m, out in zip(prompts, max_tokens, outs):
         assert out == hf_greedy(path, p, m)
