@@ -4,9 +4,9 @@
 //
 // ISA dispatch is at run time: the AVX512-BF16 linear kernel is compiled with a function-level
 // target attribute and only called when the CPU reports avx512bf16; every other kernel is plain
-// C++ compiled as target_clones (avx512f / avx2 / default) so GCC vectorises each variant and
-// the loader picks one. KEYACC_CPU_ISA=portable forces the portable code everywhere (tests use it
-// to check the fallback on machines that do have AVX-512).
+// C++ built as AVX-512F, AVX2 and baseline variants (CLONE_VARIANTS) so GCC vectorises each, and
+// one is picked at run time (clone_level()). KEYACC_CPU_ISA=portable forces the portable code
+// everywhere (tests use it to check the fallback on machines that do have AVX-512).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -26,11 +26,12 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #define KEYACC_X86 1
-#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define KEYACC_X86 0
-#define CLONES
 #endif
+// The plain C++ kernels: each one's body (always inlined) built three times, as AVX-512F, AVX2 and
+// baseline code, so GCC vectorises each; clone_level() picks one at run time (see CLONE_VARIANTS).
+#define CLONE_BODY __attribute__((always_inline)) inline
 
 namespace {
 
@@ -60,6 +61,38 @@ std::string forced_isa() {  // KEYACC_CPU_ISA: portable | avx2 | avx512 | amx (e
 }
 
 bool force_portable() { return forced_isa() == "portable"; }
+
+// Which build of the plain C++ kernels runs: 2 AVX-512F, 1 AVX2, 0 baseline; the best this CPU
+// has, at most AVX2 where KEYACC_CPU_ISA is avx2 or portable (what a CPU without AVX-512 runs: the
+// forced AVX2 path and the portable one are compared as an AVX2 machine would run them).
+int clone_level() {
+#if KEYACC_X86
+  static const int v = [] {
+    const std::string f = forced_isa();
+    const int cpu = __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
+    return std::min(cpu, (f == "avx2" || f == "portable") ? 1 : 2);
+  }();
+  return v;
+#else
+  return 0;
+#endif
+}
+
+#if KEYACC_X86
+#define CLONE_VARIANTS(name)                                                              \
+  template <typename... A> __attribute__((target("avx512f"))) void name##_l2(A... a) { name##_body(a...); } \
+  template <typename... A> __attribute__((target("avx2"))) void name##_l1(A... a) { name##_body(a...); }    \
+  template <typename... A> void name##_l0(A... a) { name##_body(a...); }                                     \
+  template <typename... A> inline void name(A... a) {                                                        \
+    const int l = clone_level();                                                                             \
+    if (l == 2) name##_l2(a...);                                                                             \
+    else if (l == 1) name##_l1(a...);                                                                        \
+    else name##_l0(a...);                                                                                    \
+  }
+#else
+#define CLONE_VARIANTS(name) \
+  template <typename... A> inline void name(A... a) { name##_body(a...); }
+#endif
 
 bool have_avx512bf16() {
 #if KEYACC_X86
@@ -396,8 +429,8 @@ AVX2_FN void group_avx2(const W* G, int64_t kp, int64_t n_base, const float* x, 
 constexpr int64_t AMX_MIN_ROWS = 8;
 
 template <typename W>
-CLONES void group_portable(const W* G, int64_t kp, int64_t n_base, const bf16_t* x, int64_t ldx, int64_t M,
-                           const float* sc, const float* bias, bf16_t* y, int64_t ldy, int64_t N) {
+CLONE_BODY void group_portable_body(const W* G, int64_t kp, int64_t n_base, const bf16_t* x, int64_t ldx,
+                                    int64_t M, const float* sc, const float* bias, bf16_t* y, int64_t ldy, int64_t N) {
   for (int64_t m = 0; m < M; ++m) {
     float acc[GB * NB] = {0};
     const bf16_t* xm = x + m * ldx;
@@ -410,6 +443,7 @@ CLONES void group_portable(const W* G, int64_t kp, int64_t n_base, const bf16_t*
       y[m * ldy + n_base + i] = f2bf(acc[i] * (sc ? sc[n_base + i] : 1.f) + (bias ? bias[n_base + i] : 0.f));
   }
 }
+CLONE_VARIANTS(group_portable)
 
 // y = x @ (sc * W)^T + b over a packed weight of element type W; x bf16 with any leading dims.
 template <typename W>
@@ -476,7 +510,7 @@ torch::Tensor linear_packed(const char* name, torch::Tensor x, const torch::Tens
         continue;
       }
 #endif
-      group_portable<W>(P + g * gstride, kp, g * GB * NB, xp, ldx, M, sc, bp, yp, N, N);
+      group_portable(P + g * gstride, kp, g * GB * NB, xp, ldx, M, sc, bp, yp, N, N);
     }
   });
   return y;
@@ -556,8 +590,8 @@ template <typename T> struct Rows {
 
 // Keys before j0 (a sliding window's start) are skipped like masked ones.
 template <typename T>
-CLONES void attn_one(const T* q, int64_t qsh, Rows<T> k, Rows<T> v, const T* mask, int64_t j0,
-                     int64_t L, int64_t G, int64_t D, float scale, T* out, int64_t osh, float* buf) {
+CLONE_BODY void attn_one_body(const T* q, int64_t qsh, Rows<T> k, Rows<T> v, const T* mask, int64_t j0,
+                              int64_t L, int64_t G, int64_t D, float scale, T* out, int64_t osh, float* buf) {
   float* qf = buf;            // [G, D]
   float* acc = qf + G * D;    // [G, D]
   float* row = acc + G * D;   // [D]
@@ -607,6 +641,7 @@ CLONES void attn_one(const T* q, int64_t qsh, Rows<T> k, Rows<T> v, const T* mas
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) out[g * osh + d] = from_f<T>(acc[g * D + d]);
 }
+CLONE_VARIANTS(attn_one)
 
 
 #if KEYACC_X86
@@ -944,7 +979,7 @@ void attn_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tens
         continue;
       }
 #endif
-      attn_one<T>(qh, q.stride(1), Rows<T>{kh, k.stride(2)}, Rows<T>{vh, v.stride(2)}, mrp, 0, L, G, D,
+      attn_one(qh, q.stride(1), Rows<T>{kh, k.stride(2)}, Rows<T>{vh, v.stride(2)}, mrp, 0, L, G, D,
                   static_cast<float>(scale), oh, D, buf.data());
     }
   });
@@ -981,7 +1016,8 @@ void paged_attn_impl(const torch::Tensor& q, const torch::Tensor& k, const torch
         continue;
       }
 #endif
-      attn_one<T>(qh, q.stride(1), kr, vr, nullptr, j0, L, G, D, static_cast<float>(scale), oh, D, buf.data());
+      attn_one(qh, q.stride(1), kr, vr, static_cast<const T*>(nullptr), j0, L, G, D, static_cast<float>(scale), oh,
+               D, buf.data());
     }
   });
 }
@@ -1051,7 +1087,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 // RMSNorm as transformers' Llama family computes it: x in float32, x * rsqrt(mean(x^2) + eps),
 // rounded to the input dtype, times the weight (rounded again).
 template <typename T>
-CLONES void rms_rows(const T* x, const T* w, T* y, int64_t M, int64_t D, float eps, float* row) {
+CLONE_BODY void rms_rows_body(const T* x, const T* w, T* y, int64_t M, int64_t D, float eps, float* row) {
   for (int64_t m = 0; m < M; ++m) {
     const T* xr = x + m * D;
     for (int64_t d = 0; d < D; ++d) row[d] = to_f<T>(xr[d]);
@@ -1061,6 +1097,7 @@ CLONES void rms_rows(const T* x, const T* w, T* y, int64_t M, int64_t D, float e
     for (int64_t d = 0; d < D; ++d) yr[d] = from_f<T>(to_f<T>(w[d]) * to_f<T>(from_f<T>(to_f<T>(xr[d]) * r)));
   }
 }
+CLONE_VARIANTS(rms_rows)
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rms_norm: dtypes");
@@ -1071,10 +1108,10 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     std::vector<float> row(D);
     if (x.scalar_type() == torch::kFloat32)
-      rms_rows<float>(x.data_ptr<float>() + m0 * D, w.data_ptr<float>(), y.data_ptr<float>() + m0 * D, m1 - m0, D,
+      rms_rows(x.data_ptr<float>() + m0 * D, w.data_ptr<float>(), y.data_ptr<float>() + m0 * D, m1 - m0, D,
                       static_cast<float>(eps), row.data());
     else
-      rms_rows<bf16_t>(reinterpret_cast<const bf16_t*>(x.data_ptr()) + m0 * D,
+      rms_rows(reinterpret_cast<const bf16_t*>(x.data_ptr()) + m0 * D,
                        reinterpret_cast<const bf16_t*>(w.data_ptr()), reinterpret_cast<bf16_t*>(y.data_ptr()) + m0 * D,
                        m1 - m0, D, static_cast<float>(eps), row.data());
   });
@@ -1083,7 +1120,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 
 // SiLU(gate) * up over a fused [.., 2I] gate|up row; each op rounded to the dtype as eager does.
 template <typename T>
-CLONES void silu_mul_rows(const T* gu, T* y, int64_t M, int64_t I) {
+CLONE_BODY void silu_mul_rows_body(const T* gu, T* y, int64_t M, int64_t I) {
   for (int64_t m = 0; m < M; ++m) {
     const T* g = gu + m * 2 * I;
     const T* u = g + I;
@@ -1095,6 +1132,7 @@ CLONES void silu_mul_rows(const T* gu, T* y, int64_t M, int64_t I) {
     }
   }
 }
+CLONE_VARIANTS(silu_mul_rows)
 
 torch::Tensor silu_mul(torch::Tensor gu) {
   gu = gu.contiguous();
@@ -1125,9 +1163,9 @@ torch::Tensor silu_mul(torch::Tensor gu) {
     }
 #endif
     if (gu.scalar_type() == torch::kFloat32)
-      silu_mul_rows<float>(gu.data_ptr<float>() + m0 * 2 * I, y.data_ptr<float>() + m0 * I, m1 - m0, I);
+      silu_mul_rows(gu.data_ptr<float>() + m0 * 2 * I, y.data_ptr<float>() + m0 * I, m1 - m0, I);
     else if (gu.scalar_type() == torch::kBFloat16)
-      silu_mul_rows<bf16_t>(reinterpret_cast<const bf16_t*>(gu.data_ptr()) + m0 * 2 * I,
+      silu_mul_rows(reinterpret_cast<const bf16_t*>(gu.data_ptr()) + m0 * 2 * I,
                             reinterpret_cast<bf16_t*>(y.data_ptr()) + m0 * I, m1 - m0, I);
     else TORCH_CHECK(false, "silu_mul: float32 or bfloat16");
   });
@@ -1141,7 +1179,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 
 // residual <- residual + x (rounded); returns RMSNorm(residual) * w.
 template <typename T>
-CLONES void add_rms_rows(const T* x, T* res, const T* w, T* y, int64_t M, int64_t D, float eps, float* row) {
+CLONE_BODY void add_rms_rows_body(const T* x, T* res, const T* w, T* y, int64_t M, int64_t D, float eps, float* row) {
   for (int64_t m = 0; m < M; ++m) {
     T* rr = res + m * D;
     const T* xr = x + m * D;
@@ -1155,6 +1193,7 @@ CLONES void add_rms_rows(const T* x, T* res, const T* w, T* y, int64_t M, int64_
     for (int64_t d = 0; d < D; ++d) yr[d] = from_f<T>(to_f<T>(w[d]) * to_f<T>(from_f<T>(row[d] * r)));
   }
 }
+CLONE_VARIANTS(add_rms_rows)
 
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
   TORCH_CHECK(x.scalar_type() == residual.scalar_type() && w.scalar_type() == x.scalar_type(), "add_rms_norm: dtypes");
@@ -1166,10 +1205,10 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
   at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
     std::vector<float> row(D);
     if (x.scalar_type() == torch::kFloat32)
-      add_rms_rows<float>(x.data_ptr<float>() + m0 * D, residual.data_ptr<float>() + m0 * D, w.data_ptr<float>(),
+      add_rms_rows(x.data_ptr<float>() + m0 * D, residual.data_ptr<float>() + m0 * D, w.data_ptr<float>(),
                           y.data_ptr<float>() + m0 * D, m1 - m0, D, static_cast<float>(eps), row.data());
     else if (x.scalar_type() == torch::kBFloat16)
-      add_rms_rows<bf16_t>(reinterpret_cast<const bf16_t*>(x.data_ptr()) + m0 * D,
+      add_rms_rows(reinterpret_cast<const bf16_t*>(x.data_ptr()) + m0 * D,
                            reinterpret_cast<bf16_t*>(residual.data_ptr()) + m0 * D,
                            reinterpret_cast<const bf16_t*>(w.data_ptr()), reinterpret_cast<bf16_t*>(y.data_ptr()) + m0 * D,
                            m1 - m0, D, static_cast<float>(eps), row.data());
@@ -1184,8 +1223,8 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 // arithmetic in the same order on every ISA (-ffp-contract=off, 16 partial sums): bitwise the
 // same results whichever clone runs.
 template <typename T>
-CLONES void head_norm_rope(const T* x, T* out, const T* nw, float eps, const T* cos, const T* sin, int64_t R,
-                           int64_t D, float* row) {
+CLONE_BODY void head_norm_rope_body(const T* x, T* out, const T* nw, float eps, const T* cos, const T* sin, int64_t R,
+                                    int64_t D, float* row) {
   for (int64_t d = 0; d < D; ++d) row[d] = to_f<T>(x[d]);
   if (nw) {
     const float r = 1.f / std::sqrt(sum_squares(row, D) / static_cast<float>(D) + eps);
@@ -1204,6 +1243,7 @@ CLONES void head_norm_rope(const T* x, T* out, const T* nw, float eps, const T* 
   }
   for (int64_t d = R; d < D; ++d) out[d] = from_f<T>(row[d]);
 }
+CLONE_VARIANTS(head_norm_rope)
 
 template <typename T>
 void rope_cache_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const T* qn, const T* kn,
@@ -1226,13 +1266,13 @@ void rope_cache_impl(const torch::Tensor& q, const torch::Tensor& k, const torch
       const T* c = cp + b * cos.stride(0);
       const T* sn = sp + b * sin.stride(0);
       if (h < H) {
-        head_norm_rope<T>(qp + b * q.stride(0) + h * D, op + (b * H + h) * D, qn, eps, c, sn, R, D, row.data());
+        head_norm_rope(qp + b * q.stride(0) + h * D, op + (b * H + h) * D, qn, eps, c, sn, R, D, row.data());
       } else {
         const int64_t hk = h - H;
         const int64_t r = rows ? rows[b] : b;
         T* kd = kb + r * kbuf.stride(0) + hk * kbuf.stride(1) + pos[b] * kbuf.stride(2);
         T* vd = vb + r * vbuf.stride(0) + hk * vbuf.stride(1) + pos[b] * vbuf.stride(2);
-        head_norm_rope<T>(kp + b * k.stride(0) + hk * D, kd, kn, eps, c, sn, R, D, row.data());
+        head_norm_rope(kp + b * k.stride(0) + hk * D, kd, kn, eps, c, sn, R, D, row.data());
         std::memcpy(vd, vp + b * v.stride(0) + hk * D, D * sizeof(T));
       }
     }
