@@ -40,6 +40,39 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _attend_tile_py(q, K, V, T, j, jm, ok, kvh, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, scale, m_i, l_i, acc,
+                    D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BS: tl.constexpr,
+                    IEEE: tl.constexpr):
+    """Both kernels' step over one tile of keys j (jm: which exist; ok [rows, keys]: which each query
+    row sees), read through the block table row T: scores, the online softmax, the values."""
+    d = tl.arange(0, DP)
+    dv = tl.arange(0, DVP)
+    blk = tl.load(T + j // BS, mask=jm, other=0).to(tl.int64)
+    row = (j % BS).to(tl.int64)
+    k = tl.load(K + blk[:, None] * sk_n + kvh * sk_h + row[:, None] * sk_t + d[None, :],
+                mask=jm[:, None] & (d[None, :] < D), other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(ok, s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet (padding)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(V + blk[:, None] * sv_n + kvh * sv_h + row[:, None] * sv_t + dv[None, :],
+                mask=jm[:, None] & (dv[None, :] < DV), other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+_attend_tile = None  # _attend_tile_py jitted (by _build), as the kernels call it
+
+
 def _paged_decode(Q, K, V, T, C, O, sq_b, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, st_b, so_b, so_h,
                 scale, window, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                 DV: tl.constexpr, DVP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
@@ -62,26 +95,8 @@ def _paged_decode(Q, K, V, T, C, O, sq_b, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv
     for start in range(first, ctx, BN):
         j = start + tl.arange(0, BN)
         jm = (j >= lo) & (j < ctx)
-        blk = tl.load(T + b * st_b + j // BS, mask=jm, other=0).to(tl.int64)
-        row = (j % BS).to(tl.int64)
-        k = tl.load(K + blk[:, None] * sk_n + kvh * sk_h + row[:, None] * sk_t + d[None, :],
-                    mask=jm[:, None] & (d[None, :] < D), other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(jm[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + blk[:, None] * sv_n + kvh * sv_h + row[:, None] * sv_t + dv[None, :],
-                    mask=jm[:, None] & (dv[None, :] < DV), other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, K, V, T + b * st_b, j, jm, jm[None, :], kvh, sk_n, sk_h, sk_t, sv_n, sv_h,
+                                     sv_t, scale, m_i, l_i, acc, D, DP, DV, DVP, BS, IEEE)
     out = acc / l_i[:, None]
     tl.store(O + b * so_b + heads[:, None] * so_h + dv[None, :], out.to(O.dtype.element_ty),
              mask=gm[:, None] & (dv[None, :] < DV))
@@ -118,29 +133,10 @@ def _paged_prefill(Q, K, V, T, TC, TM, QS, QL, ST, O, sq_t, sq_h, sk_n, sk_h, sk
     for j0 in range((lo // BN) * BN, hi, BN):
         j = j0 + tl.arange(0, BN)
         jm = j < hi
-        blk = tl.load(T + c * st_c + j // BS, mask=jm, other=0).to(tl.int64)
-        row = (j % BS).to(tl.int64)
-        k = tl.load(K + blk[:, None] * sk_n + kvh * sk_h + row[:, None] * sk_t + d[None, :],
-                    mask=jm[:, None] & (d[None, :] < D), other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
         ok = jm[None, :] & (j[None, :] <= pos[:, None])
         ok = ok & ((window == 0) | (pos[:, None] - j[None, :] < window))
-        s = tl.where(ok, s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet (padding)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + blk[:, None] * sv_n + kvh * sv_h + row[:, None] * sv_t + dv[None, :],
-                    mask=jm[:, None] & (dv[None, :] < DV), other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, K, V, T + c * st_c, j, jm, ok, kvh, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t,
+                                     scale, m_i, l_i, acc, D, DP, DV, DVP, BS, IEEE)
     out = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
     tl.store(O + (qs + m)[:, None] * so_t + head[:, None] * so_h + dv[None, :], out.to(O.dtype.element_ty),
              mask=rm[:, None] & (dv[None, :] < DV))
@@ -159,6 +155,8 @@ def _build():
         _reason = f"triton not importable: {type(e).__name__}: {e}"
         return None
     tl = triton.language
+    global _attend_tile
+    _attend_tile = triton.jit(_attend_tile_py)
     _kernel = (flag, {"decode": triton.jit(_paged_decode), "prefill": triton.jit(_paged_prefill)})
     return _kernel[1]
 
