@@ -36,8 +36,8 @@ def bucket_sizes(max_rows: int) -> list[int]:
 class StaticDecode:
     """The static buffers, the bucket sizes and (CUDA) the captured graphs of a runner's decode step.
 
-    `step(B, ids, pos, blk, off, tables, ctx)` is the runner's forward over views of the buffers
-    cut to B rows; it returns the logits [B, vocab]."""
+    `step(ids, pos, blk, off, tables, ctx)` is the runner's forward over views of the buffers cut to
+    a bucket's rows; it returns their logits [rows, vocab]."""
 
     def __init__(self, max_rows: int, width: int, block_size: int, pad_block: int, device: torch.device,
                  step: Callable[..., torch.Tensor]):
@@ -102,7 +102,7 @@ class StaticDecode:
     def _run_step(self, b: int) -> torch.Tensor:
         s = self.small
         pos = s[1, :b]
-        return self._step(b, s[0, :b], pos, s[2, :b], pos % self.block_size, self.tables[:b], s[3, :b])
+        return self._step(s[0, :b], pos, s[2, :b], pos % self.block_size, self.tables[:b], s[3, :b])
 
     def run(self, b: int) -> torch.Tensor:
         """The step at bucket b over what `fill` wrote: the graph's replay where captured. The logits

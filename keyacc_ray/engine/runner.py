@@ -137,6 +137,8 @@ class ModelRunner:
                  max_num_batched_tokens: int = 4096, paged_attention: str = "auto", decode_graphs: str = "auto"):
         from transformers import AutoConfig
 
+        if decode_graphs not in ("auto", "on", "off"):
+            raise ModelLoadError(f"decode_graphs must be auto/on/off, got {decode_graphs!r}", param="decode_graphs")
         if num_threads:
             torch.set_num_threads(num_threads)
         self.device = resolve_device(device)
@@ -189,8 +191,6 @@ class ModelRunner:
         self.paged = paged_attention != "off" and self._try_paged()
         self._check_cache_used()
         self.static_decode: StaticDecode | None = None  # decode steps at bucket sizes (CUDA graphs)
-        if decode_graphs not in ("auto", "on", "off"):
-            raise ModelLoadError(f"decode_graphs must be auto/on/off, got {decode_graphs!r}", param="decode_graphs")
         if self.paged and self.fused_step is None and (
                 decode_graphs == "on" or (decode_graphs == "auto" and self.device.type == "cuda")):
             self.static_decode = StaticDecode(max_num_seqs, self.max_blocks_per_seq, block_size, self.pad_block,
@@ -224,16 +224,17 @@ class ModelRunner:
             return "cpu" if self._kernels is not None else "torch"
         s = self.kv_shape
         if not triton_attention.available(self.device):
-            log.warning("decode attention: torch reference (%s)", triton_attention.unavailable_reason())
+            log.warning("attention over the KV pool: torch reference (%s)", triton_attention.unavailable_reason())
             return "torch"
         try:
             ok = triton_attention.self_check(self.device, self.dtype, s.num_kv_heads,
                                              self.hf_config.num_attention_heads, s.head_dim, s.v_dim, self.block_size)
         except Exception as e:  # noqa: BLE001 - a kernel that does not build here
-            log.warning("decode attention: torch reference (triton kernel failed: %s: %s)", type(e).__name__, e)
+            log.warning("attention over the KV pool: torch reference (triton kernel failed: %s: %s)",
+                        type(e).__name__, e)
             return "torch"
         if not ok:
-            log.warning("decode attention: torch reference (triton kernel disagrees with it on this shape)")
+            log.warning("attention over the KV pool: torch reference (triton kernel disagrees with it here)")
             return "torch"
         return "triton"
 
@@ -581,20 +582,20 @@ class ModelRunner:
         inputs = self._decode_inputs(ids, pos, rows)
         if self.fused_step is not None:
             return self.fused_step(*inputs, self.cache.k, self.cache.v, self.windows)
-        return self._step_decode(len(ids), *inputs)
+        return self._step_decode(*inputs)
 
-    def _step_decode(self, n: int, ids, pos, blk, off, tables, ctx) -> torch.Tensor:
-        """The paged model's forward over n decode rows given as device tensors (tables int32)."""
+    def _step_decode(self, ids, pos, blk, off, tables, ctx) -> torch.Tensor:
+        """The paged model's forward over decode rows given as device tensors (tables int32)."""
         b = StepBatch(ids[None], pos[None], blk, off, [], [], [], [], chunks=[], all_decode=True)
         b.dec_tables, b.dec_ctx = tables, ctx
         if self.attn.kernel == "torch":
             b.dec_tables_long = tables.long()
         return self._run_packed(b, 0)  # (0: every row's logits)
 
-    def _static_step(self, n: int, ids, pos, blk, off, tables, ctx) -> torch.Tensor:
+    def _static_step(self, ids, pos, blk, off, tables, ctx) -> torch.Tensor:
         """StaticDecode's step: the same forward, over its buffers (what a CUDA graph captures)."""
         with torch.inference_mode():
-            return self._step_decode(n, ids, pos, blk, off, tables, ctx)
+            return self._step_decode(ids, pos, blk, off, tables, ctx)
 
     @torch.inference_mode()
     def forward(self, items: list[StepItem], decode: bool = False) -> torch.Tensor:

@@ -26,7 +26,8 @@ def test_bucket_sizes():
 def test_fill_pads_to_the_bucket_and_the_step_reads_the_buffers():
     seen = []
 
-    def step(b, ids, pos, blk, off, tables, ctx):
+    def step(ids, pos, blk, off, tables, ctx):
+        b = len(ids)
         seen.append((b, ids.clone(), pos.clone(), blk.clone(), off.clone(), tables.clone(), ctx.clone()))
         return torch.arange(b * 3, dtype=torch.float32).view(b, 3)
 
