@@ -54,12 +54,12 @@ class StepBatch:
     dec_tables: torch.Tensor | None = None  # [rows, max_blocks] int32
     dec_tables_long: torch.Tensor | None = None
     dec_ctx: torch.Tensor | None = None  # [rows] int64: keys each decode row attends over
-    chunks: list[int] | None = None  # sequence indices that are prompt chunks
+    chunks: list[int] | None = None  # sequence indices of the prompt chunks attended one by one (SDPA)
     gather: bool = False  # gather mode: update() returns the batch's keys and values, padded
     gather_idx: torch.Tensor | None = None  # [rows, blocks] long
     kv_len: int = 0
     all_decode: bool = False  # every packed token is a decode row (row i = packed index i): no chunk
-    kernel_chunks: list[int] | None = None  # the chunks the Triton prefill kernel attends (others: SDPA)
+    kernel_chunks: list[int] | None = None  # those the Triton prefill kernel attends, all in one launch
     chunk_tables: torch.Tensor | None = None  # [those chunks, width] int32: their block tables
     chunk_meta: dict | None = None  # what that kernel sends to the device once per step
 
@@ -131,14 +131,12 @@ class PagedAttention:
         if b.dec is not None:
             qd = q[:, b.dec].transpose(0, 1)[:, :, None]  # [rows, H, 1, D]
             out[b.dec] = self._decode(qd, kp, vp, b, window, scale)[:, 0]
-        chunks = b.chunks
         if b.kernel_chunks:  # those chunks in one launch; the rest (long fresh prompts) below
             c = b.kernel_chunks
             triton_attention.paged_prefill(q.transpose(0, 1), kp, vp, b.chunk_tables, [b.q_starts[i] for i in c],
                                            [b.q_lens[i] for i in c], [b.starts[i] for i in c], window, scale, out,
                                            b.chunk_meta)
-            chunks = [i for i in chunks if i not in b.chunk_meta["set"]]
-        for i in chunks:
+        for i in b.chunks:
             s, t, start = b.q_starts[i], b.q_lens[i], b.starts[i]
             qs = q[None, :, s:s + t]
             if start == 0:

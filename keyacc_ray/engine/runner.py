@@ -653,10 +653,10 @@ class ModelRunner:
         if b.dec is not None:
             b.dec_tables = b.dec_tables_long.to(torch.int32)
         if chunks and self.attn.kernel == "triton":  # in one launch: all but long fresh prompts (flash SDPA's)
-            b.kernel_chunks = [i for i in chunks if items[i].start or len(items[i].tokens) < FLASH_PROMPT_TOKENS]
-            if b.kernel_chunks:
-                b.chunk_tables = self._tables([items[i] for i in b.kernel_chunks], torch.int32)
-                b.chunk_meta = {"set": set(b.kernel_chunks)}
+            kernel = [i for i in chunks if items[i].start or len(items[i].tokens) < FLASH_PROMPT_TOKENS]
+            if kernel:
+                b.kernel_chunks, b.chunks = kernel, [i for i in chunks if i not in kernel]
+                b.chunk_tables, b.chunk_meta = self._tables([items[i] for i in kernel], torch.int32), {}
         return self._run_packed(b, self._keep(items))
 
     def _run_packed(self, b: StepBatch, keep) -> torch.Tensor:
