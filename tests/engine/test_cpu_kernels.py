@@ -270,15 +270,17 @@ def test_int8_products_of_many_rows_match_the_dequantised_reference(K):
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("window", [0, 5])
-@pytest.mark.parametrize("D", [16, 24])
-def test_paged_decode_attention_matches_the_torch_reference(K, dtype, window, D):
+@pytest.mark.parametrize("D", [16, 24, 48, 80])
+@pytest.mark.parametrize("G", [1, 2, 3])
+def test_paged_decode_attention_matches_the_torch_reference(K, dtype, window, D, G):
     """Rows of mixed lengths read through block tables (blocks scattered, not in order, the last
-    one part full), GQA heads sharing each K/V row, a sliding window: the kernel against the
-    plain-torch path the engine falls back to (gather the blocks, one masked SDPA)."""
+    one part full), GQA heads sharing each K/V row (groups of one, a pair, a pair and one), a
+    sliding window, head sizes that leave every tail of the kernels' register tiles: the kernel
+    against the plain-torch path the engine falls back to (gather the blocks, one masked SDPA)."""
     from keyacc_ray.engine.paged_attention import reference_decode
 
-    g = gen(D + window)
-    nb, hkv, bs, G = 40, 2, 4, 3
+    g = gen(D + window + G)
+    nb, hkv, bs = 40, 2, 4
     kp = torch.randn(nb, hkv, bs, D, generator=g).to(dtype)
     vp = torch.randn(nb, hkv, bs, D, generator=g).to(dtype)
     lens = [1, 7, 16, 23, 2]

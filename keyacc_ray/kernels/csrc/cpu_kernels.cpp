@@ -661,6 +661,19 @@ template <typename T> struct Rows {
   inline const T* at(int64_t j) const {
     return table ? base + static_cast<int64_t>(table[j / bs]) * bstride + (j % bs) * sl : base + j * sl;
   }
+  // The cache lines of n rows from j on (within one run) asked for ahead of their use.
+  inline void prefetch_rows(int64_t j, int64_t n, int64_t D) const {
+    const char* p = reinterpret_cast<const char*>(at(j));
+    const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
+    for (int64_t r = 0; r < n; ++r, p += sl * static_cast<int64_t>(sizeof(T)))
+      for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+  }
+  // How many keys from j on lie one after another in memory (the rest of j's block), at most L - j.
+  inline int64_t run(int64_t j, int64_t L) const {
+    if (!table) return L - j;
+    const int64_t n = bs - j % bs;
+    return n < L - j ? n : L - j;
+  }
 };
 
 // Keys before j0 (a sliding window's start) are skipped like masked ones.
@@ -752,7 +765,88 @@ AVX512 inline __m512 vexp16(__m512 x) {  // vexp() lane-wise, same constants
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-// Requires D % 16 == 0. Same contract as attn_one.
+// Scores of one key for every head of the group: heads two at a time share the key's loaded
+// row; each head's products are summed in the same order as one head alone would sum them.
+template <typename T>
+AVX512 inline void key_scores_avx512(const float* qf, const T* kr, int64_t G, int64_t D, float mj, float* s,
+                                     int64_t L) {
+  int64_t g = 0;
+  for (; g + 2 <= G; g += 2) {
+    const float* q0 = qf + g * D;
+    const float* q1 = q0 + D;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+      const __m512 k0 = load16(kr + d), k1 = load16(kr + d + 16);
+      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d), k0, a0);
+      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d + 16), k1, a1);
+      b0 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + d), k0, b0);
+      b1 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + d + 16), k1, b1);
+    }
+    if (d < D) {
+      const __m512 k0 = load16(kr + d);
+      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d), k0, a0);
+      b0 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + d), k0, b0);
+    }
+    s[g * L] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + mj;
+    s[(g + 1) * L] = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1)) + mj;
+  }
+  if (g < G) {
+    const float* q0 = qf + g * D;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d), load16(kr + d), a0);
+      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d + 16), load16(kr + d + 16), a1);
+    }
+    if (d < D) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d), load16(kr + d), a0);
+    s[g * L] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + mj;
+  }
+}
+
+// acc0 (and acc1 when TWO) [NV x 16] += sum over n value rows of p0[r] (p1[r]) x row, the tile
+// held in registers over the rows; a row both weights skip is skipped (adding 0 x row is exact).
+template <typename T, int NV, bool TWO>
+AVX512 inline void value_tile_avx512(const T* vr, int64_t sl, int64_t n, const float* p0, const float* p1,
+                                     float* acc0, float* acc1) {
+  __m512 a[NV], b[NV];
+  for (int c = 0; c < NV; ++c) {
+    a[c] = _mm512_loadu_ps(acc0 + 16 * c);
+    if (TWO) b[c] = _mm512_loadu_ps(acc1 + 16 * c);
+  }
+  for (int64_t r = 0; r < n; ++r, vr += sl) {
+    const float x0 = p0[r], x1 = TWO ? p1[r] : 0.f;
+    if (x0 == 0.f && x1 == 0.f) continue;
+    const __m512 w0 = _mm512_set1_ps(x0), w1 = _mm512_set1_ps(x1);
+    for (int c = 0; c < NV; ++c) {
+      const __m512 vv = load16(vr + 16 * c);
+      a[c] = _mm512_fmadd_ps(w0, vv, a[c]);
+      if (TWO) b[c] = _mm512_fmadd_ps(w1, vv, b[c]);
+    }
+  }
+  for (int c = 0; c < NV; ++c) {
+    _mm512_storeu_ps(acc0 + 16 * c, a[c]);
+    if (TWO) _mm512_storeu_ps(acc1 + 16 * c, b[c]);
+  }
+}
+
+template <typename T, bool TWO>
+AVX512 inline void value_tiles_avx512(const T* vr, int64_t sl, int64_t n, const float* p0, const float* p1,
+                                      float* acc0, float* acc1, int64_t D) {
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) value_tile_avx512<T, 4, TWO>(vr + d, sl, n, p0, p1, acc0 + d, acc1 + d);
+  switch ((D - d) / 16) {
+    case 3: value_tile_avx512<T, 3, TWO>(vr + d, sl, n, p0, p1, acc0 + d, acc1 + d); break;
+    case 2: value_tile_avx512<T, 2, TWO>(vr + d, sl, n, p0, p1, acc0 + d, acc1 + d); break;
+    case 1: value_tile_avx512<T, 1, TWO>(vr + d, sl, n, p0, p1, acc0 + d, acc1 + d); break;
+    default: break;
+  }
+}
+
+// Requires D % 16 == 0. Same contract as attn_one. Keys are walked a run at a time (the rest of a
+// block: no division per key); a key's row is loaded once for two heads; the weighted sum of
+// values keeps a tile of two heads x 64 dims in registers over a run. Every output is the same
+// sum in the same order as a plain key-by-key loop.
 template <typename T>
 AVX512 void attn_one_avx512(const T* q, int64_t qsh, Rows<T> k, Rows<T> v, const T* mask, int64_t j0,
                             int64_t L, int64_t G, int64_t D, float scale, T* out, int64_t osh, float* buf) {
@@ -762,22 +856,20 @@ AVX512 void attn_one_avx512(const T* q, int64_t qsh, Rows<T> k, Rows<T> v, const
   const __m512 vs = _mm512_set1_ps(scale);
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(qf + g * D + d, _mm512_mul_ps(load16(q + g * qsh + d), vs));
-  for (int64_t j = 0; j < L; ++j) {
-    const float mj = mask ? to_f<T>(mask[j]) : 0.f;
-    if (mj < -1e30f || j < j0) {
-      for (int64_t g = 0; g < G; ++g) s[g * L + j] = -INFINITY;
-      continue;
-    }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = 0; j < j0 && j < L; ++j) s[g * L + j] = -INFINITY;
+  for (int64_t j = j0; j < L;) {
+    const int64_t e = j + k.run(j, L);
     const T* kr = k.at(j);
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-      int64_t d = 0;
-      for (; d + 32 <= D; d += 32) {
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + d), load16(kr + d), a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + d + 16), load16(kr + d + 16), a1);
+    if (e < L) k.prefetch_rows(e, k.run(e, L), D);
+    else v.prefetch_rows(j0, v.run(j0, L), D);
+    for (; j < e; ++j, kr += k.sl) {
+      const float mj = mask ? to_f<T>(mask[j]) : 0.f;
+      if (mj < -1e30f) {
+        for (int64_t g = 0; g < G; ++g) s[g * L + j] = -INFINITY;
+        continue;
       }
-      if (d < D) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + d), load16(kr + d), a0);
-      s[g * L + j] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + mj;
+      key_scores_avx512(qf, kr, G, D, mj, s + j, L);
     }
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -811,18 +903,15 @@ AVX512 void attn_one_avx512(const T* q, int64_t qsh, Rows<T> k, Rows<T> v, const
     }
     for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(acc + g * D + d, _mm512_setzero_ps());
   }
-  for (int64_t j = 0; j < L; ++j) {
-    bool any = false;
-    for (int64_t g = 0; g < G; ++g) any |= s[g * L + j] != 0.f;
-    if (!any) continue;
+  for (int64_t j = j0; j < L;) {
+    const int64_t n = v.run(j, L);
     const T* vr = v.at(j);
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512 vv = load16(vr + d);
-      for (int64_t g = 0; g < G; ++g) {
-        float* a = acc + g * D + d;
-        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(s[g * L + j]), vv, _mm512_loadu_ps(a)));
-      }
-    }
+    if (j + n < L) v.prefetch_rows(j + n, v.run(j + n, L), D);
+    int64_t g = 0;
+    for (; g + 2 <= G; g += 2)
+      value_tiles_avx512<T, true>(vr, v.sl, n, s + g * L + j, s + (g + 1) * L + j, acc + g * D, acc + (g + 1) * D, D);
+    if (g < G) value_tiles_avx512<T, false>(vr, v.sl, n, s + g * L + j, nullptr, acc + g * D, nullptr, D);
+    j += n;
   }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; d += 16) store16(out + g * osh + d, _mm512_loadu_ps(acc + g * D + d));
@@ -896,7 +985,83 @@ AVX2_FN inline __m256 vexp8(__m256 x) {  // vexp() lane-wise, same constants
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// Requires D % 8 == 0. Same contract as attn_one.
+// key_scores_avx512's AVX2 twin: the same sums in the same order.
+template <typename T>
+AVX2_FN inline void key_scores_avx2(const float* qf, const T* kr, int64_t G, int64_t D, float mj, float* s,
+                                    int64_t L) {
+  int64_t g = 0;
+  for (; g + 2 <= G; g += 2) {
+    const float* q0 = qf + g * D;
+    const float* q1 = q0 + D;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+      const __m256 k0 = load8(kr + d), k1 = load8(kr + d + 8);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), k0, a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d + 8), k1, a1);
+      b0 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), k0, b0);
+      b1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d + 8), k1, b1);
+    }
+    if (d < D) {
+      const __m256 k0 = load8(kr + d);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), k0, a0);
+      b0 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), k0, b0);
+    }
+    s[g * L] = hsum8(_mm256_add_ps(a0, a1)) + mj;
+    s[(g + 1) * L] = hsum8(_mm256_add_ps(b0, b1)) + mj;
+  }
+  if (g < G) {
+    const float* q0 = qf + g * D;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), load8(kr + d), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d + 8), load8(kr + d + 8), a1);
+    }
+    if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), load8(kr + d), a0);
+    s[g * L] = hsum8(_mm256_add_ps(a0, a1)) + mj;
+  }
+}
+
+// value_tile_avx512's AVX2 twin: two heads x NV x 8 dims in registers over a run of rows.
+template <typename T, int NV, bool TWO>
+AVX2_FN inline void value_tile_avx2(const T* vr, int64_t sl, int64_t n, const float* p0, const float* p1,
+                                    float* acc0, float* acc1) {
+  __m256 a[NV], b[NV];
+  for (int c = 0; c < NV; ++c) {
+    a[c] = _mm256_loadu_ps(acc0 + 8 * c);
+    if (TWO) b[c] = _mm256_loadu_ps(acc1 + 8 * c);
+  }
+  for (int64_t r = 0; r < n; ++r, vr += sl) {
+    const float x0 = p0[r], x1 = TWO ? p1[r] : 0.f;
+    if (x0 == 0.f && x1 == 0.f) continue;
+    const __m256 w0 = _mm256_set1_ps(x0), w1 = _mm256_set1_ps(x1);
+    for (int c = 0; c < NV; ++c) {
+      const __m256 vv = load8(vr + 8 * c);
+      a[c] = _mm256_fmadd_ps(w0, vv, a[c]);
+      if (TWO) b[c] = _mm256_fmadd_ps(w1, vv, b[c]);
+    }
+  }
+  for (int c = 0; c < NV; ++c) {
+    _mm256_storeu_ps(acc0 + 8 * c, a[c]);
+    if (TWO) _mm256_storeu_ps(acc1 + 8 * c, b[c]);
+  }
+}
+
+template <typename T, bool TWO>
+AVX2_FN inline void value_tiles_avx2(const T* vr, int64_t sl, int64_t n, const float* p0, const float* p1,
+                                     float* acc0, float* acc1, int64_t D) {
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) value_tile_avx2<T, 4, TWO>(vr + d, sl, n, p0, p1, acc0 + d, acc1 + d);
+  switch ((D - d) / 8) {
+    case 3: value_tile_avx2<T, 3, TWO>(vr + d, sl, n, p0, p1, acc0 + d, acc1 + d); break;
+    case 2: value_tile_avx2<T, 2, TWO>(vr + d, sl, n, p0, p1, acc0 + d, acc1 + d); break;
+    case 1: value_tile_avx2<T, 1, TWO>(vr + d, sl, n, p0, p1, acc0 + d, acc1 + d); break;
+    default: break;
+  }
+}
+
+// Requires D % 8 == 0. Same contract as attn_one; walked as attn_one_avx512.
 template <typename T>
 AVX2_FN void attn_one_avx2(const T* q, int64_t qsh, Rows<T> k, Rows<T> v, const T* mask, int64_t j0,
                            int64_t L, int64_t G, int64_t D, float scale, T* out, int64_t osh, float* buf) {
@@ -906,22 +1071,20 @@ AVX2_FN void attn_one_avx2(const T* q, int64_t qsh, Rows<T> k, Rows<T> v, const 
   const __m256 vs = _mm256_set1_ps(scale);
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(qf + g * D + d, _mm256_mul_ps(load8(q + g * qsh + d), vs));
-  for (int64_t j = 0; j < L; ++j) {
-    const float mj = mask ? to_f<T>(mask[j]) : 0.f;
-    if (mj < -1e30f || j < j0) {
-      for (int64_t g = 0; g < G; ++g) s[g * L + j] = -INFINITY;
-      continue;
-    }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = 0; j < j0 && j < L; ++j) s[g * L + j] = -INFINITY;
+  for (int64_t j = j0; j < L;) {
+    const int64_t e = j + k.run(j, L);
     const T* kr = k.at(j);
-    for (int64_t g = 0; g < G; ++g) {
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-      int64_t d = 0;
-      for (; d + 16 <= D; d += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + d), load8(kr + d), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + d + 8), load8(kr + d + 8), a1);
+    if (e < L) k.prefetch_rows(e, k.run(e, L), D);
+    else v.prefetch_rows(j0, v.run(j0, L), D);
+    for (; j < e; ++j, kr += k.sl) {
+      const float mj = mask ? to_f<T>(mask[j]) : 0.f;
+      if (mj < -1e30f) {
+        for (int64_t g = 0; g < G; ++g) s[g * L + j] = -INFINITY;
+        continue;
       }
-      if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + d), load8(kr + d), a0);
-      s[g * L + j] = hsum8(_mm256_add_ps(a0, a1)) + mj;
+      key_scores_avx2(qf, kr, G, D, mj, s + j, L);
     }
   }
   const __m256 ninf = _mm256_set1_ps(-INFINITY);
@@ -956,18 +1119,15 @@ AVX2_FN void attn_one_avx2(const T* q, int64_t qsh, Rows<T> k, Rows<T> v, const 
     }
     for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(acc + g * D + d, _mm256_setzero_ps());
   }
-  for (int64_t j = 0; j < L; ++j) {
-    bool any = false;
-    for (int64_t g = 0; g < G; ++g) any |= s[g * L + j] != 0.f;
-    if (!any) continue;
+  for (int64_t j = j0; j < L;) {
+    const int64_t n = v.run(j, L);
     const T* vr = v.at(j);
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m256 vv = load8(vr + d);
-      for (int64_t g = 0; g < G; ++g) {
-        float* a = acc + g * D + d;
-        _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(s[g * L + j]), vv, _mm256_loadu_ps(a)));
-      }
-    }
+    if (j + n < L) v.prefetch_rows(j + n, v.run(j + n, L), D);
+    int64_t g = 0;
+    for (; g + 2 <= G; g += 2)
+      value_tiles_avx2<T, true>(vr, v.sl, n, s + g * L + j, s + (g + 1) * L + j, acc + g * D, acc + (g + 1) * D, D);
+    if (g < G) value_tiles_avx2<T, false>(vr, v.sl, n, s + g * L + j, nullptr, acc + g * D, nullptr, D);
+    j += n;
   }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; d += 8) store8(out + g * osh + d, _mm256_loadu_ps(acc + g * D + d));
