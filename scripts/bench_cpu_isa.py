@@ -11,6 +11,7 @@ bandwidth, as bench_engine.py's `fast_roofline_ratio_bs1`).
 
     python scripts/bench_cpu_isa.py --model models/bench-qwen3 --threads 2
     python scripts/bench_cpu_isa.py --model M --isa amx avx512        # only these
+    python scripts/bench_cpu_isa.py --isa amx avx2 --context 1000     # decode over 1k-token contexts
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def measure(model: str, threads: int, steps: int) -> dict:
+def measure(model: str, threads: int, steps: int, context: int = 128) -> dict:
     """In this process, on the path KEYACC_CPU_ISA names."""
     import random
 
@@ -38,7 +39,8 @@ def measure(model: str, threads: int, steps: int) -> dict:
     from keyacc_ray.engine.request import SamplingParams
 
     torch.set_num_threads(threads)
-    eng = LLMEngine(EngineConfig(model=model, dtype="bfloat16", max_num_seqs=32, max_model_len=768,
+    eng = LLMEngine(EngineConfig(model=model, dtype="bfloat16", max_num_seqs=32,
+                                 max_model_len=max(768, context + steps + 8),
                                  num_threads=threads, cpu_kernels="on"))
     rng = random.Random(0)
     vocab = eng.runner.vocab_size
@@ -53,7 +55,7 @@ def measure(model: str, threads: int, steps: int) -> dict:
     res["prefill_tps_512"] = round(512 / dt, 1)
     for b in (1, 8, 32):
         for i in range(b):
-            eng.add_request(f"d{b}-{i}", [rng.randrange(10, vocab - 1) for _ in range(128)],
+            eng.add_request(f"d{b}-{i}", [rng.randrange(10, vocab - 1) for _ in range(context)],
                             SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True))
         while any(s.num_output_tokens == 0 for s in eng.seqs.values()):
             eng.step()
@@ -85,19 +87,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--isa", nargs="*", default=["amx", "avx512", "avx2", "portable"])
+    ap.add_argument("--context", type=int, default=128,
+                    help="prompt tokens of each decoding sequence (the KV its attention reads)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(measure(args.model, args.threads, args.steps)))
+        print(json.dumps(measure(args.model, args.threads, args.steps, args.context)))
         return
-    out: dict = {"model": args.model, "threads": args.threads}
+    out: dict = {"model": args.model, "threads": args.threads, "context": args.context}
     roofline_ms = _roofline_ms(args.model, args.threads)
     out["roofline_ms_bs1"] = round(roofline_ms, 2)
     for isa in args.isa:
         steps = max(2, args.steps // 4) if isa == "portable" else args.steps
         env = {**os.environ, "KEYACC_CPU_ISA": isa}
         r = subprocess.run([sys.executable, __file__, "--child", "--model", args.model, "--threads", str(args.threads),
-                            "--steps", str(steps)], env=env, capture_output=True, text=True, timeout=3600)
+                            "--steps", str(steps), "--context", str(args.context)], env=env, capture_output=True, text=True, timeout=3600)
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
         if r.returncode or not lines:
             out[f"error_{isa}"] = (r.stderr or r.stdout)[-300:]
