@@ -300,11 +300,19 @@ AMX_FN void widen_group(const int8_t* G, int64_t n, std::vector<bf16_t>& out) {
   for (; i < n; ++i) out[i] = f2bf(static_cast<float>(G[i]));
 }
 
+// The tile loads wait on memory when a group's weights stream from DRAM (every product of a decode
+// step: each layer's weights are read once a step): the hardware prefetchers start again at every
+// 4 KB, and a tile load stalls until its 16 rows arrive. So the first 16-row pass asks for the
+// weights two k-steps (8 KB) ahead (4-16 KB tried; 8 and 12 best). docs/benchmarks.md, "CPU decode
+// attention": `bench_cpu_isa.py --isa amx` batch 32 +7-24%, batch 8 +12-15% on the 2-core Xeon VM.
+constexpr int64_t AMX_PF_BYTES = 8192;
+
 AMX_FN void group_amx(const bf16_t* G, int64_t kp, int64_t n_base, const bf16_t* x, int64_t ldx, int64_t M,
                       const float* sc, const float* bias, bf16_t* y, int64_t ldy, int64_t N,
                       std::vector<bf16_t>& pad) {
   alignas(64) float c[16 * GB * NB];  // [16 rows][64 outputs]
   constexpr int64_t BSTRIDE = GB * NB * 2 * sizeof(bf16_t);  // bytes from one k-pair of a block to the next
+  constexpr int64_t STEP_BYTES = 16 * BSTRIDE;                // the weights of one k-step (16 k-pairs)
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const int64_t rows = std::min<int64_t>(16, M - m0);
     const bf16_t* a = x + m0 * ldx;
@@ -321,6 +329,9 @@ AMX_FN void group_amx(const bf16_t* G, int64_t kp, int64_t n_base, const bf16_t*
     _tile_zero(3);
     for (int64_t p = 0; p < kp; p += 16) {
       const bf16_t* b = G + p * GB * NB * 2;
+      if (m0 == 0)  // the first pass streams the group's weights; the later ones find them in L2
+        for (int64_t j = 0; j < STEP_BYTES; j += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(b) + AMX_PF_BYTES + j, _MM_HINT_T0);
       _tile_loadd(4, a + 2 * p, lda * sizeof(bf16_t));
       _tile_loadd(5, b, BSTRIDE);
       _tile_loadd(6, b + NB * 2, BSTRIDE);
