@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -70,20 +69,15 @@ def main() -> None:
         return
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     from bench_engine import read_bandwidth_gbs
+    from bench_linear import run_per_isa
 
     res: dict = {"read_gbs": round(read_bandwidth_gbs(args.threads), 1)}
     print(f"read bandwidth, {args.threads} threads: {res['read_gbs']} GB/s", flush=True)
     for isa in args.isa:
-        env = {**os.environ, "KEYACC_CPU_ISA": isa}
-        p = subprocess.run([sys.executable, __file__, "--child", "--threads", str(args.threads), "--reps",
-                            str(args.reps)], env=env, capture_output=True, text=True, timeout=900)
-        if p.returncode:
-            res[isa] = {"error": p.stderr.strip().splitlines()[-1:]}
-        else:
-            res[isa] = json.loads(p.stdout.strip().splitlines()[-1])
-            for case, r in res[isa].items():
-                if case != "isa":
-                    r["of_read"] = round(r["gbs"] / res["read_gbs"], 2)
+        res[isa] = run_per_isa(__file__, isa, ["--threads", str(args.threads), "--reps", str(args.reps)])
+        for case, r in res[isa].items():
+            if isinstance(r, dict):
+                r["of_read"] = round(r["gbs"] / res["read_gbs"], 2)
         print(isa, res[isa], flush=True)
     print(json.dumps(res))
 

@@ -45,6 +45,17 @@ def child(reps: int) -> dict:
     return out
 
 
+def run_per_isa(script: str, isa: str, args: list[str], timeout: int = 900) -> dict:
+    """`script --child ARGS` in a process of its own with KEYACC_CPU_ISA=isa (read once per
+    process): its last output line as JSON, or {"error": [its last error line]}."""
+    env = {**os.environ, "KEYACC_CPU_ISA": isa}
+    p = subprocess.run([sys.executable, script, "--child", *args], env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    if p.returncode:
+        return {"error": p.stderr.strip().splitlines()[-1:]}
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--isa", nargs="+", default=["avx2", "portable"])
@@ -60,13 +71,7 @@ def main() -> None:
         return
     res = {}
     for isa in args.isa:
-        env = {**os.environ, "KEYACC_CPU_ISA": isa}
-        p = subprocess.run([sys.executable, __file__, "--child", "--threads", str(args.threads), "--reps",
-                            str(args.reps)], env=env, capture_output=True, text=True, timeout=900)
-        if p.returncode:
-            res[isa] = {"error": p.stderr.strip().splitlines()[-1:]}
-        else:
-            res[isa] = json.loads(p.stdout.strip().splitlines()[-1])
+        res[isa] = run_per_isa(__file__, isa, ["--threads", str(args.threads), "--reps", str(args.reps)])
         print(isa, res[isa], flush=True)
     print(json.dumps(res))
 

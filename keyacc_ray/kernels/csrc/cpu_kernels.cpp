@@ -930,7 +930,8 @@ AVX512 void attn_one_avx512(const T* q, int64_t qsh, Rows<T> k, Rows<T> v, const
     int64_t g = 0;
     for (; g + 2 <= G; g += 2)
       value_tiles_avx512<T, true>(vr, v.sl, n, s + g * L + j, s + (g + 1) * L + j, acc + g * D, acc + (g + 1) * D, D);
-    if (g < G) value_tiles_avx512<T, false>(vr, v.sl, n, s + g * L + j, nullptr, acc + g * D, nullptr, D);
+    if (g < G)  // a last head alone (the second weights and tile unused)
+      value_tiles_avx512<T, false>(vr, v.sl, n, s + g * L + j, s + g * L + j, acc + g * D, acc + g * D, D);
     j += n;
   }
   for (int64_t g = 0; g < G; ++g)
@@ -1145,7 +1146,8 @@ AVX2_FN void attn_one_avx2(const T* q, int64_t qsh, Rows<T> k, Rows<T> v, const 
     int64_t g = 0;
     for (; g + 2 <= G; g += 2)
       value_tiles_avx2<T, true>(vr, v.sl, n, s + g * L + j, s + (g + 1) * L + j, acc + g * D, acc + (g + 1) * D, D);
-    if (g < G) value_tiles_avx2<T, false>(vr, v.sl, n, s + g * L + j, nullptr, acc + g * D, nullptr, D);
+    if (g < G)  // a last head alone (the second weights and tile unused)
+      value_tiles_avx2<T, false>(vr, v.sl, n, s + g * L + j, s + g * L + j, acc + g * D, acc + g * D, D);
     j += n;
   }
   for (int64_t g = 0; g < G; ++g)
