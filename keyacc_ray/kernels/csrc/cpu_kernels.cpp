@@ -786,43 +786,37 @@ AVX512 inline __m512 vexp16(__m512 x) {  // vexp() lane-wise, same constants
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-// Scores of one key for every head of the group: heads two at a time share the key's loaded
+// One key's scores for one head (s0) or two (s1 too, when TWO), the two sharing the key's loaded
 // row; each head's products are summed in the same order as one head alone would sum them.
+template <typename T, bool TWO>
+AVX512 inline void head_scores_avx512(const float* q0, const float* q1, const T* kr, int64_t D, float mj, float* s0,
+                                      float* s1) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) {
+    const __m512 k0 = load16(kr + d), k1 = load16(kr + d + 16);
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d), k0, a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d + 16), k1, a1);
+    if (TWO) b0 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + d), k0, b0);
+    if (TWO) b1 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + d + 16), k1, b1);
+  }
+  if (d < D) {
+    const __m512 k0 = load16(kr + d);
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d), k0, a0);
+    if (TWO) b0 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + d), k0, b0);
+  }
+  *s0 = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + mj;
+  if (TWO) *s1 = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1)) + mj;
+}
+
 template <typename T>
 AVX512 inline void key_scores_avx512(const float* qf, const T* kr, int64_t G, int64_t D, float mj, float* s,
                                      int64_t L) {
   int64_t g = 0;
-  for (; g + 2 <= G; g += 2) {
-    const float* q0 = qf + g * D;
-    const float* q1 = q0 + D;
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-    int64_t d = 0;
-    for (; d + 32 <= D; d += 32) {
-      const __m512 k0 = load16(kr + d), k1 = load16(kr + d + 16);
-      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d), k0, a0);
-      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d + 16), k1, a1);
-      b0 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + d), k0, b0);
-      b1 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + d + 16), k1, b1);
-    }
-    if (d < D) {
-      const __m512 k0 = load16(kr + d);
-      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d), k0, a0);
-      b0 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + d), k0, b0);
-    }
-    s[g * L] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + mj;
-    s[(g + 1) * L] = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1)) + mj;
-  }
-  if (g < G) {
-    const float* q0 = qf + g * D;
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    int64_t d = 0;
-    for (; d + 32 <= D; d += 32) {
-      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d), load16(kr + d), a0);
-      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d + 16), load16(kr + d + 16), a1);
-    }
-    if (d < D) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d), load16(kr + d), a0);
-    s[g * L] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + mj;
-  }
+  for (; g + 2 <= G; g += 2)
+    head_scores_avx512<T, true>(qf + g * D, qf + (g + 1) * D, kr, D, mj, s + g * L, s + (g + 1) * L);
+  if (g < G)  // a last head alone
+    head_scores_avx512<T, false>(qf + g * D, qf + g * D, kr, D, mj, s + g * L, s + g * L);
 }
 
 // acc0 (and acc1 when TWO) [NV x 16] += sum over n value rows of p0[r] (p1[r]) x row, the tile
@@ -1006,42 +1000,36 @@ AVX2_FN inline __m256 vexp8(__m256 x) {  // vexp() lane-wise, same constants
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// key_scores_avx512's AVX2 twin: the same sums in the same order.
+// head_scores_avx512's AVX2 twin: the same sums in the same order.
+template <typename T, bool TWO>
+AVX2_FN inline void head_scores_avx2(const float* q0, const float* q1, const T* kr, int64_t D, float mj, float* s0,
+                                     float* s1) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    const __m256 k0 = load8(kr + d), k1 = load8(kr + d + 8);
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), k0, a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d + 8), k1, a1);
+    if (TWO) b0 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), k0, b0);
+    if (TWO) b1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d + 8), k1, b1);
+  }
+  if (d < D) {
+    const __m256 k0 = load8(kr + d);
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), k0, a0);
+    if (TWO) b0 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), k0, b0);
+  }
+  *s0 = hsum8(_mm256_add_ps(a0, a1)) + mj;
+  if (TWO) *s1 = hsum8(_mm256_add_ps(b0, b1)) + mj;
+}
+
 template <typename T>
 AVX2_FN inline void key_scores_avx2(const float* qf, const T* kr, int64_t G, int64_t D, float mj, float* s,
                                     int64_t L) {
   int64_t g = 0;
-  for (; g + 2 <= G; g += 2) {
-    const float* q0 = qf + g * D;
-    const float* q1 = q0 + D;
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-    int64_t d = 0;
-    for (; d + 16 <= D; d += 16) {
-      const __m256 k0 = load8(kr + d), k1 = load8(kr + d + 8);
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), k0, a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d + 8), k1, a1);
-      b0 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), k0, b0);
-      b1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d + 8), k1, b1);
-    }
-    if (d < D) {
-      const __m256 k0 = load8(kr + d);
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), k0, a0);
-      b0 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), k0, b0);
-    }
-    s[g * L] = hsum8(_mm256_add_ps(a0, a1)) + mj;
-    s[(g + 1) * L] = hsum8(_mm256_add_ps(b0, b1)) + mj;
-  }
-  if (g < G) {
-    const float* q0 = qf + g * D;
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    int64_t d = 0;
-    for (; d + 16 <= D; d += 16) {
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), load8(kr + d), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d + 8), load8(kr + d + 8), a1);
-    }
-    if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), load8(kr + d), a0);
-    s[g * L] = hsum8(_mm256_add_ps(a0, a1)) + mj;
-  }
+  for (; g + 2 <= G; g += 2)
+    head_scores_avx2<T, true>(qf + g * D, qf + (g + 1) * D, kr, D, mj, s + g * L, s + (g + 1) * L);
+  if (g < G)  // a last head alone
+    head_scores_avx2<T, false>(qf + g * D, qf + g * D, kr, D, mj, s + g * L, s + g * L);
 }
 
 // value_tile_avx512's AVX2 twin: two heads x NV x 8 dims in registers over a run of rows.
