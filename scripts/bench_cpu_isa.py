@@ -12,6 +12,7 @@ bandwidth, as bench_engine.py's `fast_roofline_ratio_bs1`).
     python scripts/bench_cpu_isa.py --model models/bench-qwen3 --threads 2
     python scripts/bench_cpu_isa.py --model M --isa amx avx512        # only these
     python scripts/bench_cpu_isa.py --isa amx avx2 --context 1000     # decode over 1k-token contexts
+    python scripts/bench_cpu_isa.py --isa amx --kernel-times           # + ms a step in each kernel
 """
 from __future__ import annotations
 
@@ -26,7 +27,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def measure(model: str, threads: int, steps: int, context: int = 128) -> dict:
+KERNEL_CALLS = ("linear_bf16", "linear_int8", "paged_decode_attention", "rope_kv_write", "add_rms_norm", "rms_norm",
+                "silu_mul")
+
+
+def _time_kernel_calls(K, acc: dict) -> None:
+    """Wrap the decode step's kernel calls so that each one's wall time adds up in acc[name]
+    (the step looks them up on the module at every call; a few us of overhead per call)."""
+    for name in KERNEL_CALLS:
+        fn = getattr(K, name, None)
+        if fn is None:
+            continue
+
+        def timed(*a, _fn=fn, _name=name):
+            t = time.perf_counter()
+            out = _fn(*a)
+            acc[_name] = acc.get(_name, 0.0) + time.perf_counter() - t
+            return out
+
+        setattr(K, name, timed)
+
+
+def measure(model: str, threads: int, steps: int, context: int = 128, kernel_times: bool = False) -> dict:
     """In this process, on the path KEYACC_CPU_ISA names."""
     import random
 
@@ -45,6 +67,9 @@ def measure(model: str, threads: int, steps: int, context: int = 128) -> dict:
     rng = random.Random(0)
     vocab = eng.runner.vocab_size
     res = {"isa": kernels.load().isa()}
+    acc: dict = {}
+    if kernel_times:
+        _time_kernel_calls(kernels.load(), acc)
     for i in range(2):  # warm once
         eng.add_request(f"p{i}", [rng.randrange(10, vocab - 1) for _ in range(512)], SamplingParams(max_tokens=1))
         t = time.perf_counter()
@@ -59,9 +84,15 @@ def measure(model: str, threads: int, steps: int, context: int = 128) -> dict:
                             SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True))
         while any(s.num_output_tokens == 0 for s in eng.seqs.values()):
             eng.step()
+        acc.clear()
         t = time.perf_counter()
         n = sum(len(eng.step()) for _ in range(steps))
-        res[f"decode_tps_bs{b}"] = round(n / (time.perf_counter() - t), 1)
+        dt = time.perf_counter() - t
+        res[f"decode_tps_bs{b}"] = round(n / dt, 1)
+        if kernel_times:  # ms per step in each kernel, and the step's own
+            res[f"step_ms_bs{b}"] = round(dt / steps * 1e3, 1)
+            for name, v in acc.items():
+                res[f"kernel_ms_bs{b}_{name}"] = round(v / steps * 1e3, 1)
         while eng.has_unfinished():
             eng.step()
     return res
@@ -87,12 +118,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--isa", nargs="*", default=["amx", "avx512", "avx2", "portable"])
+    ap.add_argument("--kernel-times", action="store_true",
+                    help="also ms per decode step in each kernel (linear, attention, rope, norms, SiLU)")
     ap.add_argument("--context", type=int, default=128,
                     help="prompt tokens of each decoding sequence (the KV its attention reads)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(measure(args.model, args.threads, args.steps, args.context)))
+        print(json.dumps(measure(args.model, args.threads, args.steps, args.context, args.kernel_times)))
         return
     out: dict = {"model": args.model, "threads": args.threads, "context": args.context}
     roofline_ms = _roofline_ms(args.model, args.threads)
@@ -101,7 +134,9 @@ def main() -> None:
         steps = max(2, args.steps // 4) if isa == "portable" else args.steps
         env = {**os.environ, "KEYACC_CPU_ISA": isa}
         r = subprocess.run([sys.executable, __file__, "--child", "--model", args.model, "--threads", str(args.threads),
-                            "--steps", str(steps), "--context", str(args.context)], env=env, capture_output=True, text=True, timeout=3600)
+                            "--steps", str(steps), "--context", str(args.context)]
+                           + (["--kernel-times"] if args.kernel_times else []),
+                           env=env, capture_output=True, text=True, timeout=3600)
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
         if r.returncode or not lines:
             out[f"error_{isa}"] = (r.stderr or r.stdout)[-300:]
