@@ -687,8 +687,8 @@ template <typename T> struct Rows {
 // Decode attention streams each key and value row once from memory, and a paged pool's rows come
 // in blocks of a few KB scattered over the pool: the hardware prefetchers start again at every
 // block. So the K loop asks for the row KV_AHEAD keys on (K's, then V's once K's run out) and the
-// V loop for the rows KV_AHEAD on from each run it starts (+25-30% GB/s at 4k-token contexts out
-// of DRAM on the 2-core Xeon VM, `scripts/bench_cpu_attention.py`; 16-128 tried, 32 best).
+// V loop for the rows KV_AHEAD on from each run it starts (16-128 tried in a throwaway sweep, 32
+// kept; before/after of the whole kernel: `scripts/bench_cpu_attention.py`, docs/benchmarks.md).
 constexpr int64_t KV_AHEAD = 32;
 template <typename T>
 inline void prefetch_k_then_v(const Rows<T>& k, const Rows<T>& v, int64_t j, int64_t j0, int64_t L, int64_t D) {
