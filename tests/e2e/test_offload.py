@@ -118,6 +118,19 @@ def kv_directory_puts() -> int:
     return ray.get(directory.num_puts.remote(), timeout=10)
 
 
+def router_inflight_reaches(n: int, timeout_s: float = 60.0) -> None:
+    """Wait until the router counts at least n requests in flight (on any hop)."""
+    import time
+
+    from ray import serve
+
+    handle = serve.get_deployment_handle("Router", "keyacc")
+    deadline = time.monotonic() + timeout_s
+    while sum(handle.snapshot_dict.remote().result(timeout_s=10)["inflight"].values()) < n:
+        assert time.monotonic() < deadline, f"fewer than {n} requests ever reached the router"
+        time.sleep(0.05)
+
+
 def router_inflight_settles(timeout_s: float = 10.0) -> bool:
     """Every request has told the router it left its last hop (the policies read these counts)."""
     import time
@@ -176,9 +189,9 @@ def test_requests_queued_on_the_cpu_pool_move_to_the_gpu_when_it_frees_up(app_ur
         # requests in the CPU queue.
         longs = [ex.submit(held, PROMPTS[i % len(PROMPTS)], "cpu", 700, cpu_go) for i in range(32)]
         gpu = [ex.submit(held, PROMPTS[i % len(PROMPTS)], "gpu", 300, gpu_go) for i in range(8)]
-        time.sleep(0.5)
+        router_inflight_reaches(40)  # (not a fixed pause: see the next test)
         shorts = [ex.submit(one, PROMPTS[i % len(PROMPTS)], 16) for i in range(6)]
-        time.sleep(0.5)
+        router_inflight_reaches(46)  # the shorts queued on the CPU pool before the GPU frees
         gpu_go.set()
         try:
             traces = check([f.result() for f in shorts], 16)
@@ -242,7 +255,10 @@ def test_requests_with_no_place_anywhere_wait_at_the_router_and_take_the_first_o
         # output-length estimate, the slots alone leave no room there).
         longs = [ex.submit(stream, PROMPTS[i % len(PROMPTS)], "cpu", 700, cpu_go) for i in range(32)]
         gpu = [ex.submit(stream, PROMPTS[i % len(PROMPTS)], "gpu", 700, gpu_go) for i in range(12)]
-        time.sleep(0.5)
+        # the shorts go once the router counts all 44 streams in flight: sent after a fixed pause,
+        # on a slow machine some reached the router before the streams had, found places and were
+        # not held (CI, 35d9c1d: one of four held)
+        router_inflight_reaches(44)
         shorts = [ex.submit(one, PROMPTS[i % len(PROMPTS)], 16) for i in range(4)]
 
         def held_reaches(n: int) -> list[int]:
