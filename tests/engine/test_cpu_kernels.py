@@ -178,6 +178,48 @@ def test_rope_kv_write_rejects_out_of_range_position(K):
                         torch.ones(1, 8), torch.zeros(1, 8), kbuf, kbuf.clone(), torch.tensor([4]))
 
 
+def _norm_rope_outputs(K) -> list[torch.Tensor]:
+    """rope_kv_write, rms_norm and add_rms_norm over head sizes with 16-lane tails, partial rotary,
+    both dtypes, a NaN, zeros of both signs and values in bf16's subnormal range."""
+    g, outs = gen(23), []
+    for dtype in (torch.float32, BF16):
+        for D, R in ((128, 128), (80, 80), (24, 24), (40, 40), (128, 64), (96, 32), (128, 96)):
+            B, H, Hkv = 3, 3, 1
+            q = (torch.randn(B, H * D, generator=g) * 3).to(dtype)
+            k, v = (torch.randn(B, Hkv * D, generator=g).to(dtype) for _ in range(2))
+            q[0, 5], k[1, 2], q[2, 1], q[2, 1 + R // 2], q[1, D:2 * D] = float("nan"), float("nan"), 0.0, -0.0, 1e-39
+            ang = torch.randn(B, R, generator=g)
+            for norm in (None, (torch.randn(D, generator=g).to(dtype), torch.randn(D, generator=g).to(dtype))):
+                kb, vb = torch.zeros(4, Hkv, 8, D, dtype=dtype), torch.zeros(4, Hkv, 8, D, dtype=dtype)
+                outs.append(K.rope_kv_write(q, k, v, norm and norm[0], norm and norm[1], 1e-6, ang.cos().to(dtype),
+                                            ang.sin().to(dtype), kb, vb, torch.tensor([1, 7, 0]), torch.tensor([3, 0, 2])))
+                outs += [kb, vb]
+            x, res, w = (torch.randn(5, D, generator=g).to(dtype) for _ in range(3))
+            x[1, 3], x[2] = float("nan"), 1e-39
+            outs += [K.rms_norm(x, w, 1e-6), K.add_rms_norm(x, res, w, 1e-5), res]
+    return outs
+
+
+@pytest.mark.skipif(bool(os.environ.get("KEYACC_CPU_ISA")), reason="already a forced run")
+def test_norm_and_rope_are_bitwise_the_same_on_every_path(K, tmp_path):
+    """The norms and the rotary write have hand-written AVX-512 code beside the compiler's clones
+    (AVX2 and baseline): the same operations in the same order, so every path gives the same bits
+    (a NaN's included), checked against a forced AVX2 run of the same cases."""
+    if K.isa() in ("portable", "avx2"):
+        pytest.skip("no AVX-512 here: the AVX2 clone is the default path")
+    out = tmp_path / "avx2.pt"
+    code = ("import sys, torch; from keyacc_ray import kernels; from tests.engine.test_cpu_kernels import "
+            f"_norm_rope_outputs; torch.save(_norm_rope_outputs(kernels.load()), {str(out)!r})")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "KEYACC_CPU_ISA": "avx2"},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    mine, theirs = _norm_rope_outputs(K), torch.load(out)
+    assert len(mine) == len(theirs)
+    bits = {torch.float32: torch.int32, BF16: torch.int16}
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+        assert torch.equal(a.view(bits[a.dtype]), b.view(bits[b.dtype])), f"output {i} differs"
+
+
 def _rerun_with(isa: str):
     env = {**os.environ, "KEYACC_CPU_ISA": isa}
     sampling = os.path.join(os.path.dirname(__file__), "test_sampling.py")
