@@ -9,6 +9,13 @@ vocabulary's ([32 x 1024] x [1024 x 151936]), then the same at 8 rows.
     python scripts/bench_linear.py --isa avx2 portable
 
 The last line is one JSON object: {"<isa>": {"MxKxN": GFLOP/s, ...}, ...}.
+
+Those weights stay in the L3 between calls; a decode step reads every weight from DRAM. `--stream`
+measures that instead: the products of a whole 24-layer step of the bench shape (q|k|v, o,
+gate|up, down: 755 MB of bf16 weights, far beyond any L3) at 1, 8, 16 and 32 input rows, best of
+4 steps, ms per step (the read roofline is the weights over the read bandwidth):
+
+    python scripts/bench_linear.py --isa amx --stream     # {"amx": {"rows1_ms": .., "rows32_ms": ..}}
 """
 from __future__ import annotations
 
@@ -45,6 +52,36 @@ def child(reps: int) -> dict:
     return out
 
 
+STREAM_SHAPES = [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)]  # one layer's (in, out)
+STREAM_ROWS = (1, 8, 16, 32)
+
+
+def child_stream() -> dict:
+    """ms per 24-layer step of products, weights streamed from DRAM (see --stream)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    import torch
+
+    from keyacc_ray import kernels
+
+    K = kernels.load()
+    assert K is not None, kernels.unavailable_reason()
+    g = torch.Generator().manual_seed(0)
+    layers = [[(K.pack_bf16((torch.randn(n, k, generator=g) * 0.05).bfloat16()), k, n) for k, n in STREAM_SHAPES]
+              for _ in range(24)]
+    out = {"weight_mb": round(sum(k * n * 2 for k, n in STREAM_SHAPES) * 24 / 1e6)}
+    for m in STREAM_ROWS:
+        xs = {k: torch.randn(m, k, generator=g).bfloat16() for k, _ in STREAM_SHAPES}
+        best = float("inf")
+        for _ in range(4):
+            t = time.perf_counter()
+            for layer in layers:
+                for packed, k, n in layer:
+                    K.linear_bf16(xs[k], packed, n, None)
+            best = min(best, time.perf_counter() - t)
+        out[f"rows{m}_ms"] = round(best * 1e3, 1)
+    return out
+
+
 def run_per_isa(script: str, isa: str, args: list[str], timeout: int = 900) -> dict:
     """`script --child ARGS` in a process of its own with KEYACC_CPU_ISA=isa (read once per
     process): its last output line as JSON, or {"error": [its last error line]}."""
@@ -61,17 +98,19 @@ def main() -> None:
     ap.add_argument("--isa", nargs="+", default=["avx2", "portable"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--stream", action="store_true", help="a decode step's products, weights from DRAM (ms)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         import torch
 
         torch.set_num_threads(args.threads)
-        print(json.dumps(child(args.reps)))
+        print(json.dumps(child_stream() if args.stream else child(args.reps)))
         return
     res = {}
     for isa in args.isa:
-        res[isa] = run_per_isa(__file__, isa, ["--threads", str(args.threads), "--reps", str(args.reps)])
+        res[isa] = run_per_isa(__file__, isa, ["--threads", str(args.threads), "--reps", str(args.reps)]
+                               + (["--stream"] if args.stream else []))
         print(isa, res[isa], flush=True)
     print(json.dumps(res))
 
