@@ -308,21 +308,14 @@ AMX_FN void widen_group(const int8_t* G, int64_t n, std::vector<bf16_t>& out) {
 constexpr int64_t AMX_PF_BYTES = 8192;
 
 AMX_FN void group_amx(const bf16_t* G, int64_t kp, int64_t n_base, const bf16_t* x, int64_t ldx, int64_t M,
-                      const float* sc, const float* bias, bf16_t* y, int64_t ldy, int64_t N,
-                      std::vector<bf16_t>& pad) {
+                      const float* sc, const float* bias, bf16_t* y, int64_t ldy, int64_t N) {
   alignas(64) float c[16 * GB * NB];  // [16 rows][64 outputs]
   constexpr int64_t BSTRIDE = GB * NB * 2 * sizeof(bf16_t);  // bytes from one k-pair of a block to the next
   constexpr int64_t STEP_BYTES = 16 * BSTRIDE;                // the weights of one k-step (16 k-pairs)
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const int64_t rows = std::min<int64_t>(16, M - m0);
-    const bf16_t* a = x + m0 * ldx;
-    int64_t lda = ldx;
-    if (rows < 16) {
-      pad.assign(16 * 2 * kp, 0);
-      for (int64_t r = 0; r < rows; ++r) std::memcpy(pad.data() + r * 2 * kp, a + r * ldx, 2 * kp * sizeof(bf16_t));
-      a = pad.data();
-      lda = 2 * kp;
-    }
+    const bf16_t* a = x + m0 * ldx;  // (x has rows up to a multiple of 16, zeros past M: see linear_impl)
+    const int64_t lda = ldx;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -564,8 +557,17 @@ torch::Tensor linear_packed(const char* name, torch::Tensor x, const torch::Tens
   const int64_t gstride = kp * GB * NB * 2;
 #if KEYACC_X86
   if (M >= AMX_MIN_ROWS && kp % 16 == 0 && have_amx()) {
+    // A tiles take 16 rows: the input zero-padded to a multiple of 16 rows once here (each group
+    // padding its own copy cost more than the products at 8 rows: 48 KB written per group)
+    torch::Tensor xpad;
+    const bf16_t* xa = xp;
+    if (M % 16) {
+      xpad = torch::zeros({(M + 15) / 16 * 16, ldx}, x2.options());
+      xpad.narrow(0, 0, M).copy_(x2);
+      xa = reinterpret_cast<const bf16_t*>(xpad.data_ptr());
+    }
     at::parallel_for(0, ng, 1, [&](int64_t g0, int64_t g1) {
-      std::vector<bf16_t> pad, wide;
+      std::vector<bf16_t> wide;
       amx_begin();
       for (int64_t g = g0; g < g1; ++g) {
         const bf16_t* grp;
@@ -575,7 +577,7 @@ torch::Tensor linear_packed(const char* name, torch::Tensor x, const torch::Tens
           widen_group(P + g * gstride, gstride, wide);
           grp = wide.data();
         }
-        group_amx(grp, kp, g * GB * NB, xp, ldx, M, sc, bp, yp, N, N, pad);
+        group_amx(grp, kp, g * GB * NB, xa, ldx, M, sc, bp, yp, N, N);
       }
       amx_end();
     });
