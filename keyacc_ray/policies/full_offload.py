@@ -30,7 +30,7 @@ DEFAULTS = {
     # a request that would wait for a place on either pool waits at the router for the first one
     # (whole_request_route), up to this long; 0 (the default): it queues on a pool at once. On this
     # box's bench it cut full_offload's p99 TTFT at 40 clients with fixed output lengths (5.2 -> 2 s)
-    # but raised p50 TTFT with spread ones (docs/benchmarks.md "Session 11")
+    # but raised p50 TTFT with spread ones (docs/benchmarks.md "Settings left off by default")
     "max_hold_s": 0.0,
     # a whole request goes to the CPU pool only if its prompt goes through there within this long
     # (prompt tokens / the pool's measured prefill rate); else it stays on the GPU (auto: prefill
