@@ -1268,6 +1268,106 @@ AVX2_FN void silu_mul_avx2(const T* gu, T* y, int64_t M, int64_t I) {
     }
   }
 }
+
+// The norms and the rotary write for AVX2 (head_norm_rope_body, rms_rows_body and
+// add_rms_rows_body as the AVX-512 versions above do them): the same operations in the same
+// order, 8 lanes at a time, tails element by element as the bodies do them.
+template <typename T> AVX2_FN inline __m256 round8(__m256 v) {  // to_f(from_f(v)) lane-wise
+  if (std::is_same<T, float>::value) return v;
+  const __m256i u = _mm256_castps_si256(v), hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), hi);
+  const __m256i nan = _mm256_or_si256(_mm256_and_si256(u, hi), _mm256_set1_epi32(0x00400000));
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))));
+}
+AVX2_FN inline void store8r(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+AVX2_FN inline void store8r(bf16_t* p, __m256 v) {  // v already rounded (round8)
+  const __m256i u = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+  _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08)));
+}
+
+AVX2_FN inline float sum_squares_avx2(const float* row, int64_t D) {  // dot(row, row, D), the same sum
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();  // partial sums 0-7 and 8-15
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    const __m256 a = _mm256_loadu_ps(row + d), b = _mm256_loadu_ps(row + d + 8);
+    lo = _mm256_add_ps(lo, _mm256_mul_ps(a, a));
+    hi = _mm256_add_ps(hi, _mm256_mul_ps(b, b));
+  }
+  float ss = 0.f;
+  for (; d < D; ++d) ss += row[d] * row[d];
+  alignas(32) float p[16];
+  _mm256_store_ps(p, lo);
+  _mm256_store_ps(p + 8, hi);
+  for (int l = 0; l < 16; ++l) ss += p[l];
+  return ss;
+}
+
+template <typename T, bool ADD>
+AVX2_FN void rms_rows_avx2(const T* x, T* res, const T* w, T* y, int64_t M, int64_t D, float eps, float* row) {
+  for (int64_t i = 0; i < M; ++i) {
+    const T* xr = x + i * D;
+    T* rr = ADD ? res + i * D : nullptr;
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+      __m256 v = load8(xr + d);
+      if (ADD) {
+        v = round8<T>(_mm256_add_ps(load8(rr + d), v));
+        store8r(rr + d, v);
+      }
+      _mm256_storeu_ps(row + d, v);
+    }
+    for (; d < D; ++d) {
+      if (ADD) rr[d] = from_f<T>(to_f<T>(rr[d]) + to_f<T>(xr[d]));
+      row[d] = to_f<T>(ADD ? rr[d] : xr[d]);
+    }
+    const float r = 1.f / std::sqrt(sum_squares_avx2(row, D) / static_cast<float>(D) + eps);
+    const __m256 vr = _mm256_set1_ps(r);
+    T* yr = y + i * D;
+    for (d = 0; d + 8 <= D; d += 8)
+      store8r(yr + d, round8<T>(_mm256_mul_ps(load8(w + d), round8<T>(_mm256_mul_ps(_mm256_loadu_ps(row + d), vr)))));
+    for (; d < D; ++d) yr[d] = from_f<T>(to_f<T>(w[d]) * to_f<T>(from_f<T>(row[d] * r)));
+  }
+}
+
+template <typename T>
+AVX2_FN void head_norm_rope_avx2(const T* x, T* out, const T* nw, float eps, const T* cos, const T* sin, int64_t R,
+                                 int64_t D, float* row) {
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) _mm256_storeu_ps(row + d, load8(x + d));
+  for (; d < D; ++d) row[d] = to_f<T>(x[d]);
+  if (nw) {
+    const float r = 1.f / std::sqrt(sum_squares_avx2(row, D) / static_cast<float>(D) + eps);
+    const __m256 vr = _mm256_set1_ps(r);
+    for (d = 0; d + 8 <= D; d += 8)
+      _mm256_storeu_ps(row + d, round8<T>(_mm256_mul_ps(load8(nw + d), round8<T>(_mm256_mul_ps(_mm256_loadu_ps(row + d), vr)))));
+    for (; d < D; ++d) row[d] = to_f<T>(from_f<T>(to_f<T>(nw[d]) * to_f<T>(from_f<T>(row[d] * r))));
+  }
+  const int64_t h = R / 2;
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  for (d = 0; d + 8 <= h; d += 8) {  // first half: rotated by -x[d + h]
+    const __m256 a = round8<T>(_mm256_mul_ps(_mm256_loadu_ps(row + d), load8(cos + d)));
+    const __m256 b = round8<T>(_mm256_mul_ps(_mm256_xor_ps(_mm256_loadu_ps(row + d + h), sign), load8(sin + d)));
+    store8r(out + d, round8<T>(_mm256_add_ps(a, b)));
+  }
+  for (; d < h; ++d) {
+    const float a = to_f<T>(from_f<T>(row[d] * to_f<T>(cos[d])));
+    const float b = to_f<T>(from_f<T>(-row[d + h] * to_f<T>(sin[d])));
+    out[d] = from_f<T>(a + b);
+  }
+  for (d = h; d + 8 <= R; d += 8) {  // second half: by x[d - h]
+    const __m256 a = round8<T>(_mm256_mul_ps(_mm256_loadu_ps(row + d), load8(cos + d)));
+    const __m256 b = round8<T>(_mm256_mul_ps(_mm256_loadu_ps(row + d - h), load8(sin + d)));
+    store8r(out + d, round8<T>(_mm256_add_ps(a, b)));
+  }
+  for (; d < R; ++d) {
+    const float a = to_f<T>(from_f<T>(row[d] * to_f<T>(cos[d])));
+    const float b = to_f<T>(from_f<T>(row[d - h] * to_f<T>(sin[d])));
+    out[d] = from_f<T>(a + b);
+  }
+  for (d = R; d + 8 <= D; d += 8) store8r(out + d, round8<T>(_mm256_loadu_ps(row + d)));
+  for (; d < D; ++d) out[d] = from_f<T>(row[d]);
+}
 #endif
 
 bool have_avx512() {
@@ -1452,18 +1552,24 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   w = w.contiguous();
   const int64_t D = x.size(-1), M = x.numel() / std::max<int64_t>(D, 1);
   auto y = torch::empty_like(x);
-  const bool wide = have_avx512();
+  const bool wide = have_avx512(), wide2 = !wide && have_avx2();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     std::vector<float> row(D);
 #if KEYACC_X86
-    if (wide && x.scalar_type() == torch::kFloat32)
-      return rms_rows_avx512<float, false>(x.data_ptr<float>() + m0 * D, nullptr, w.data_ptr<float>(),
-                                           y.data_ptr<float>() + m0 * D, m1 - m0, D, static_cast<float>(eps), row.data());
-    if (wide)
-      return rms_rows_avx512<bf16_t, false>(reinterpret_cast<const bf16_t*>(x.data_ptr()) + m0 * D, nullptr,
-                                            reinterpret_cast<const bf16_t*>(w.data_ptr()),
-                                            reinterpret_cast<bf16_t*>(y.data_ptr()) + m0 * D, m1 - m0, D,
-                                            static_cast<float>(eps), row.data());
+    if (wide || wide2) {
+      const float e = static_cast<float>(eps);
+      if (x.scalar_type() == torch::kFloat32) {
+        const float *xp = x.data_ptr<float>() + m0 * D, *wp = w.data_ptr<float>();
+        float* yp = y.data_ptr<float>() + m0 * D;
+        if (wide) return rms_rows_avx512<float, false>(xp, nullptr, wp, yp, m1 - m0, D, e, row.data());
+        return rms_rows_avx2<float, false>(xp, nullptr, wp, yp, m1 - m0, D, e, row.data());
+      }
+      const bf16_t* xp = reinterpret_cast<const bf16_t*>(x.data_ptr()) + m0 * D;
+      const bf16_t* wp = reinterpret_cast<const bf16_t*>(w.data_ptr());
+      bf16_t* yp = reinterpret_cast<bf16_t*>(y.data_ptr()) + m0 * D;
+      if (wide) return rms_rows_avx512<bf16_t, false>(xp, nullptr, wp, yp, m1 - m0, D, e, row.data());
+      return rms_rows_avx2<bf16_t, false>(xp, nullptr, wp, yp, m1 - m0, D, e, row.data());
+    }
 #endif
     if (x.scalar_type() == torch::kFloat32)
       rms_rows(x.data_ptr<float>() + m0 * D, w.data_ptr<float>(), y.data_ptr<float>() + m0 * D, m1 - m0, D,
@@ -1560,20 +1666,27 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
   w = w.contiguous();
   const int64_t D = x.size(-1), M = x.numel() / D;
   auto y = torch::empty_like(residual);
-  const bool wide = have_avx512();
+  const bool wide = have_avx512(), wide2 = !wide && have_avx2();
   at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
     std::vector<float> row(D);
 #if KEYACC_X86
-    if (wide && x.scalar_type() == torch::kFloat32)
-      return rms_rows_avx512<float, true>(x.data_ptr<float>() + m0 * D, residual.data_ptr<float>() + m0 * D,
-                                          w.data_ptr<float>(), y.data_ptr<float>() + m0 * D, m1 - m0, D,
-                                          static_cast<float>(eps), row.data());
-    if (wide && x.scalar_type() == torch::kBFloat16)
-      return rms_rows_avx512<bf16_t, true>(reinterpret_cast<const bf16_t*>(x.data_ptr()) + m0 * D,
-                                           reinterpret_cast<bf16_t*>(residual.data_ptr()) + m0 * D,
-                                           reinterpret_cast<const bf16_t*>(w.data_ptr()),
-                                           reinterpret_cast<bf16_t*>(y.data_ptr()) + m0 * D, m1 - m0, D,
-                                           static_cast<float>(eps), row.data());
+    if (wide || wide2) {
+      const float e = static_cast<float>(eps);
+      if (x.scalar_type() == torch::kFloat32) {
+        const float *xp = x.data_ptr<float>() + m0 * D, *wp = w.data_ptr<float>();
+        float *rp = residual.data_ptr<float>() + m0 * D, *yp = y.data_ptr<float>() + m0 * D;
+        if (wide) return rms_rows_avx512<float, true>(xp, rp, wp, yp, m1 - m0, D, e, row.data());
+        return rms_rows_avx2<float, true>(xp, rp, wp, yp, m1 - m0, D, e, row.data());
+      }
+      if (x.scalar_type() == torch::kBFloat16) {
+        const bf16_t* xp = reinterpret_cast<const bf16_t*>(x.data_ptr()) + m0 * D;
+        const bf16_t* wp = reinterpret_cast<const bf16_t*>(w.data_ptr());
+        bf16_t* rp = reinterpret_cast<bf16_t*>(residual.data_ptr()) + m0 * D;
+        bf16_t* yp = reinterpret_cast<bf16_t*>(y.data_ptr()) + m0 * D;
+        if (wide) return rms_rows_avx512<bf16_t, true>(xp, rp, wp, yp, m1 - m0, D, e, row.data());
+        return rms_rows_avx2<bf16_t, true>(xp, rp, wp, yp, m1 - m0, D, e, row.data());
+      }
+    }
 #endif
     if (x.scalar_type() == torch::kFloat32)
       add_rms_rows(x.data_ptr<float>() + m0 * D, residual.data_ptr<float>() + m0 * D, w.data_ptr<float>(),
@@ -1630,11 +1743,12 @@ void rope_cache_impl(const torch::Tensor& q, const torch::Tensor& k, const torch
   T* kb = reinterpret_cast<T*>(kbuf.data_ptr());
   T* vb = reinterpret_cast<T*>(vbuf.data_ptr());
   T* op = reinterpret_cast<T*>(qo.data_ptr());
-  const bool wide = have_avx512();
-  // one head's norm and rotation, on AVX-512 where the CPU has it (bitwise the same either way)
+  const bool wide = have_avx512(), wide2 = !wide && have_avx2();
+  // one head's norm and rotation, on AVX-512 or AVX2 where the CPU has it (bitwise the same either way)
   auto head = [&](const T* x, T* o, const T* nw, const T* c, const T* sn, float* row) {
 #if KEYACC_X86
     if (wide) return head_norm_rope_avx512<T>(x, o, nw, eps, c, sn, R, D, row);
+    if (wide2) return head_norm_rope_avx2<T>(x, o, nw, eps, c, sn, R, D, row);
 #endif
     head_norm_rope(x, o, nw, eps, c, sn, R, D, row);
   };
