@@ -664,6 +664,15 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 inline float sum_squares(const float* a, int64_t n) { return dot(a, a, n); }
 
+// dot(row, row, D)'s end, for the vector versions: 16 partial sums p of rows [0, d), then the
+// tail [d, D) and the partials in order, as dot() adds them.
+inline float finish_squares(const float* p, const float* row, int64_t d, int64_t D) {
+  float ss = 0.f;
+  for (; d < D; ++d) ss += row[d] * row[d];
+  for (int l = 0; l < 16; ++l) ss += p[l];
+  return ss;
+}
+
 // Where key / value row j of one sequence and KV head lives: base + j * sl in a slot buffer, or
 // in the paged pool at block table[j / bs] (block stride bstride), row j % bs of it.
 template <typename T> struct Rows {
@@ -989,12 +998,9 @@ AVX512 inline float sum_squares_avx512(const float* row, int64_t D) {  // dot(ro
     const __m512 v = _mm512_loadu_ps(row + d);
     part = _mm512_add_ps(part, _mm512_mul_ps(v, v));
   }
-  float ss = 0.f;
-  for (; d < D; ++d) ss += row[d] * row[d];
   alignas(64) float p[16];
   _mm512_store_ps(p, part);
-  for (int l = 0; l < 16; ++l) ss += p[l];
-  return ss;
+  return finish_squares(p, row, d, D);
 }
 
 // rms_rows_body (ADD: add_rms_rows_body, the residual added and stored first) on AVX-512,
@@ -1294,13 +1300,10 @@ AVX2_FN inline float sum_squares_avx2(const float* row, int64_t D) {  // dot(row
     lo = _mm256_add_ps(lo, _mm256_mul_ps(a, a));
     hi = _mm256_add_ps(hi, _mm256_mul_ps(b, b));
   }
-  float ss = 0.f;
-  for (; d < D; ++d) ss += row[d] * row[d];
   alignas(32) float p[16];
   _mm256_store_ps(p, lo);
   _mm256_store_ps(p + 8, hi);
-  for (int l = 0; l < 16; ++l) ss += p[l];
-  return ss;
+  return finish_squares(p, row, d, D);
 }
 
 template <typename T, bool ADD>
