@@ -582,11 +582,21 @@ def test_vllm_metrics_and_the_dashboard(app_url, client):
                                        extra_body={"ignore_eos": True, "keyacc": {"route": "stage"}})
     moved = staged.model_extra["keyacc"]["segments"][1]
     assert moved["pool"] == "cpu" and moved["kv_bytes"] > 0 and moved["handoff_ms"] >= 0
-    time.sleep(1.5)  # the pools' next load reports
+    wants = [("vllm:generation_tokens_total", "cpu", 9), ("vllm:generation_tokens_total", "gpu", 5),
+             ("keyacc_handoffs_total", "gpu->cpu", 1), ("keyacc_handoff_seconds_count", "gpu->cpu", 1),
+             ("vllm:time_to_first_token_seconds_count", "cpu", 2), ("vllm:request_prefill_time_seconds_count", "cpu", 2)]
+
+    def grew_in(after, name, pool, by):
+        return after.get((name, pool), 0) - before.get((name, pool), 0) >= by
+
+    deadline = time.monotonic() + 20  # the pools' next load reports (a second or two; longer on a slow machine)
     after, declared = scrape()
+    while not all(grew_in(after, *w) for w in wants) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        after, declared = scrape()
 
     def grew(name, pool, by):
-        return after.get((name, pool), 0) - before.get((name, pool), 0) >= by
+        return grew_in(after, name, pool, by)
 
     assert grew("vllm:generation_tokens_total", "cpu", 9) and grew("vllm:generation_tokens_total", "gpu", 5)
     assert grew("keyacc_handoffs_total", "gpu->cpu", 1) and grew("keyacc_handoff_bytes_total", "gpu->cpu", moved["kv_bytes"])

@@ -83,8 +83,13 @@ def test_two_ingress_replicas_share_one_router(app_url):
         assert all(r.status_code == 200 for r in rs)
         assert any(s["pool"] == "cpu" for r in rs for s in r.json()["keyacc"]["segments"]), "nothing offloaded"
         assert router_inflight_settles()
-        time.sleep(2.5)  # each replica's next report to the monitor, and the router's next snapshot
-        seen = [success() - before for _ in range(6)]  # scrapes land on either replica
+        # each replica's next report to the monitor, and the router's next snapshot: a few seconds,
+        # longer on a slow machine; six scrapes in a row (they land on either replica) must agree
+        deadline = time.monotonic() + 20
+        seen = [success() - before for _ in range(6)]
+        while not all(x == 32 for x in seen) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            seen = [success() - before for _ in range(6)]
         assert all(x == 32 for x in seen), seen
     finally:
         serve.run(build_app(APP_ARGS), name="keyacc", route_prefix="/")
