@@ -314,7 +314,7 @@ AMX_FN void group_amx(const bf16_t* G, int64_t kp, int64_t n_base, const bf16_t*
   constexpr int64_t STEP_BYTES = 16 * BSTRIDE;                // the weights of one k-step (16 k-pairs)
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const int64_t rows = std::min<int64_t>(16, M - m0);
-    const bf16_t* a = x + m0 * ldx;  // (x has rows up to a multiple of 16, zeros past M: see linear_impl)
+    const bf16_t* a = x + m0 * ldx;  // (x has rows up to a multiple of 16, zeros past M: see linear_packed)
     const int64_t lda = ldx;
     _tile_zero(0);
     _tile_zero(1);
@@ -969,8 +969,8 @@ AVX512 void silu_mul_avx512(const T* gu, T* y, int64_t M, int64_t I) {
 
 // head_norm_rope_body for AVX-512, bitwise the same results (the same operations in the same
 // order, f2bf's rounding and NaN rule lane-wise, the norm's 16 partial sums added as dot() adds
-// them): about 5x faster than the compiler's clone, which ran it on 256-bit vectors with the
-// rounding's integer steps split across lanes (6-7 ms of a batch-32 step of the bench model).
+// them): rope_kv_write 2.7x faster than on the compiler's vectorisation of that body (256-bit,
+// the rounding's integer steps per lane), which took 6-8 ms of a batch-32 step of the bench model.
 AVX512 inline __mmask16 lanes_before(int64_t d, int64_t end) {
   return end - d >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (end - d)) - 1u);
 }
