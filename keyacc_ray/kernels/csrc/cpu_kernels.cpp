@@ -969,8 +969,8 @@ AVX512 void silu_mul_avx512(const T* gu, T* y, int64_t M, int64_t I) {
 
 // head_norm_rope_body for AVX-512, bitwise the same results (the same operations in the same
 // order, f2bf's rounding and NaN rule lane-wise, the norm's 16 partial sums added as dot() adds
-// them): rope_kv_write 2.7x faster than on the compiler's vectorisation of that body (256-bit,
-// the rounding's integer steps per lane), which took 6-8 ms of a batch-32 step of the bench model.
+// them). The compiler's vectorisation of that body (256-bit, the rounding's integer steps per lane)
+// took 8.3-8.7 ms of a batch-32 step of the bench model, this 3.8-4.3 (`bench_cpu_isa.py --kernel-times`).
 AVX512 inline __mmask16 lanes_before(int64_t d, int64_t end) {
   return end - d >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (end - d)) - 1u);
 }
