@@ -171,3 +171,22 @@ def test_the_kernel_makes_the_uniforms_the_python_rule_makes(K):
         got = K.sample_rows_seeded(x, temp.float(), torch.where(k >= 3000, 0, k), top_p.float(), min_p.float(),
                                    premixed, torch.tensor(positions), e).tolist()
         assert got == want
+
+
+@pytest.mark.parametrize("vocab", [512, 4096, 8192])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_p_on_peaked_rows_agrees(K, vocab, dtype):
+    """Top-p without top-k on rows from nearly flat to one token taking nearly all (the kernel
+    looks for the threshold among the few likeliest tokens first, by halving a bound from the
+    largest, and among all that may be kept where that finds nothing): with and without min-p,
+    bf16 ties, top-p from 0.05 to 0.999; the torch path's tokens."""
+    g = torch.Generator().manual_seed(vocab + 7)
+    n = 96
+    scale = torch.logspace(-1, 1.5, n)[:, None]  # 0.1 (flat) .. 31 (one token)
+    x = (torch.randn(n, vocab, generator=g) * scale).to(dtype)
+    tps = [0.05, 0.3, 0.5, 0.8, 0.9, 0.95, 0.99, 0.999]
+    params = [SamplingParams(temperature=[0.5, 1.0, 1.3][i % 3], top_p=tps[i % len(tps)],
+                             min_p=0.02 if i % 5 == 0 else 0.0).validate() for i in range(n)]
+    for pos in range(3):
+        u = uniforms(list(range(n)), [pos] * n)
+        assert kernel_sample_rows(K, x, rows_of(params), u).tolist() == sample_rows(x, params, u).tolist()

@@ -205,20 +205,47 @@ HOT int64_t top_k_of(const float* x, int64_t n, int64_t k, RowScratch& rs) {
 // The probability at which the descending cumulative mass of p[0..m) (all > 0) first reaches
 // `need`: the largest value with a mass of at least `need` at or above it (the tokens as likely as
 // it are all kept); 0 when the whole mass falls short of it (rounding): every token kept.
-HOT float top_p_threshold(const float* p, int64_t m, double need, std::vector<double>& mass) {
-  if (m <= 64) {  // a few candidates (top-k, or a peaked row): each one's mass at or above it
-    mass.resize(m);
-    mass_at_least_each(p, m, mass.data());
-    float best = 0.0f;
-    for (int64_t i = 0; i < m; ++i) best = mass[i] >= need ? std::max(best, p[i]) : best;
-    return best;
+// A sampling row is peaked: dividing a bound by 8 from the row's largest value, the mass at or
+// above it (float lanes: cheap, and only a guide) soon reaches `need` with few values there. The
+// first such bound above `floor`, or 0 (none within a few passes).
+HOT float peak_bound(const float* p, int64_t m, float top, double need, float floor) {
+  float t = top;
+  for (int j = 0; j < 6; ++j) {
+    t *= 0.125f;
+    if (t <= floor) return 0.0f;
+    if (static_cast<double>(mass_ge(p, m, t)) >= need) return t;
   }
+  return 0.0f;
+}
+
+HOT float threshold_of_few(const float* p, int64_t m, double need, std::vector<double>& mass) {
+  mass.resize(m);
+  mass_at_least_each(p, m, mass.data());
+  float best = 0.0f;
+  for (int64_t i = 0; i < m; ++i) best = mass[i] >= need ? std::max(best, p[i]) : best;
+  return best;
+}
+
+HOT float top_p_threshold(const float* p, int64_t m, double need, std::vector<double>& mass,
+                          std::vector<float>& few) {
+  if (m <= 64) return threshold_of_few(p, m, need, mass);  // a few candidates (top-k, or a peaked row)
   float pmin = std::numeric_limits<float>::infinity(), pmax = 0.0f;
   for (int64_t i = 0; i < m; ++i) {
     pmin = std::min(pmin, p[i]);
     pmax = std::max(pmax, p[i]);
   }
   if (static_cast<double>(mass_ge(p, m, pmin)) < need) return 0.0f;
+  // The values at least a bound whose mass reaches `need` hold the threshold (the least of them
+  // has all of that mass at or above it): where they are few, it is found among them alone.
+  if (const float t = peak_bound(p, m, pmax, need, pmin); t > 0.0f) {
+    few.clear();
+    for (int64_t i = 0; i < m; ++i)
+      if (p[i] >= t) few.push_back(p[i]);
+    if (few.size() <= 64) {
+      const float tau = threshold_of_few(few.data(), static_cast<int64_t>(few.size()), need, mass);
+      if (tau > 0.0f) return tau;  // (else the float mass misled the bound: the whole search)
+    }
+  }
   return float_of(bisect(key_of(pmin), key_of(pmax),
                          [&](uint32_t key) { return static_cast<double>(mass_ge(p, m, float_of(key))) >= need; }));
 }
@@ -300,7 +327,7 @@ HOT int64_t sample_row(const float* x, const float* e, int64_t V, float T, int64
       rs.gm.clear();
       for (int64_t i = 0; i < n; ++i)
         if (cand[i] >= std::numeric_limits<float>::min()) rs.gm.push_back(cand[i]);
-      tau = top_p_threshold(rs.gm.data(), static_cast<int64_t>(rs.gm.size()), top_p, rs.mass);
+      tau = top_p_threshold(rs.gm.data(), static_cast<int64_t>(rs.gm.size()), top_p, rs.mass, rs.few);
     }
     return draw(cand.data(), rs.idx.data(), n, tau, u);
   }
@@ -315,21 +342,33 @@ HOT int64_t sample_row(const float* x, const float* e, int64_t V, float T, int64
   // (1 - top_p) / V likely can be kept (the ones below hold less than 1 - top_p together, so the
   // threshold is never under it): only those are gathered (a pass over e at a bound a little
   // under it, then each gathered p computed and compared exactly), selected from and drawn from.
+  // First a bound t on e from its largest (1) whose mass reaches top_p (peak_bound): the tokens
+  // at least t / fs likely (all of them, by the same margin) hold that mass, so the threshold is
+  // one of theirs; those fewer are gathered, and the wide gather is left for the rows where that
+  // finds nothing (a flat row, or rounding).
   const float fs = static_cast<float>(kept_mass(e, V, min_p));  // (e below min_p: 0)
   const float lo = std::max((1.0f - top_p) / static_cast<float>(V), std::numeric_limits<float>::min());
+  const float t = peak_bound(e, V, 1.0f, static_cast<double>(top_p) * fs, std::max(lo * fs, min_p));
+  const bool narrow = t > 0.0f;
   cand.resize(V);
   rs.idx.resize(V);
-  const int64_t g = gather_ge(e, V, std::max(min_p, lo * fs * 0.999f), cand.data(), rs.idx.data());
-  int64_t n = 0;
-  for (int64_t i = 0; i < g; ++i) {
-    const float p = cand[i] / fs;
-    cand[n] = p;
-    rs.idx[n] = rs.idx[i];
-    n += p >= lo;
+  for (int pass = narrow ? 0 : 1; pass < 2; ++pass) {
+    const float cut = pass == 0 ? std::max(lo, t / fs) : lo;
+    const int64_t g = gather_ge(e, V, std::max(min_p, (pass == 0 ? t : lo * fs) * 0.999f), cand.data(), rs.idx.data());
+    int64_t n = 0;
+    for (int64_t i = 0; i < g; ++i) {
+      const float p = cand[i] / fs;
+      cand[n] = p;
+      rs.idx[n] = rs.idx[i];
+      n += p >= cut;
+    }
+    if (n == 0) {
+      if (pass == 0) continue;
+      return draw(e, nullptr, V, 0.0f, u);  // (not reached on a finite row: its best is 1 / fs)
+    }
+    const float tau = top_p_threshold(cand.data(), n, top_p, rs.mass, rs.few);
+    if (tau > 0.0f) return draw(cand.data(), rs.idx.data(), n, tau, u);
   }
-  if (n == 0) return draw(e, nullptr, V, 0.0f, u);  // (not reached on a finite row: its best is 1 / fs)
-  const float tau = top_p_threshold(cand.data(), n, top_p, rs.mass);
-  if (tau > 0.0f) return draw(cand.data(), rs.idx.data(), n, tau, u);
   // the whole mass short of top_p (rounding): every token kept, as the plain draw over p
   auto& all = rs.few;
   all.resize(V);
