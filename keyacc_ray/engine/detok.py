@@ -12,6 +12,7 @@ CONTEXT_TOKENS = 6
 _BATCHED: dict[int, bool] = {}  # id(tokenizer) -> its Rust backend decodes exactly as tokenizer.decode
 _ONE: dict[tuple[int, bool], dict[int, str]] = {}  # (id(tokenizer), skip) -> token id -> decode([id])
 _BYTES: dict[int, "ByteTable | None"] = {}  # id(tokenizer) -> its tokens' bytes, where decoding is bytes
+_UNSEEN = object()  # a token not yet in ByteTable.texts
 
 
 def _gpt2_chars() -> dict[str, int]:
@@ -45,6 +46,9 @@ class ByteTable:
         # token id -> its bytes, filled as tokens come up: special tokens skipped, and kept
         self.skipping: dict[int, bytes] = {}
         self.keeping: dict[int, bytes] = {}
+        # token id -> its text after a context that decoded completely: its bytes decoded, where
+        # they are whole characters (else None: the stream waits for the rest, as bytes)
+        self.texts: dict[bool, dict[int, str | None]] = {True: {}, False: {}}
 
     def of(self, token: int, skip: bool) -> bytes:
         table = self.skipping if skip else self.keeping
@@ -58,6 +62,18 @@ class ByteTable:
                 got = bytes(chars[c] for c in text) if all(c in chars for c in text) else text.encode()
             if len(table) < 1 << 21:
                 table[token] = got
+        return got
+
+    def text_of(self, token: int, skip: bool) -> str | None:
+        """The text the token adds after a context that decoded completely (nothing pending):
+        its bytes decoded, or None where they end inside a character or add nothing."""
+        texts = self.texts[skip]
+        if token in texts:
+            return texts[token]
+        text = self.of(token, skip).decode("utf-8", "replace")
+        got = text if text and text[-1] != "\ufffd" else None
+        if len(texts) < 1 << 21:
+            texts[token] = got
         return got
 
 
@@ -251,6 +267,17 @@ class IncrementalDetokenizer:
         text never kept: nothing is held back, so take() would hand it all over at once)."""
         self.ids.append(token_id)
         table, skip = self.bytes, self.skip_special_tokens
+        if not self.pending:  # (nearly every token: its text whole after whole characters, a lookup)
+            text = table.texts[skip].get(token_id, _UNSEEN)
+            if text is _UNSEEN:
+                text = table.text_of(token_id, skip)
+            if text is not None:
+                self.prefix_offset = self.read_offset
+                self.read_offset = len(self.ids)
+                n = len(text)
+                self.emitted += n
+                self.dropped += n
+                return text
         b = (table.skipping if skip else table.keeping).get(token_id)
         pending = self.pending + (b if b is not None else table.of(token_id, skip))
         text = pending.decode("utf-8", "replace")
