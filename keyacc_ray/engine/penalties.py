@@ -1,9 +1,11 @@
 """Penalties, logit bias and min_tokens for a batch's rows at once.
 
 Each request's history is kept as it grows (`History`: the distinct ids of prompt and output, and
-the output's distinct ids with their counts, in numpy arrays with room to grow), so a step reads
-only the tokens that are new since the last one. The rows' adjustments are then a few flat index
-operations over the batch's logits, stage by stage, in vLLM's and transformers' order:
+the output's distinct ids with their counts where a frequency penalty reads them, in numpy arrays
+with room to grow), so a step reads only the tokens that are new since the last one. What a
+batch's rows ask for is sorted out once per batch (`Adjustments`, kept with the sampler's plan);
+each step's adjustments are then a few flat index operations over the batch's logits, stage by
+stage, in vLLM's and transformers' order:
 1. OpenAI's logit bias, added;
 2. the repetition penalty over prompt and output (transformers' RepetitionPenaltyLogitsProcessor:
    a logit divided by it where positive, multiplied where negative; rows grouped by their penalty,
@@ -23,14 +25,15 @@ from keyacc_ray.engine.request import SamplingParams
 
 
 class Distinct:
-    """The distinct ids of a growing list of tokens, in first-seen order, and each one's count."""
+    """The distinct ids of a growing list of tokens, in first-seen order, and (`counts`: where
+    asked for) each one's count."""
 
     __slots__ = ("slot", "ids", "counts", "n")
 
-    def __init__(self):
+    def __init__(self, counts: bool = True):
         self.slot: dict[int, int] = {}
         self.ids = np.empty(16, dtype=np.int64)
-        self.counts = np.zeros(16, dtype=np.float32)
+        self.counts = np.zeros(16, dtype=np.float32) if counts else None
         self.n = 0
 
     def add(self, tokens) -> None:
@@ -41,16 +44,18 @@ class Distinct:
                 j = slot[t] = self.n
                 if j == len(ids):  # room for twice as many
                     ids = self.ids = np.concatenate([ids, np.empty(j, dtype=np.int64)])
-                    counts = self.counts = np.concatenate([counts, np.zeros(j, dtype=np.float32)])
+                    if counts is not None:
+                        counts = self.counts = np.concatenate([counts, np.zeros(j, dtype=np.float32)])
                 ids[j] = t
                 self.n = j + 1
-            counts[j] += 1
+            if counts is not None:
+                counts[j] += 1
 
 
 class History:
     """What a request's penalties read of its tokens, kept up to date as they grow: `seen` (prompt
-    and output, for the repetition penalty) and `out` (the output, for presence and frequency),
-    each only where the request's parameters use it."""
+    and output, for the repetition penalty) and `out` (the output, for presence and frequency;
+    counted only for a frequency penalty), each only where the request's parameters use it."""
 
     __slots__ = ("covered", "num_prompt", "seen", "out")
 
@@ -60,64 +65,88 @@ class History:
         self.out: Distinct | None = None
 
     def update(self, tokens: list[int], num_prompt: int, p: SamplingParams) -> None:
-        if self.covered > len(tokens) or num_prompt != self.num_prompt:  # not this history: start again
-            self.covered, self.num_prompt = 0, num_prompt
-            self.seen = Distinct() if p.repetition_penalty != 1.0 else None
-            self.out = Distinct() if p.presence_penalty or p.frequency_penalty else None
-        c = self.covered
+        n, c = len(tokens), self.covered
+        if c > n or num_prompt != self.num_prompt:  # not this history: start again
+            c, self.num_prompt = 0, num_prompt
+            self.seen = Distinct(counts=False) if p.repetition_penalty != 1.0 else None
+            self.out = Distinct(counts=bool(p.frequency_penalty)) if p.presence_penalty or p.frequency_penalty else None
+        if c == n:
+            return
         if self.seen is not None:
             self.seen.add(tokens[c:])
         if self.out is not None:
             self.out.add(tokens[max(c, num_prompt):])
-        self.covered = len(tokens)
+        self.covered = n
+
+
+class Adjustments:
+    """A batch's rows' adjustments (`rows[k]` by `params[k]`), what does not change from step to
+    step made once: which rows have a logit bias (its indices and values), which a repetition
+    penalty (grouped by its value), which presence / frequency penalties, which min_tokens (and
+    the ids that would end them). Kept with the batch (sampling.py's plan): each step then reads
+    only the histories."""
+
+    def __init__(self, rows: list[int], params: list[SamplingParams], eos_ids):
+        self.rows = rows
+        bias = [(r, p.logit_bias) for r, p in zip(rows, params) if p.logit_bias]
+        self.bias_rows = [r for r, _ in bias]
+        self.bias_ids = [np.fromiter(lb, dtype=np.int64, count=len(lb)) for _, lb in bias]
+        self.bias_vals = (torch.from_numpy(np.concatenate([np.fromiter(lb.values(), dtype=np.float32, count=len(lb))
+                                                           for _, lb in bias])) if bias else None)
+        self._bias_at: tuple | None = None  # (vocabulary, device, flat indices)
+        self.rep: dict[float, tuple[list[int], list[int]]] = {}  # penalty -> (rows, positions k)
+        for k, (r, p) in enumerate(zip(rows, params)):
+            if p.repetition_penalty != 1.0:
+                rr, ks = self.rep.get(p.repetition_penalty) or self.rep.setdefault(p.repetition_penalty, ([], []))
+                rr.append(r)
+                ks.append(k)
+        pen = [k for k, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
+        self.pen = pen
+        self.pen_rows = [rows[k] for k in pen]
+        self.frequency = np.array([params[k].frequency_penalty for k in pen], dtype=np.float32)
+        self.presence = np.array([params[k].presence_penalty for k in pen], dtype=np.float32)
+        self.counted = bool(self.frequency.any())  # (presence alone needs no counts)
+        self.ends = []  # (position k, row, min_tokens, the ids that would end it)
+        for k, (r, p) in enumerate(zip(rows, params)):
+            if p.min_tokens:
+                enders = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+                if enders:
+                    self.ends.append((k, r, p.min_tokens, np.array(sorted(enders), dtype=np.int64)))
+
+    def apply(self, logits: torch.Tensor, histories: list[History]) -> None:
+        """Adjust float32 `logits` [B, V] in place, each history up to date (`History.update`
+        with its tokens so far); the indices and values made for all rows at once."""
+        V, dev = logits.shape[1], logits.device
+        flat = logits.view(-1)
+        if self.bias_rows:
+            at = self._bias_at
+            if at is None or at[0] != V or at[1] != dev:
+                at = self._bias_at = (V, dev, _index(self.bias_rows, self.bias_ids, V, dev))
+            flat[at[2]] += self.bias_vals.to(dev)
+        for penalty, (rr, ks) in self.rep.items():
+            seen = [histories[k].seen for k in ks]
+            idx = _index(rr, [d.ids[:d.n] for d in seen], V, dev)
+            score = flat[idx]
+            flat[idx] = torch.where(score < 0, score * penalty, score / penalty)
+        if self.pen:  # frequency x count + presence, in float32 (as torch makes it from the scalars)
+            out = [histories[k].out for k in self.pen]
+            ids = [d.ids[:d.n] for d in out]
+            lens = _lengths(ids)
+            v = np.repeat(self.presence, lens)
+            if self.counted:
+                v += np.repeat(self.frequency, lens) * np.concatenate(
+                    [d.counts[:d.n] if d.counts is not None else np.zeros(d.n, dtype=np.float32) for d in out])
+            flat[_index(self.pen_rows, ids, V, dev, lens)] -= torch.from_numpy(v).to(dev)
+        ends = [(r, e) for k, r, m, e in self.ends if histories[k].covered - histories[k].num_prompt < m]
+        if ends:
+            flat[_index([r for r, _ in ends], [e for _, e in ends], V, dev)] = float("-inf")
 
 
 def apply(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], histories: list[History],
           eos_ids) -> None:
     """Adjust float32 `logits` [B, V] in place: for each k, row rows[k] by params[k], whose
-    history histories[k] is up to date (`History.update` with its tokens so far).
-    Per row only views are gathered; the indices and values are made for all rows at once."""
-    V, dev = logits.shape[1], logits.device
-    flat = logits.view(-1)
-    bias, ends = ([], [], []), ([], [])  # (rows, ids per row[, values per row])
-    rep: dict[float, tuple[list, list]] = {}
-    pen = ([], [], [], [], [])  # rows, ids, counts, frequency, presence
-    for r, p, h in zip(rows, params, histories):
-        if p.logit_bias:
-            lb = p.logit_bias
-            bias[0].append(r)
-            bias[1].append(np.fromiter(lb, dtype=np.int64, count=len(lb)))
-            bias[2].append(np.fromiter(lb.values(), dtype=np.float32, count=len(lb)))
-        d = h.seen
-        if d is not None and d.n:
-            rr, ids = rep.get(p.repetition_penalty) or rep.setdefault(p.repetition_penalty, ([], []))
-            rr.append(r)
-            ids.append(d.ids[:d.n])
-        d = h.out
-        if d is not None and d.n:
-            pen[0].append(r)
-            pen[1].append(d.ids[:d.n])
-            pen[2].append(d.counts[:d.n])
-            pen[3].append(p.frequency_penalty)
-            pen[4].append(p.presence_penalty)
-        if h.covered - h.num_prompt < p.min_tokens:
-            enders = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
-            if enders:
-                ends[0].append(r)
-                ends[1].append(np.array(sorted(enders), dtype=np.int64))
-    if bias[0]:
-        flat[_index(bias[0], bias[1], V, dev)] += torch.from_numpy(np.concatenate(bias[2])).to(dev)
-    for penalty, (rr, ids) in rep.items():
-        idx = _index(rr, ids, V, dev)
-        score = flat[idx]
-        flat[idx] = torch.where(score < 0, score * penalty, score / penalty)
-    if pen[0]:  # frequency x count + presence, in float32 (as torch makes it from the scalars)
-        lens = _lengths(pen[1])
-        v = (np.repeat(np.array(pen[3], dtype=np.float32), lens) * np.concatenate(pen[2])
-             + np.repeat(np.array(pen[4], dtype=np.float32), lens))
-        flat[_index(pen[0], pen[1], V, dev, lens)] -= torch.from_numpy(v).to(dev)
-    if ends[0]:
-        flat[_index(ends[0], ends[1], V, dev)] = float("-inf")
+    history histories[k] is up to date (`History.update` with its tokens so far)."""
+    Adjustments(rows, params, eos_ids).apply(logits, histories)
 
 
 def _lengths(ids: list[np.ndarray]) -> np.ndarray:
@@ -126,6 +155,8 @@ def _lengths(ids: list[np.ndarray]) -> np.ndarray:
 
 def _index(rows: list[int], ids: list[np.ndarray], V: int, dev, lens: np.ndarray | None = None) -> torch.Tensor:
     """Flat indices into [B, V] of each row's ids, all rows at once."""
+    if not ids:
+        return torch.empty(0, dtype=torch.long, device=dev)
     base = np.repeat(np.array(rows, dtype=np.int64) * V, _lengths(ids) if lens is None else lens)
     return torch.from_numpy(np.concatenate(ids) + base).to(dev)
 

@@ -78,8 +78,8 @@ class _Plan:
     premixed for the draw. Built again whenever the batch changes (a few µs a row); kept,
     a step's sampling costs no Python per row but the check that it still holds."""
 
-    __slots__ = ("ids", "params", "flags", "proc", "adjusted", "histories", "rows", "greedy", "kernel_rows", "seeds",
-                 "kernel_args")
+    __slots__ = ("ids", "params", "flags", "proc", "adjusted", "histories", "adjustments", "rows", "greedy",
+                 "kernel_rows", "seeds", "kernel_args")
 
     def __init__(self, request_ids: list[str], params: list[SamplingParams], info: dict, seeds: dict,
                  histories: dict):
@@ -90,6 +90,7 @@ class _Plan:
         self.adjusted = [i for i in self.proc if params[i].adjusts_logits]
         self.histories = [histories.get(request_ids[i]) or histories.setdefault(request_ids[i], penalties.History())
                           for i in self.adjusted]
+        self.adjustments: penalties.Adjustments | None = None  # (made at the first step, with the end ids)
         self.rows = [i for i, f in enumerate(self.flags) if not f[1]]
         self.greedy = [i for i, f in enumerate(self.flags) if f[1]]
         self.kernel_rows = kernel_rows([self.flags[i][3] for i in self.rows]) if self.rows else None
@@ -187,7 +188,9 @@ class Sampler:
                 for i, h in zip(plan.adjusted, plan.histories):
                     tokens, num_prompt, eos_ids = history(i)
                     h.update(tokens, num_prompt, params[i])
-                penalties.apply(logits, plan.adjusted, [params[i] for i in plan.adjusted], plan.histories, eos_ids)
+                if plan.adjustments is None:
+                    plan.adjustments = penalties.Adjustments(plan.adjusted, [params[i] for i in plan.adjusted], eos_ids)
+                plan.adjustments.apply(logits, plan.histories)
             constrained = []  # (row, (request id, grammar, output so far)), eos ids
             for i in proc:
                 p = params[i]

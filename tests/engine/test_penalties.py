@@ -262,6 +262,9 @@ def test_sampled_rows_with_penalties_draw_in_a_batch_what_they_draw_alone(new_sa
     g = torch.Generator().manual_seed(5)
     kws = [dict(repetition_penalty=1.4, temperature=0.9, top_k=30), dict(presence_penalty=1.5, temperature=0.0),
            dict(temperature=0.8), dict(frequency_penalty=0.9, logit_bias={3: 4.0}, temperature=1.0, top_p=0.9),
+           # the end ruled out for 3 steps of the kept batch, then likely (the batch's adjustments are
+           # made once; which rows min_tokens still holds is read every step)
+           dict(temperature=0.8, min_tokens=5, logit_bias={0: 12.0}),
            dict(repetition_penalty=1.4, temperature=0.0)]
     params = [SamplingParams(seed=i, **kw).validate() for i, kw in enumerate(kws)]
     batch_s, alone_s = new_sampler(), new_sampler()
@@ -279,6 +282,7 @@ def test_sampled_rows_with_penalties_draw_in_a_batch_what_they_draw_alone(new_sa
         assert batch == alone
         for h, t in zip(hist, batch):
             h.append(t)
+    assert 0 not in hist[4][6:9] and 0 in hist[4][9:]
     batch_s.remove("r0")
     assert "r0" not in batch_s._history
 
