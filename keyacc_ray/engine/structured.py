@@ -19,6 +19,7 @@ import copy
 import json
 import logging
 from collections import OrderedDict
+from typing import NoReturn
 
 import numpy as np
 
@@ -86,13 +87,28 @@ def compile_grammar(kind: str, spec, *, param: str, any_whitespace: bool = True,
         raise
     except (ValueError, TypeError, KeyError, RecursionError) as e:
         raise InvalidRequest(f"'{param}' cannot be compiled: {e}", param=param, code="invalid_grammar") from None
+    except BaseException as e:  # noqa: BLE001 - only llguidance's own panics (below); the rest re-raised
+        _raise_if_not_panic(e, param)
     if len(grammar) > MAX_GRAMMAR_CHARS:
         raise InvalidRequest(f"'{param}' compiles to a grammar over {MAX_GRAMMAR_CHARS} characters", param=param,
                              code="invalid_grammar")
-    err = llg.LLMatcher.validate_grammar(grammar, None)
+    try:
+        err = llg.LLMatcher.validate_grammar(grammar, None)
+    except BaseException as e:  # noqa: BLE001 - as above
+        _raise_if_not_panic(e, param)
     if err:
         raise InvalidRequest(f"'{param}' cannot be compiled: {err.strip()}", param=param, code="invalid_grammar")
     return grammar
+
+
+def _raise_if_not_panic(e: BaseException, param: str) -> NoReturn:
+    """A Rust panic inside llguidance on a client's schema (pyo3's PanicException, a BaseException:
+    seen on a schema whose error message it cut inside a character) is that input's 400; anything
+    else goes on up."""
+    if type(e).__name__ != "PanicException":
+        raise e
+    raise InvalidRequest(f"'{param}' cannot be compiled (the grammar compiler failed on it)", param=param,
+                         code="invalid_grammar") from None
 
 
 _MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")

@@ -52,6 +52,31 @@ def test_bad_constraints_are_400s_naming_the_parameter(kind, spec, param, match)
     assert e.value.status_code == 400 and e.value.param == param
 
 
+def test_a_panic_inside_the_grammar_compiler_is_a_400(monkeypatch):
+    """llguidance is Rust: on some schemas it panics (pyo3's PanicException, a BaseException that
+    `except Exception` misses; the fuzz test met one where it cut an error message inside a
+    character). The client gets a 400 naming the parameter; other BaseExceptions go on up."""
+    PanicException = type("PanicException", (BaseException,), {})  # (pyo3's own is made at run time)
+
+    def panics(*a, **k):
+        raise PanicException("end byte index 100 is not a char boundary")
+
+    monkeypatch.setattr(llguidance.LLMatcher, "validate_grammar", panics)
+    with pytest.raises(InvalidRequest, match="cannot be compiled") as e:
+        compile_grammar("json", {"type": "object"}, param="guided_json")
+    assert e.value.status_code == 400 and e.value.param == "guided_json"
+    monkeypatch.setattr(llguidance.LLMatcher, "grammar_from_json_schema", panics)
+    with pytest.raises(InvalidRequest, match="cannot be compiled"):
+        compile_grammar("json", {"type": "object"}, param="response_format")
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llguidance.LLMatcher, "grammar_from_json_schema", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        compile_grammar("json", {"type": "object"}, param="guided_json")
+
+
 def test_mask_allows_exactly_what_the_grammar_allows(qwen3_path, new_sampler):
     """Batched: a constrained row among unconstrained ones gets a token its grammar allows; the
     others get what they get without it (the mask touches only its row)."""
