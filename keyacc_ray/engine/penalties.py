@@ -67,7 +67,8 @@ class History:
     def update(self, tokens: list[int], num_prompt: int, p: SamplingParams) -> None:
         n, c = len(tokens), self.covered
         if c > n or num_prompt != self.num_prompt:  # not this history: start again
-            c, self.num_prompt = 0, num_prompt
+            c = self.covered = 0
+            self.num_prompt = num_prompt
             self.seen = Distinct(counts=False) if p.repetition_penalty != 1.0 else None
             self.out = Distinct(counts=bool(p.frequency_penalty)) if p.presence_penalty or p.frequency_penalty else None
         if c == n:

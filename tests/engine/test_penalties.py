@@ -223,6 +223,9 @@ def test_history_follows_a_growing_history():
     h2 = History()
     h2.update([1], 0, SamplingParams(repetition_penalty=1.1))
     assert h2.seen.n == 1 and h2.out is None  # only what the parameters use is kept
+    h.update([], 0, p)  # another history, empty so far: then it grows from nothing
+    h.update([4, 6, 4, 2], 0, p)
+    assert sorted(h.seen.ids[:h.seen.n].tolist()) == [2, 4, 6] and h.out.counts[:h.out.n].tolist() == [2.0, 1.0, 1.0]
 
 
 def test_a_batch_of_adjusted_rows_equals_each_row_alone():
