@@ -5,10 +5,11 @@ This VM's speed drifts by up to 2x over tens of seconds, more than most host-sid
 the figure, so runs of bench_host.py one after the other cannot tell them apart. Here the older
 commit's `keyacc_ray` is copied out of git under another package name and both engines run in
 one process (two engines of each), each with its batch decoding, taking steps in turn: both see
-the same moments (the same code against itself: ratios 0.96-1.01 at batch 64 and 256). Both engines run this tree's compiled kernels (the other
-package's `kernels` is this tree's), so the comparison is of the Python side (scheduling,
-inputs, sampling's Python, postprocessing, detokenization); compare kernels with their own
-benchmarks.
+the same moments. The same code against itself gave ratios of 0.89-1.01 at batch 64 and
+0.96-1.01 at 256 (three runs of 4 rounds): a difference smaller than that is not shown by one
+run. Both engines run this tree's compiled kernels (the other package's `kernels` is this
+tree's), so the comparison is of the Python side (scheduling, inputs, sampling's Python,
+postprocessing, detokenization); compare kernels with their own benchmarks.
 
     python scripts/ab_host.py --against HEAD~1 --batch 64 256 --modes greedy qwen3 topp penalties
 
