@@ -48,7 +48,8 @@ def other_package(commit: str, into: Path) -> str:
         tar.extractall(into, filter="data")
     os.rename(into / "keyacc_ray", into / "keyacc_ab")
     for py in (into / "keyacc_ab").rglob("*.py"):  # (and its attention's name in transformers' registry)
-        py.write_text(re.sub(r"\bkeyacc_ray\b", "keyacc_ab", py.read_text()).replace('"keyacc_paged"', '"keyacc_ab_paged"'))
+        text = re.sub(r"\bkeyacc_ray\b", "keyacc_ab", py.read_text())
+        py.write_text(text.replace('"keyacc_paged"', '"keyacc_ab_paged"'))
     # its kernels are this tree's (built once; a second build of other sources would take the
     # build folder both share, and one process holds one such module)
     (into / "keyacc_ab" / "kernels" / "__init__.py").write_text(
@@ -118,10 +119,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="keyacc-ab-") as tmp:
         sys.path.insert(0, tmp)
-        other = other_package(args.against, Path(tmp))
+        other_pkg = other_package(args.against, Path(tmp))
         # two engines of each, made in the order this, other, other, this (an engine made earlier
         # ran the same code a few % faster, whichever package it was: the pairs cancel that)
-        engines = [(name, Timed(*engine("keyacc_ray" if name == "this" else other, args.model)))
+        engines = [(name, Timed(*engine("keyacc_ray" if name == "this" else other_pkg, args.model)))
                    for name in ("this", "other", "other", "this")]
         got: dict[tuple, list[float]] = {}
         for rnd in range(args.rounds):
