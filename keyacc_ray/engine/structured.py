@@ -101,14 +101,19 @@ def compile_grammar(kind: str, spec, *, param: str, any_whitespace: bool = True,
     return grammar
 
 
-def _raise_if_not_panic(e: BaseException, param: str) -> NoReturn:
-    """A Rust panic inside llguidance on a client's schema (pyo3's PanicException, a BaseException:
-    seen on a schema whose error message it cut inside a character) is that input's 400; anything
-    else goes on up."""
-    if type(e).__name__ != "PanicException":
+def is_panic(e: BaseException) -> bool:
+    """A Rust panic inside a native library (pyo3's PanicException: a BaseException, which
+    `except Exception` misses)."""
+    return type(e).__name__ == "PanicException"
+
+
+def _raise_if_not_panic(e: BaseException, param: str | None, what: str = "") -> NoReturn:
+    """A Rust panic inside llguidance on a client's grammar (seen on a schema whose error message
+    it cut inside a character) is that input's 400; anything else goes on up."""
+    if not is_panic(e):
         raise e
-    raise InvalidRequest(f"'{param}' cannot be compiled (the grammar compiler failed on it)", param=param,
-                         code="invalid_grammar") from None
+    raise InvalidRequest(f"{what or repr(param)} cannot be compiled (the grammar compiler failed on it)",
+                         param=param, code="invalid_grammar") from None
 
 
 _MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -170,7 +175,10 @@ class Grammars:
     def _matcher(self, grammar: str):
         m = self._compiled.get(grammar)
         if m is None:
-            m = _llg().LLMatcher(self._tokenizer(), grammar, log_level=0)
+            try:
+                m = _llg().LLMatcher(self._tokenizer(), grammar, log_level=0)
+            except BaseException as e:  # noqa: BLE001 - llguidance's panics only; the rest re-raised
+                _raise_if_not_panic(e, None, "the grammar")
             if m.is_error():
                 raise InvalidRequest(f"the grammar cannot be used with this model's tokenizer: {m.get_error()}",
                                      code="invalid_grammar")

@@ -25,6 +25,7 @@ from typing import AsyncIterator, Callable
 from keyacc_ray.engine.kv_package import KVPackage
 from keyacc_ray.engine.llm_engine import LLMEngine
 from keyacc_ray.engine.request import SamplingParams
+from keyacc_ray.engine.structured import is_panic
 from keyacc_ray.errors import KeyaccError
 from keyacc_ray.serve.messages import ErrorItem, TokenChunk, Withdrawn, merge_chunks
 from keyacc_ray.serve.step_profile import StepProfiler
@@ -168,7 +169,9 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self._profiler.step(self.engine.step) if self._profiler else self.engine.step()
-            except Exception as e:  # noqa: BLE001 - a bug must not hang every stream
+            except BaseException as e:  # noqa: BLE001 - a bug must not hang every stream
+                if not isinstance(e, Exception) and not is_panic(e):  # (a native library's panic is a bug too)
+                    raise
                 log.exception("engine step failed")
                 self.error = e
                 self._fail_all(f"engine step failed: {e}")
@@ -242,7 +245,9 @@ class AsyncEngine:
                 self._push(stream, ErrorItem(e.status_code, e.to_dict()))
                 self._push(stream, _END)
                 continue
-            except Exception as e:  # noqa: BLE001
+            except BaseException as e:  # noqa: BLE001
+                if not isinstance(e, Exception) and not is_panic(e):
+                    raise
                 log.exception("could not add request %s", rid)
                 self._push(stream, _internal_error(f"internal error: {e}"))
                 self._push(stream, _END)

@@ -77,6 +77,27 @@ def test_a_panic_inside_the_grammar_compiler_is_a_400(monkeypatch):
         compile_grammar("json", {"type": "object"}, param="guided_json")
 
 
+def test_a_panic_compiling_a_matcher_in_the_engine_is_a_400(qwen3_path, monkeypatch):
+    """The engine compiles each grammar again for its tokenizer: a panic there is the request's
+    400 too (the engine thread would otherwise have met a BaseException)."""
+    import llguidance as llg
+
+    from transformers import AutoTokenizer
+
+    grammar = compile_grammar("json", {"type": "object"}, param="guided_json")
+    PanicException = type("PanicException", (BaseException,), {})
+
+    class Panics:
+        def __init__(self, *a, **k):
+            raise PanicException("index out of bounds")
+
+    g = Grammars(AutoTokenizer.from_pretrained(qwen3_path), 512, {2})
+    monkeypatch.setattr(llg, "LLMatcher", Panics)
+    with pytest.raises(InvalidRequest, match="cannot be compiled") as e:
+        g.add("r", grammar)
+    assert e.value.status_code == 400
+
+
 def test_mask_allows_exactly_what_the_grammar_allows(qwen3_path, new_sampler):
     """Batched: a constrained row among unconstrained ones gets a token its grammar allows; the
     others get what they get without it (the mask touches only its row)."""

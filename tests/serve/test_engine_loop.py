@@ -326,3 +326,48 @@ def test_a_sink_takes_the_token_chunks_on_the_event_loop_and_the_stream_keeps_th
     kinds = [k for k, _ in order]
     assert "stream" in kinds and kinds.index("stream") > max(i for i, k in enumerate(kinds) if k == "sink")
     assert ("item", "noted") in order and ("check", 5) in order
+
+
+def test_a_panic_in_a_native_library_fails_the_streams_and_the_thread_goes_on():
+    """A Rust panic (pyo3's PanicException, a BaseException) in a step or while adding a request
+    is a bug like any other: the streams it hits end with a 500, the engine thread stays up and
+    serves the next request (it used to escape `except Exception` and end the thread: every
+    stream would have hung)."""
+    PanicException = type("PanicException", (BaseException,), {})
+    eng = FakeEngine()
+    real_step, real_add = eng.step, eng.add_request
+    panics = {"step": 1, "add": 1}
+
+    def step():
+        if panics["step"]:
+            panics["step"] -= 1
+            raise PanicException("index out of bounds")
+        return real_step()
+
+    def add_request(rid, prompt_ids, params):
+        if rid == "bad" and panics["add"]:
+            panics["add"] -= 1
+            raise PanicException("end byte index is not a char boundary")
+        real_add(rid, prompt_ids, params)
+
+    eng.step, eng.add_request = step, add_request
+    loop = AsyncEngine(eng, on_export=lambda p: p, stream_interval_s=0.0)
+    try:
+        async def items_of(rid, n):
+            got = []
+            async for items in loop.generate(rid, prompt_ids=[1, 2, 3], params=SamplingParams(max_tokens=n)):
+                got += items
+            return got
+
+        async def main():
+            first = await asyncio.wait_for(items_of("r0", 3), 10)  # its step panics
+            bad = await asyncio.wait_for(items_of("bad", 3), 10)  # its add panics
+            after = await asyncio.wait_for(_collect(loop, "r1", 3), 10)
+            return first, bad, after
+
+        first, bad, after = asyncio.run(main())
+        assert [getattr(i, "status_code", None) for i in first] == [500]
+        assert [getattr(i, "status_code", None) for i in bad] == [500]
+        assert after == [100, 101, 102] and loop.alive()
+    finally:
+        loop.shutdown()
