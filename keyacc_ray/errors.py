@@ -2,6 +2,12 @@
 from __future__ import annotations
 
 
+def is_panic(e: BaseException) -> bool:
+    """A Rust panic inside a native library (pyo3's PanicException, e.g. llguidance's): a
+    BaseException, which `except Exception` misses."""
+    return type(e).__name__ == "PanicException"
+
+
 class KeyaccError(Exception):
     """Base error: carries an HTTP status and OpenAI error type."""
 

@@ -23,7 +23,7 @@ from typing import NoReturn
 
 import numpy as np
 
-from keyacc_ray.errors import InvalidRequest
+from keyacc_ray.errors import InvalidRequest, is_panic
 
 log = logging.getLogger(__name__)
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -99,12 +99,6 @@ def compile_grammar(kind: str, spec, *, param: str, any_whitespace: bool = True,
     if err:
         raise InvalidRequest(f"'{param}' cannot be compiled: {err.strip()}", param=param, code="invalid_grammar")
     return grammar
-
-
-def is_panic(e: BaseException) -> bool:
-    """A Rust panic inside a native library (pyo3's PanicException: a BaseException, which
-    `except Exception` misses)."""
-    return type(e).__name__ == "PanicException"
 
 
 def _raise_if_not_panic(e: BaseException, param: str | None, what: str = "") -> NoReturn:

@@ -25,8 +25,7 @@ from typing import AsyncIterator, Callable
 from keyacc_ray.engine.kv_package import KVPackage
 from keyacc_ray.engine.llm_engine import LLMEngine
 from keyacc_ray.engine.request import SamplingParams
-from keyacc_ray.engine.structured import is_panic
-from keyacc_ray.errors import KeyaccError
+from keyacc_ray.errors import KeyaccError, is_panic
 from keyacc_ray.serve.messages import ErrorItem, TokenChunk, Withdrawn, merge_chunks
 from keyacc_ray.serve.step_profile import StepProfiler
 
