@@ -233,6 +233,8 @@ class IncrementalDetokenizer:
         for t in output_ids:  # rebuild the state of a sequence imported mid-decode
             self._append(t)
         self.emitted = emitted_chars
+        cut = min(emitted_chars, len(self.text))  # (what the stream already carried: let go)
+        self.text, self.dropped = self.text[cut:], cut
         self.pending = b"" if self.bytes is None else b"".join(
             self.bytes.of(t, skip_special_tokens) for t in self.ids[self.read_offset:])
 
@@ -264,19 +266,16 @@ class IncrementalDetokenizer:
 
     def stream_step(self, token_id: int) -> str:
         """Where streams_bytes: step(token_id) and take(False) in one (the common stream, its
-        text never kept: nothing is held back, so take() would hand it all over at once)."""
-        self.ids.append(token_id)
+        text never kept: nothing is held back, so take() would hand it all over at once). Such a
+        stream keeps only its pending bytes and `emitted`: no window of ids (its text is its
+        bytes decoded, take(True) flushes what is pending), no `dropped`."""
         table, skip = self.bytes, self.skip_special_tokens
         if not self.pending:  # (nearly every token: its text whole after whole characters, a lookup)
             text = table.texts[skip].get(token_id, _UNSEEN)
             if text is _UNSEEN:
                 text = table.text_of(token_id, skip)
             if text is not None:
-                self.prefix_offset = self.read_offset
-                self.read_offset = len(self.ids)
-                n = len(text)
-                self.emitted += n
-                self.dropped += n
+                self.emitted += len(text)
                 return text
         b = (table.skipping if skip else table.keeping).get(token_id)
         pending = self.pending + (b if b is not None else table.of(token_id, skip))
@@ -284,12 +283,8 @@ class IncrementalDetokenizer:
         if not text or text[-1] == "\ufffd":  # a character still incomplete: wait
             self.pending = pending
             return ""
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.ids)
         self.pending = b""
-        n = len(text)
-        self.emitted += n
-        self.dropped += n
+        self.emitted += len(text)
         return text
 
     def _add_text(self, text: str) -> bool:
@@ -323,6 +318,13 @@ class IncrementalDetokenizer:
     def take(self, final: bool) -> str:
         """The text not yet emitted; while not final, keep the stop-string holdback. The
         final take also flushes undecodable trailing bytes (as U+FFFD, as `decode` would)."""
+        if self.bytes is not None and not self.stop:  # (streams_bytes: see stream_step)
+            text, self.text = self.text, ""  # (what decoding by windows left, before the stream began)
+            if final and self.pending:  # undecodable trailing bytes, as U+FFFD
+                text += self.pending.decode("utf-8", "replace")
+                self.pending = b""
+            self.emitted += len(text)
+            return text
         if final and not self.stopped and self.read_offset < len(self.ids):
             prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
             self.text += self._decode(self.ids[self.prefix_offset:])[len(prefix):]

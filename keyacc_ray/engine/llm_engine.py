@@ -3,7 +3,6 @@ drives it from a background thread (see `keyacc_ray/serve/engine_loop.py`)."""
 from __future__ import annotations
 
 import logging
-import operator
 import time
 import warnings
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from keyacc_ray.config import EngineConfig
 from keyacc_ray.engine.blocks import BlockManager, chain_hashes
 from keyacc_ray.engine.detok import IncrementalDetokenizer, step_all
 from keyacc_ray.engine.kv_package import KVMeta, KVPackage, dtype_name, to_engine_tensors, to_wire
+from keyacc_ray.engine.postprocess import DecodeBatch, RequestOutput
 from keyacc_ray.engine.request import SamplingParams, Sequence, SeqStatus
 from keyacc_ray.engine.runner import ModelRunner, StepItem
 from keyacc_ray.engine.sampling import Sampler
@@ -30,25 +30,6 @@ from keyacc_ray.histogram import ENGINE_HISTOGRAMS, Histogram
 PROMPT_LOGITS_BYTES = 256 << 20
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)  # one per row per step: slots halve its construction
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text: str  # new text, never a broken UTF-8 sequence
-    finished: bool = False
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    # per new token, where the request asked for them: (logprob, [(id, logprob) alternatives])
-    logprobs: list[tuple] | None = None
-    # with the first token, where the request asked for them: per prompt token, (logprob,
-    # alternatives) given the tokens before it; None for the first (nothing comes before it)
-    prompt_logprobs: list | None = None
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass
@@ -122,8 +103,8 @@ class LLMEngine:
         # the CPU kernels sample too, where built; grammars: structured outputs' token masks
         self.sampler = Sampler(self.runner.kernels, Grammars(self.tokenizer, self.runner.vocab_size, self.eos_ids))
         self.tokens_generated = 0
-        # the last sampled batch: (its sequences, their ids, params, rows wanting logprobs, the tokens drawn)
-        self._rows: tuple | None = None
+        # the rows last sampled (postprocess.DecodeBatch)
+        self._batch: DecodeBatch | None = None
         # the last step's positions, block-array rows and row_changes, if it was decode rows alone
         self._last_decode: tuple | None = None
         self.prefill_rate = PrefillRate()
@@ -259,7 +240,7 @@ class LLMEngine:
             self.histograms["vllm:iteration_tokens_total"].observe(len(sched.decode))
             logits = self.runner.decode(*arrays)
             outs = self._decoded(sched.decode, logits, arrays[1] + 1)
-            self._last_decode = (arrays[1], arrays[2], self.blocks.row_changes)  # (its tokens: in self._rows)
+            self._last_decode = (arrays[1], arrays[2], self.blocks.row_changes)  # (its tokens: in self._batch)
             return outs
         table, row = self.blocks.table_ref, self.blocks.row.get
         items = [StepItem([s.token_ids[-1]], s.num_cached, table(s.request_id), "last", row(s.request_id, -1))
@@ -309,11 +290,10 @@ class LLMEngine:
         same rows as the last step, which was a step of decode rows alone, in the same order, and
         no row given or taken since (a decode batch, step after step): the tokens it sampled, its
         positions + 1, its rows, with no pass over the sequences."""
-        if self._last_decode is not None:  # (then self._rows is that step's batch: nothing sampled since)
+        if self._last_decode is not None:  # (then self._batch is that step's batch: nothing sampled since)
             pos, rows, changes = self._last_decode
-            prev, sampled = self._rows[0], self._rows[4]
-            if changes == self.blocks.row_changes and len(prev) == len(seqs) and all(map(operator.is_, prev, seqs)):
-                return sampled, pos + 1, rows
+            if changes == self.blocks.row_changes and self._batch.same(seqs):
+                return self._batch.sampled, pos + 1, rows
         n, row = len(seqs), self.blocks.row.get
         rows = np.fromiter((row(s.request_id, -1) for s in seqs), dtype=np.int64, count=n)
         if not n or rows.min() < 0:
@@ -370,17 +350,14 @@ class LLMEngine:
     def _sample(self, logits, seqs: list[Sequence], positions=None) -> tuple[list[int], list | None]:
         """One token per row, and (where some request asked for them) each row's logprobs or None.
         `positions`: each new token's position (its sequence's length), where the caller has them."""
-        rows = self._rows
-        if rows is None or len(rows[0]) != len(seqs) or not all(map(operator.is_, rows[0], seqs)):
-            params = [s.params for s in seqs]  # (a decode batch is the same rows step after step)
-            rows = (list(seqs), [s.request_id for s in seqs], params,
-                    [i for i, p in enumerate(params) if p.logprobs is not None], None)
-        _, rids, params, want, _ = rows
-        ids = self.sampler.sample(logits, rids, params,
+        batch = self._batch
+        if batch is None or not batch.same(seqs):  # (a decode batch is the same rows step after step)
+            batch = self._batch = DecodeBatch(seqs)
+        params, want = batch.params, batch.want
+        ids = self.sampler.sample(logits, batch.rids, params,
                                   lambda i: (seqs[i].token_ids, seqs[i].num_prompt_tokens, self.eos_ids),
                                   positions=[len(s.token_ids) for s in seqs] if positions is None else positions)
-        # (and what it sampled, as the next step's token ids if the batch holds)
-        self._rows = (*rows[:4], np.array(ids, dtype=np.int64))
+        batch.sampled = np.array(ids, dtype=np.int64)  # (the next step's token ids if the batch holds)
         if not want:
             return ids, None
         lps: list = [None] * len(seqs)

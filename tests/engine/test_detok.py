@@ -77,6 +77,28 @@ def test_an_imported_detokenizer_continues_on_the_byte_path(tok):
         assert a.take(final=False) == b.take(final=False)
 
 
+@pytest.mark.parametrize("cut", [5, 17, 29])
+def test_an_imported_stream_goes_on_without_repeating_text(tok, cut):
+    """A stream without stop strings (stream_step, as the engine runs it) handed off after `cut`
+    tokens, mid-character or not: the rebuilt one carries on with the same text and count, and
+    its final take adds only what was pending, never text already sent."""
+    rng = random.Random(cut)
+    text_ids = tok("жЖ€𝄞 naïve 東京 🙂", add_special_tokens=False)["input_ids"]
+    ids = [rng.choice([rng.randrange(len(tok)), rng.choice(text_ids)]) for _ in range(30)]
+    a = IncrementalDetokenizer(tok, [5, 6], [])
+    assert a.streams_bytes
+    sent = "".join(a.stream_step(t) for t in ids[:cut])
+    b = IncrementalDetokenizer(tok, [5, 6], [], output_ids=ids[:cut], emitted_chars=a.emitted)
+    assert b.streams_bytes and b.pending == a.pending and b.emitted == len(sent)
+    for t in ids[cut:]:
+        got = a.stream_step(t)
+        assert b.stream_step(t) == got
+        sent += got
+    tail = a.take(final=True)
+    assert b.take(final=True) == tail and a.emitted == b.emitted == len(sent + tail)
+    assert sent + tail == tok.decode(ids, skip_special_tokens=True)
+
+
 def test_a_sentencepiece_tokenizer_decodes_windows(tmp_path):
     """Metaspace decoding drops the leading space of a text: "▁b" alone is "b", after "a" it is
     " b"; such a tokenizer always decodes windows."""
