@@ -305,12 +305,7 @@ class LLMEngine:
         """After a step of decode rows alone: each row's KV now holds its last token; one token
         each sampled from the logits (in row order). `positions`: the new tokens' (an array),
         where the caller has them."""
-        caching, bs = self.blocks.prefix_caching, self.blocks.block_size
-        for s in seqs:
-            s.num_cached += 1
-            if caching and s.num_cached % bs == 0:
-                self._cache_blocks(s)
-        return self._postprocess(seqs, self._sample(logits, seqs, positions))
+        return self._postprocess(seqs, self._sample(logits, seqs, positions), decoded=True)
 
     def _prefill_timed(self, prefill: list, t0: float, logits) -> None:
         """The prefill rate of steps with many prompt tokens: what the router's policies read (a
@@ -366,17 +361,25 @@ class LLMEngine:
             lps[i] = lp
         return ids, lps
 
-    def _postprocess(self, seqs: list[Sequence], sampled: tuple[list[int], list | None]) -> list[RequestOutput]:
+    def _postprocess(self, seqs: list[Sequence], sampled: tuple[list[int], list | None],
+                     decoded: bool = False) -> list[RequestOutput]:
         """Every row's new token: end of sequence or a stop token id, then the text (a stream
         decoded as bytes without stop strings at once, the others detokenized for the whole
-        batch in a few calls, with their stop strings), then the length limit."""
+        batch in a few calls, with their stop strings), then the length limit. `decoded`: the
+        rows were a step of decode rows alone, whose KV now holds their last token (counted here,
+        in the pass that touches each sequence anyway)."""
         tokens, lps = sampled
+        caching, bs = self.blocks.prefix_caching, self.blocks.block_size
         eos, limit, detok = self.eos_ids, self.max_model_len, self.detok
         ds = [detok[s.request_id] for s in seqs]
         texts: list = [None] * len(seqs)  # the rows' text where known in the first pass
         stopped: dict[int, SeqStatus] = {}
         det_d, det_t, det_i = [], [], []  # rows detokenized together
         for i, (seq, token, d) in enumerate(zip(seqs, tokens, ds)):
+            if decoded:
+                seq.num_cached += 1
+                if caching and seq.num_cached % bs == 0:
+                    self._cache_blocks(seq)
             seq.token_ids.append(token)
             p = seq.params
             # (a grammar's end is an end of sequence even with ignore_eos: nothing else may follow)
