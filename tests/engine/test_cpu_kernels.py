@@ -352,6 +352,36 @@ def test_paged_decode_attention_matches_the_torch_reference(K, dtype, window, D,
         K.paged_decode_attention(q, kp, vp, torch.full_like(tl, nb, dtype=torch.int32), ctx, window, 0.3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("hkv,rows", [(2, 12), (4, 3), (5, 3), (3, 40), (8, 2)])
+def test_a_sequences_kv_heads_go_together_as_they_go_alone(K, dtype, hkv, rows):
+    """A batch's task takes several KV heads of one sequence (their rows of a block read in order;
+    the heads split in chunks, the last one shorter, when the batch is small): each row bitwise
+    the same as that row alone (one head a task), and the torch reference's within rounding."""
+    from keyacc_ray.engine.paged_attention import reference_decode
+
+    g = gen(hkv * 100 + rows)
+    bs, D, G = 16, 64, 2
+    lens = [1 + (37 * i) % 90 for i in range(rows)]
+    per = [-(-n // bs) for n in lens]
+    nb = sum(per) + 3
+    kp = torch.randn(nb, hkv, bs, D, generator=g).to(dtype)
+    vp = torch.randn(nb, hkv, bs, D, generator=g).to(dtype)
+    perm = torch.randperm(nb, generator=g).tolist()
+    width = max(per)
+    tl = torch.tensor([[perm.pop() for _ in range(p)] + [0] * (width - p) for p in per], dtype=torch.int32)
+    ctx = torch.tensor(lens)
+    q = torch.randn(rows, hkv * G, 1, D, generator=g).to(dtype)
+    for window in (0, 20):
+        got = K.paged_decode_attention(q, kp, vp, tl, ctx, window, 0.125)
+        for b in range(rows):
+            alone = K.paged_decode_attention(q[b:b + 1], kp, vp, tl[b:b + 1], ctx[b:b + 1], window, 0.125)
+            assert torch.equal(got[b], alone[0]), (b, window)
+        ref = reference_decode(q.float(), kp.float(), vp.float(), tl.long(), ctx, window, 0.125)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
 def test_decode_inputs_are_the_runner_arrays_made_in_one_call(K):
     """A decode step's inputs from the engine's arrays (token ids, positions, block-array rows) in
     one kernel call: the same tensors as the runner's numpy path, for rows of mixed lengths in any

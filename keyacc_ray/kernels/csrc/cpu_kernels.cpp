@@ -875,29 +875,44 @@ AVX512 inline void value_tiles_avx512(const T* vr, int64_t sl, int64_t n, const 
 // sum in the same order as a plain key-by-key loop.
 template <typename T>
 AVX512 void attn_one_avx512(const T* q, int64_t qsh, Rows<T> k, Rows<T> v, const T* mask, int64_t j0,
-                            int64_t L, int64_t G, int64_t D, float scale, T* out, int64_t osh, float* buf) {
+                           int64_t L, int64_t G, int64_t D, float scale, T* out, int64_t osh, float* buf,
+                           int64_t nh = 1, int64_t qhs = 0, int64_t khs = 0, int64_t vhs = 0, int64_t ohs = 0) {
+  // nh KV heads of one sequence at once: head hh's queries at q + hh * qhs, its keys and values at
+  // k's / v's rows + hh * khs / vhs, its outputs at out + hh * ohs. A block's rows of all nh heads
+  // lie one after another in the pool, read in order (one head at a time read a few KB a block).
+  // Each head's sums are the same, in the same order, as with nh = 1.
+  const int64_t R = nh * G;  // the task's query heads, head hh's g-th as row hh * G + g
   float* qf = buf;
-  float* acc = qf + G * D;
-  float* s = acc + G * D + D;  // [G, L]
+  float* acc = qf + R * D;
+  float* s = acc + R * D + D;  // [R, L]
   const __m512 vs = _mm512_set1_ps(scale);
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(qf + g * D + d, _mm512_mul_ps(load16(q + g * qsh + d), vs));
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t j = 0; j < j0 && j < L; ++j) s[g * L + j] = -INFINITY;
+  for (int64_t hh = 0; hh < nh; ++hh)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(qf + (hh * G + g) * D + d, _mm512_mul_ps(load16(q + hh * qhs + g * qsh + d), vs));
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < j0 && j < L; ++j) s[r * L + j] = -INFINITY;
   for (int64_t j = j0; j < L;) {
     const int64_t e = j + k.run(j, L);
-    const T* kr = k.at(j);
-    for (; j < e; ++j, kr += k.sl) {
-      prefetch_k_then_v(k, v, j, j0, L, D);
-      const float mj = mask ? to_f<T>(mask[j]) : 0.f;
-      if (mj < -1e30f) {
-        for (int64_t g = 0; g < G; ++g) s[g * L + j] = -INFINITY;
-        continue;
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      Rows<T> kh = k, vh = v;
+      kh.base += hh * khs;
+      vh.base += hh * vhs;
+      const T* kr = kh.at(j);
+      float* sh = s + hh * G * L;
+      for (int64_t i = j; i < e; ++i, kr += k.sl) {
+        prefetch_k_then_v(kh, vh, i, j0, L, D);
+        const float mj = mask ? to_f<T>(mask[i]) : 0.f;
+        if (mj < -1e30f) {
+          for (int64_t g = 0; g < G; ++g) sh[g * L + i] = -INFINITY;
+          continue;
+        }
+        key_scores_avx512(qf + hh * G * D, kr, G, D, mj, sh + i, L);
       }
-      key_scores_avx512(qf, kr, G, D, mj, s + j, L);
     }
+    j = e;
   }
-  for (int64_t g = 0; g < G; ++g) {
+  for (int64_t g = 0; g < R; ++g) {
     float* sg = s + g * L;
     __m512 mx = _mm512_set1_ps(-INFINITY);
     int64_t j = 0;
@@ -930,17 +945,24 @@ AVX512 void attn_one_avx512(const T* q, int64_t qsh, Rows<T> k, Rows<T> v, const
   }
   for (int64_t j = j0; j < L;) {
     const int64_t n = v.run(j, L);
-    const T* vr = v.at(j);
-    for (int64_t r = j + KV_AHEAD; r < j + KV_AHEAD + n && r < L; ++r) v.prefetch(r, D);
-    int64_t g = 0;
-    for (; g + 2 <= G; g += 2)
-      value_tiles_avx512<T, true>(vr, v.sl, n, s + g * L + j, s + (g + 1) * L + j, acc + g * D, acc + (g + 1) * D, D);
-    if (g < G)  // a last head alone (the second weights and tile unused)
-      value_tiles_avx512<T, false>(vr, v.sl, n, s + g * L + j, s + g * L + j, acc + g * D, acc + g * D, D);
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      Rows<T> vh = v;
+      vh.base += hh * vhs;
+      const T* vr = vh.at(j);
+      for (int64_t r = j + KV_AHEAD; r < j + KV_AHEAD + n && r < L; ++r) vh.prefetch(r, D);
+      const float* sh = s + hh * G * L;
+      float* ah = acc + hh * G * D;
+      int64_t g = 0;
+      for (; g + 2 <= G; g += 2)
+        value_tiles_avx512<T, true>(vr, v.sl, n, sh + g * L + j, sh + (g + 1) * L + j, ah + g * D, ah + (g + 1) * D, D);
+      if (g < G)  // a last head alone (the second weights and tile unused)
+        value_tiles_avx512<T, false>(vr, v.sl, n, sh + g * L + j, sh + g * L + j, ah + g * D, ah + g * D, D);
+    }
     j += n;
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; d += 16) store16(out + g * osh + d, _mm512_loadu_ps(acc + g * D + d));
+  for (int64_t hh = 0; hh < nh; ++hh)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; d += 16) store16(out + hh * ohs + g * osh + d, _mm512_loadu_ps(acc + (hh * G + g) * D + d));
 }
 
 template <typename T>
@@ -1182,30 +1204,45 @@ AVX2_FN inline void value_tiles_avx2(const T* vr, int64_t sl, int64_t n, const f
 // Requires D % 8 == 0. Same contract as attn_one; walked as attn_one_avx512.
 template <typename T>
 AVX2_FN void attn_one_avx2(const T* q, int64_t qsh, Rows<T> k, Rows<T> v, const T* mask, int64_t j0,
-                           int64_t L, int64_t G, int64_t D, float scale, T* out, int64_t osh, float* buf) {
+                           int64_t L, int64_t G, int64_t D, float scale, T* out, int64_t osh, float* buf,
+                           int64_t nh = 1, int64_t qhs = 0, int64_t khs = 0, int64_t vhs = 0, int64_t ohs = 0) {
+  // nh KV heads of one sequence at once: head hh's queries at q + hh * qhs, its keys and values at
+  // k's / v's rows + hh * khs / vhs, its outputs at out + hh * ohs. A block's rows of all nh heads
+  // lie one after another in the pool, read in order (one head at a time read a few KB a block).
+  // Each head's sums are the same, in the same order, as with nh = 1.
+  const int64_t R = nh * G;  // the task's query heads, head hh's g-th as row hh * G + g
   float* qf = buf;
-  float* acc = qf + G * D;
-  float* s = acc + G * D + D;  // [G, L]
+  float* acc = qf + R * D;
+  float* s = acc + R * D + D;  // [R, L]
   const __m256 vs = _mm256_set1_ps(scale);
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(qf + g * D + d, _mm256_mul_ps(load8(q + g * qsh + d), vs));
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t j = 0; j < j0 && j < L; ++j) s[g * L + j] = -INFINITY;
+  for (int64_t hh = 0; hh < nh; ++hh)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(qf + (hh * G + g) * D + d, _mm256_mul_ps(load8(q + hh * qhs + g * qsh + d), vs));
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < j0 && j < L; ++j) s[r * L + j] = -INFINITY;
   for (int64_t j = j0; j < L;) {
     const int64_t e = j + k.run(j, L);
-    const T* kr = k.at(j);
-    for (; j < e; ++j, kr += k.sl) {
-      prefetch_k_then_v(k, v, j, j0, L, D);
-      const float mj = mask ? to_f<T>(mask[j]) : 0.f;
-      if (mj < -1e30f) {
-        for (int64_t g = 0; g < G; ++g) s[g * L + j] = -INFINITY;
-        continue;
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      Rows<T> kh = k, vh = v;
+      kh.base += hh * khs;
+      vh.base += hh * vhs;
+      const T* kr = kh.at(j);
+      float* sh = s + hh * G * L;
+      for (int64_t i = j; i < e; ++i, kr += k.sl) {
+        prefetch_k_then_v(kh, vh, i, j0, L, D);
+        const float mj = mask ? to_f<T>(mask[i]) : 0.f;
+        if (mj < -1e30f) {
+          for (int64_t g = 0; g < G; ++g) sh[g * L + i] = -INFINITY;
+          continue;
+        }
+        key_scores_avx2(qf + hh * G * D, kr, G, D, mj, sh + i, L);
       }
-      key_scores_avx2(qf, kr, G, D, mj, s + j, L);
     }
+    j = e;
   }
   const __m256 ninf = _mm256_set1_ps(-INFINITY);
-  for (int64_t g = 0; g < G; ++g) {
+  for (int64_t g = 0; g < R; ++g) {
     float* sg = s + g * L;
     __m256 mx = ninf;
     int64_t j = 0;
@@ -1238,17 +1275,24 @@ AVX2_FN void attn_one_avx2(const T* q, int64_t qsh, Rows<T> k, Rows<T> v, const 
   }
   for (int64_t j = j0; j < L;) {
     const int64_t n = v.run(j, L);
-    const T* vr = v.at(j);
-    for (int64_t r = j + KV_AHEAD; r < j + KV_AHEAD + n && r < L; ++r) v.prefetch(r, D);
-    int64_t g = 0;
-    for (; g + 2 <= G; g += 2)
-      value_tiles_avx2<T, true>(vr, v.sl, n, s + g * L + j, s + (g + 1) * L + j, acc + g * D, acc + (g + 1) * D, D);
-    if (g < G)  // a last head alone (the second weights and tile unused)
-      value_tiles_avx2<T, false>(vr, v.sl, n, s + g * L + j, s + g * L + j, acc + g * D, acc + g * D, D);
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      Rows<T> vh = v;
+      vh.base += hh * vhs;
+      const T* vr = vh.at(j);
+      for (int64_t r = j + KV_AHEAD; r < j + KV_AHEAD + n && r < L; ++r) vh.prefetch(r, D);
+      const float* sh = s + hh * G * L;
+      float* ah = acc + hh * G * D;
+      int64_t g = 0;
+      for (; g + 2 <= G; g += 2)
+        value_tiles_avx2<T, true>(vr, v.sl, n, sh + g * L + j, sh + (g + 1) * L + j, ah + g * D, ah + (g + 1) * D, D);
+      if (g < G)  // a last head alone (the second weights and tile unused)
+        value_tiles_avx2<T, false>(vr, v.sl, n, sh + g * L + j, sh + g * L + j, ah + g * D, ah + g * D, D);
+    }
     j += n;
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; d += 8) store8(out + g * osh + d, _mm256_loadu_ps(acc + g * D + d));
+  for (int64_t hh = 0; hh < nh; ++hh)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; d += 8) store8(out + hh * ohs + g * osh + d, _mm256_loadu_ps(acc + (hh * G + g) * D + d));
 }
 
 template <typename T>
@@ -1447,10 +1491,15 @@ void paged_attn_impl(const torch::Tensor& q, const torch::Tensor& k, const torch
   const T* vp = reinterpret_cast<const T*>(v.data_ptr());
   T* op = reinterpret_cast<T*>(out.data_ptr());
   const bool wide = have_avx512() && D % 16 == 0, wide2 = !wide && have_avx2() && D % 8 == 0;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> buf(2 * G * D + D + G * Lmax);
+  // A task takes all of a sequence's KV heads (their rows of a block lie one after another in the
+  // pool: read in order), split by heads only where the batch is too small to keep the threads busy.
+  const int64_t nt = at::get_num_threads();
+  const int64_t nc = std::min<int64_t>(Hkv, std::max<int64_t>(1, (4 * nt + B - 1) / B));
+  const int64_t hc = (Hkv + nc - 1) / nc, chunks = (Hkv + hc - 1) / hc;
+  at::parallel_for(0, B * chunks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf(2 * hc * G * D + D + hc * G * Lmax);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / Hkv, h = i % Hkv, L = ctx[b];
+      const int64_t b = i / chunks, h = (i % chunks) * hc, nh = std::min(hc, Hkv - h), L = ctx[b];
       const int64_t j0 = window > 0 && L > window ? L - window : 0;
       const T* qh = qp + b * q.stride(0) + h * G * q.stride(1);
       Rows<T> kr{kp + h * k.stride(1), k.stride(2), tables + b * tstride, bs, k.stride(0)};
@@ -1458,16 +1507,23 @@ void paged_attn_impl(const torch::Tensor& q, const torch::Tensor& k, const torch
       T* oh = op + (b * H + h * G) * D;
 #if KEYACC_X86
       if (wide) {
-        attn_one_avx512<T>(qh, q.stride(1), kr, vr, nullptr, j0, L, G, D, static_cast<float>(scale), oh, D, buf.data());
+        attn_one_avx512<T>(qh, q.stride(1), kr, vr, nullptr, j0, L, G, D, static_cast<float>(scale), oh, D, buf.data(),
+                           nh, G * q.stride(1), k.stride(1), v.stride(1), G * D);
         continue;
       }
       if (wide2) {
-        attn_one_avx2<T>(qh, q.stride(1), kr, vr, nullptr, j0, L, G, D, static_cast<float>(scale), oh, D, buf.data());
+        attn_one_avx2<T>(qh, q.stride(1), kr, vr, nullptr, j0, L, G, D, static_cast<float>(scale), oh, D, buf.data(),
+                         nh, G * q.stride(1), k.stride(1), v.stride(1), G * D);
         continue;
       }
 #endif
-      attn_one(qh, q.stride(1), kr, vr, static_cast<const T*>(nullptr), j0, L, G, D, static_cast<float>(scale), oh,
-               D, buf.data());
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        Rows<T> kh = kr, vh = vr;
+        kh.base += hh * k.stride(1);
+        vh.base += hh * v.stride(1);
+        attn_one(qh + hh * G * q.stride(1), q.stride(1), kh, vh, static_cast<const T*>(nullptr), j0, L, G, D,
+                 static_cast<float>(scale), oh + hh * G * D, D, buf.data());
+      }
     }
   });
 }
