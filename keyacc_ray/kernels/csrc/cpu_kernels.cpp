@@ -875,8 +875,8 @@ AVX512 inline void value_tiles_avx512(const T* vr, int64_t sl, int64_t n, const 
 // sum in the same order as a plain key-by-key loop.
 template <typename T>
 AVX512 void attn_one_avx512(const T* q, int64_t qsh, Rows<T> k, Rows<T> v, const T* mask, int64_t j0,
-                           int64_t L, int64_t G, int64_t D, float scale, T* out, int64_t osh, float* buf,
-                           int64_t nh = 1, int64_t qhs = 0, int64_t khs = 0, int64_t vhs = 0, int64_t ohs = 0) {
+                            int64_t L, int64_t G, int64_t D, float scale, T* out, int64_t osh, float* buf,
+                            int64_t nh = 1, int64_t qhs = 0, int64_t khs = 0, int64_t vhs = 0, int64_t ohs = 0) {
   // nh KV heads of one sequence at once: head hh's queries at q + hh * qhs, its keys and values at
   // k's / v's rows + hh * khs / vhs, its outputs at out + hh * ohs. A block's rows of all nh heads
   // lie one after another in the pool, read in order (one head at a time read a few KB a block).
