@@ -8,6 +8,12 @@ def is_panic(e: BaseException) -> bool:
     return type(e).__name__ == "PanicException"
 
 
+def is_failure(e: BaseException) -> bool:
+    """An error to report and survive (an Exception, or a native library's panic), not a
+    KeyboardInterrupt, SystemExit or cancellation."""
+    return isinstance(e, Exception) or is_panic(e)
+
+
 class KeyaccError(Exception):
     """Base error: carries an HTTP status and OpenAI error type."""
 

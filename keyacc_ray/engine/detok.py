@@ -318,7 +318,7 @@ class IncrementalDetokenizer:
     def take(self, final: bool) -> str:
         """The text not yet emitted; while not final, keep the stop-string holdback. The
         final take also flushes undecodable trailing bytes (as U+FFFD, as `decode` would)."""
-        if self.bytes is not None and not self.stop:  # (streams_bytes: see stream_step)
+        if self.streams_bytes:  # (see stream_step)
             text, self.text = self.text, ""  # (what decoding by windows left, before the stream began)
             if final and self.pending:  # undecodable trailing bytes, as U+FFFD
                 text += self.pending.decode("utf-8", "replace")

@@ -25,7 +25,7 @@ from typing import AsyncIterator, Callable
 from keyacc_ray.engine.kv_package import KVPackage
 from keyacc_ray.engine.llm_engine import LLMEngine
 from keyacc_ray.engine.request import SamplingParams
-from keyacc_ray.errors import KeyaccError, is_panic
+from keyacc_ray.errors import KeyaccError, is_failure
 from keyacc_ray.serve.messages import ErrorItem, TokenChunk, Withdrawn, merge_chunks
 from keyacc_ray.serve.step_profile import StepProfiler
 
@@ -169,7 +169,7 @@ class AsyncEngine:
             try:
                 outputs = self._profiler.step(self.engine.step) if self._profiler else self.engine.step()
             except BaseException as e:  # noqa: BLE001 - a bug must not hang every stream
-                if not isinstance(e, Exception) and not is_panic(e):  # (a native library's panic is a bug too)
+                if not is_failure(e):  # (a native library's panic is a bug too)
                     raise
                 log.exception("engine step failed")
                 self.error = e
@@ -245,7 +245,7 @@ class AsyncEngine:
                 self._push(stream, _END)
                 continue
             except BaseException as e:  # noqa: BLE001
-                if not isinstance(e, Exception) and not is_panic(e):
+                if not is_failure(e):
                     raise
                 log.exception("could not add request %s", rid)
                 self._push(stream, _internal_error(f"internal error: {e}"))
