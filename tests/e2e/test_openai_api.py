@@ -584,7 +584,13 @@ def test_vllm_metrics_and_the_dashboard(app_url, client):
     assert moved["pool"] == "cpu" and moved["kv_bytes"] > 0 and moved["handoff_ms"] >= 0
     wants = [("vllm:generation_tokens_total", "cpu", 9), ("vllm:generation_tokens_total", "gpu", 5),
              ("keyacc_handoffs_total", "gpu->cpu", 1), ("keyacc_handoff_seconds_count", "gpu->cpu", 1),
-             ("vllm:time_to_first_token_seconds_count", "cpu", 2), ("vllm:request_prefill_time_seconds_count", "cpu", 2)]
+             ("vllm:time_to_first_token_seconds_count", "cpu", 2), ("vllm:request_prefill_time_seconds_count", "cpu", 2),
+             # (each pool's series come with its own load report: wait for every one asserted below)
+             ("keyacc_handoff_bytes_total", "gpu->cpu", moved["kv_bytes"]),
+             ("vllm:inter_token_latency_seconds_count", "cpu", 7), ("vllm:e2e_request_latency_seconds_count", "gpu", 1),
+             ("vllm:request_queue_time_seconds_count", "cpu", 2), ("vllm:request_decode_time_seconds_count", "gpu", 1),
+             ("vllm:iteration_tokens_total_count", "gpu", 5), ("vllm:request_params_max_tokens_count", None, 3),
+             ("vllm:prompt_tokens_total", None, 3)]
 
     def grew_in(after, name, pool, by):
         return after.get((name, pool), 0) - before.get((name, pool), 0) >= by
