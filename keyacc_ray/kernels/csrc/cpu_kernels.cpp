@@ -189,10 +189,12 @@ inline float w_to_f(int8_t v) { return static_cast<float>(v); }
 // prefetcher alone left the batch-1 and few-row products at 16-19 GB/s of the 22-23 GB/s a
 // plain two-thread sum reads on a 2-core Xeon VM; 4 KB ahead brought them to 20-23 GB/s, and
 // 4-6 rows from ~13 to ~20 GB/s (scripts/bench_engine.py's roofline ratio; 2, 6 and 8 KB
-// measured within noise of 4 KB). A prefetch past the end of the weights cannot fault.
+// measured within noise of 4 KB). A prefetch past the end of the weights cannot fault. The AVX2
+// kernels, which run natively on AMD Zen, ask for less (AVX2_PF_BYTES).
 constexpr int PF_BYTES = 4096;
+template <int DIST = PF_BYTES>
 inline void prefetch_ahead(const void* p, int bytes) {
-  for (int j = 0; j < bytes; j += 64) _mm_prefetch(static_cast<const char*>(p) + PF_BYTES + j, _MM_HINT_T0);
+  for (int j = 0; j < bytes; j += 64) _mm_prefetch(static_cast<const char*>(p) + DIST + j, _MM_HINT_T0);
 }
 
 // A k-pair of 16 rows as the bf16 dot-product operand.
@@ -365,6 +367,13 @@ AMX_FN void group_amx(const bf16_t* G, int64_t kp, int64_t n_base, const bf16_t*
 // registers), each input pair broadcast from a float32 copy of the rows.
 #define AVX2_FN __attribute__((target("avx2,fma")))
 
+// On a 2-core AMD EPYC (Zen 3) VM a batch-1 step's products streamed their weights fastest with
+// the software prefetch 768-1536 bytes ahead: 10% faster than 4 KB ahead or none (a standalone
+// copy of the batch-1 tile, distances interleaved over 30 rounds; docs/benchmarks.md). The passes
+// that read whole k-pair rows take it (one input row, and the chunked path's widening); a tile of
+// fewer half blocks reads 64 bytes of each row and keeps PF_BYTES (1 KB ahead: 16% slower at 8 rows).
+constexpr int AVX2_PF_BYTES = 1024;
+
 AVX2_FN inline void load_half(const bf16_t* p, __m256& w0, __m256& w1) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -387,7 +396,7 @@ AVX2_FN inline void tile_avx2(const W* G, int64_t kp, int h0, int64_t n_base, co
   for (int m = 0; m < MT; ++m) xr[m] = x + (m0 + (m < mt ? m : 0)) * ldx;
   for (int64_t p = 0; p < kp; ++p) {
     const W* wp = G + p * GB * NB * 2 + h0 * 16;
-    prefetch_ahead(wp, HB * 16 * sizeof(W));
+    prefetch_ahead<MT == 1 ? AVX2_PF_BYTES : PF_BYTES>(wp, HB * 16 * sizeof(W));
     __m256 w0[HB], w1[HB];
     for (int h = 0; h < HB; ++h) load_half(wp + h * 16, w0[h], w1[h]);
     for (int m = 0; m < MT; ++m) {  // the input pair broadcast straight from memory (float32 rows)
@@ -454,7 +463,7 @@ AVX2_FN void group_avx2_chunked(const W* G, int64_t kp, int64_t n_base, const fl
     const int64_t pc = std::min<int64_t>(AVX2_KC, kp - p0);
     for (int64_t p = 0; p < pc; ++p) {
       const W* wp = G + (p0 + p) * GB * NB * 2;
-      prefetch_ahead(wp, H * 16 * sizeof(W));
+      prefetch_ahead<AVX2_PF_BYTES>(wp, H * 16 * sizeof(W));
       for (int h = 0; h < H; ++h) {
         __m256 w0, w1;
         load_half(wp + h * 16, w0, w1);
