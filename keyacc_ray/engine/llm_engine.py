@@ -349,9 +349,11 @@ class LLMEngine:
         if batch is None or not batch.same(seqs):  # (a decode batch is the same rows step after step)
             batch = self._batch = DecodeBatch(seqs)
         params, want = batch.params, batch.want
-        ids = self.sampler.sample(logits, batch.rids, params,
-                                  lambda i: (seqs[i].token_ids, seqs[i].num_prompt_tokens, self.eos_ids),
-                                  positions=[len(s.token_ids) for s in seqs] if positions is None else positions)
+        with torch.inference_mode():  # (the logits are the forward's: in place where nothing reads them after)
+            ids = self.sampler.sample(logits, batch.rids, params,
+                                      lambda i: (seqs[i].token_ids, seqs[i].num_prompt_tokens, self.eos_ids),
+                                      positions=[len(s.token_ids) for s in seqs] if positions is None else positions,
+                                      keep_logits=bool(want))
         batch.sampled = np.array(ids, dtype=np.int64)  # (the next step's token ids if the batch holds)
         if not want:
             return ids, None

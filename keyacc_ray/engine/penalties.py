@@ -18,6 +18,8 @@ one-row form, is the same code).
 """
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 import torch
 
@@ -107,6 +109,8 @@ class Adjustments:
         self.frequency = np.array([params[k].frequency_penalty for k in pen], dtype=np.float32)
         self.presence = np.array([params[k].presence_penalty for k in pen], dtype=np.float32)
         self.counted = bool(self.frequency.any())  # (presence alone needs no counts)
+        self._rep_flat: dict[float, _FlatIds] = {}  # penalty -> its rows' seen ids as flat indices
+        self._pen_flat: _FlatIds | None = None  # presence alone: the output ids and their values
         self.ends = []  # (position k, row, min_tokens, the ids that would end it)
         for k, (r, p) in enumerate(zip(rows, params)):
             if p.min_tokens:
@@ -114,11 +118,14 @@ class Adjustments:
                 if enders:
                     self.ends.append((k, r, p.min_tokens, np.array(sorted(enders), dtype=np.int64)))
 
-    def apply(self, logits: torch.Tensor, histories: list[History]) -> None:
+    def apply(self, logits: torch.Tensor, histories: list[History], kernels=None) -> None:
         """Adjust float32 `logits` [B, V] in place, each history up to date (`History.update`
-        with its tokens so far); the indices and values made for all rows at once."""
+        with its tokens so far); the indices and values made for all rows at once. `kernels`: the
+        CPU kernels, whose penalize_at / subtract_at do the penalties' index operations on a CPU
+        tensor in one pass (the same floats as the torch form)."""
         V, dev = logits.shape[1], logits.device
         flat = logits.view(-1)
+        K = kernels if kernels is not None and dev.type == "cpu" and logits.is_contiguous() else None
         if self.bias_rows:
             at = self._bias_at
             if at is None or at[0] != V or at[1] != dev:
@@ -126,18 +133,33 @@ class Adjustments:
             flat[at[2]] += self.bias_vals.to(dev)
         for penalty, (rr, ks) in self.rep.items():
             seen = [histories[k].seen for k in ks]
-            idx = _index(rr, [d.ids[:d.n] for d in seen], V, dev)
-            score = flat[idx]
-            flat[idx] = torch.where(score < 0, score * penalty, score / penalty)
+            f = self._rep_flat.get(penalty)
+            if f is None or not f.update(seen, V):
+                f = self._rep_flat[penalty] = _FlatIds(rr, seen, V)
+            idx = torch.from_numpy(f.index()).to(dev)
+            if K is not None:
+                K.penalize_at(flat, idx, penalty)
+            else:
+                score = flat.index_select(0, idx)
+                flat.index_copy_(0, idx, torch.where(score < 0, score * penalty, score / penalty))
         if self.pen:  # frequency x count + presence, in float32 (as torch makes it from the scalars)
             out = [histories[k].out for k in self.pen]
-            ids = [d.ids[:d.n] for d in out]
-            lens = _lengths(ids)
-            v = np.repeat(self.presence, lens)
-            if self.counted:
+            if self.counted:  # (counts change every step: made again)
+                ids = [d.ids[:d.n] for d in out]
+                lens = _lengths(ids)
+                v = np.repeat(self.presence, lens)
                 v += np.repeat(self.frequency, lens) * np.concatenate(
                     [d.counts[:d.n] if d.counts is not None else np.zeros(d.n, dtype=np.float32) for d in out])
-            flat[_index(self.pen_rows, ids, V, dev, lens)] -= torch.from_numpy(v).to(dev)
+                idx, v = _index(self.pen_rows, ids, V, dev, lens), torch.from_numpy(v).to(dev)
+            else:  # presence alone: each id's value is its row's, kept with the index
+                f = self._pen_flat
+                if f is None or not f.update(out, V):
+                    f = self._pen_flat = _FlatIds(self.pen_rows, out, V, self.presence)
+                idx, v = torch.from_numpy(f.index()).to(dev), torch.from_numpy(f.values()).to(dev)
+            if K is not None:
+                K.subtract_at(flat, idx, v)
+            else:
+                flat.index_copy_(0, idx, flat.index_select(0, idx) - v)
         ends = [(r, e) for k, r, m, e in self.ends if histories[k].covered - histories[k].num_prompt < m]
         if ends:
             flat[_index([r for r, _ in ends], [e for _, e in ends], V, dev)] = float("-inf")
@@ -148,6 +170,66 @@ def apply(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], h
     """Adjust float32 `logits` [B, V] in place: for each k, row rows[k] by params[k], whose
     history histories[k] is up to date (`History.update` with its tokens so far)."""
     Adjustments(rows, params, eos_ids).apply(logits, histories)
+
+
+class _FlatIds:
+    """The flat indices into [B, V] of some rows' distinct ids (row r's `Distinct`), kept while
+    the batch holds: each step appends only the ids that are new since the last one (the ids are
+    distinct per row, so the order of the indices does not matter). With `values` (one per row),
+    each index's row value, kept beside it."""
+
+    __slots__ = ("V", "base", "ds", "done", "buf", "vals", "row_vals", "n")
+
+    def __init__(self, rows: list[int], ds: list[Distinct], V: int, values: np.ndarray | None = None):
+        self.V, self.base = V, [r * V for r in rows]
+        self.ds = list(ds)
+        self.done = [0] * len(ds)
+        self.buf = np.empty(max(1024, 2 * sum(d.n for d in ds)), dtype=np.int64)
+        self.row_vals = values
+        self.vals = np.empty(len(self.buf), dtype=np.float32) if values is not None else None
+        self.n = 0
+        self.update(ds, V, check=False)
+
+    def update(self, ds: list[Distinct], V: int, check: bool = True) -> bool:
+        """Append each row's new ids; False (nothing changed) where these are not the rows' same
+        `Distinct`s over the same vocabulary: the caller makes a new one."""
+        if check and (V != self.V or len(ds) != len(self.ds) or any(map(operator.is_not, ds, self.ds))):
+            return False
+        done, base = self.done, self.base
+        one, one_rows, more = [], [], []  # (a step adds at most one id a row: appended as scalars)
+        for j, d in enumerate(ds):
+            m = d.n
+            if m != done[j]:
+                if m == done[j] + 1:
+                    one.append(int(d.ids[m - 1]) + base[j])
+                    one_rows.append(j)
+                else:
+                    more.append((d.ids[done[j]:m] + base[j], j))
+                done[j] = m
+        if one:
+            self._append(np.array(one, dtype=np.int64), one_rows)
+        for idx, j in more:
+            self._append(idx, j)
+        return True
+
+    def _append(self, idx: np.ndarray, rows) -> None:
+        """Append flat indices `idx` of row `rows` (an int, or one per index)."""
+        n, m = self.n, len(idx)
+        if n + m > len(self.buf):
+            cap = 2 * (n + m)
+            self.buf = np.concatenate([self.buf[:n], np.empty(cap - n, dtype=np.int64)])
+            if self.vals is not None:
+                self.vals = np.concatenate([self.vals[:n], np.empty(cap - n, dtype=np.float32)])
+        self.buf[n:n + m] = idx
+        if self.vals is not None:
+            self.vals[n:n + m] = self.row_vals[rows]
+        self.n = n + m
+
+    def index(self) -> np.ndarray:
+        return self.buf[:self.n]
+
+    def values(self) -> np.ndarray:
+        return self.vals[:self.n]
 
 
 def _lengths(ids: list[np.ndarray]) -> np.ndarray:

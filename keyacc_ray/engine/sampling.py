@@ -172,25 +172,30 @@ class Sampler:
         return np.array([self._seeds[request_id]], dtype=np.uint64)
 
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
-               history=None, positions: list[int] | None = None) -> list[int]:
+               history=None, positions: list[int] | None = None, keep_logits: bool = True) -> list[int]:
         """logits: [B, vocab] on any device; returns one token id per row. `history(row)` gives a
         row's (token ids so far, number of prompt tokens, end-of-sequence ids), read only for rows
         whose logits are processed (penalties, logit bias, min_tokens, a grammar). `positions`: each row's
         new token's position in its sequence (what its draw is keyed by); without them, the
-        number of draws the request has made here."""
+        number of draws the request has made here. `keep_logits=False`: the caller reads `logits`
+        no more (no logprobs), so rows whose logits are processed are processed in place in a
+        float32 `logits` (a batch-by-vocabulary copy saved)."""
         plan = self._plan
         if plan is None or not plan.holds_for(request_ids, params):
             plan = self._plan = _Plan(request_ids, params, self._info, self._seeds, self._history)
         flags, proc, rows = plan.flags, plan.proc, plan.rows
         if proc:
-            logits = logits.clone() if logits.dtype == torch.float32 else logits.float()
+            if logits.dtype != torch.float32:
+                logits = logits.float()
+            elif keep_logits:
+                logits = logits.clone()
             if plan.adjusted:  # penalties, a logit bias, min_tokens: every such row at once
                 for i, h in zip(plan.adjusted, plan.histories):
                     tokens, num_prompt, eos_ids = history(i)
                     h.update(tokens, num_prompt, params[i])
                 if plan.adjustments is None:
                     plan.adjustments = penalties.Adjustments(plan.adjusted, [params[i] for i in plan.adjusted], eos_ids)
-                plan.adjustments.apply(logits, plan.histories)
+                plan.adjustments.apply(logits, plan.histories, self._kernels)
             constrained = []  # (row, (request id, grammar, output so far)), eos ids
             for i in proc:
                 p = params[i]

@@ -2,6 +2,7 @@
 logit_bias: the same tokens as transformers' generate() with the same logits processing, also
 across a KV hand-off."""
 import pickle
+import random
 
 import pytest
 import torch
@@ -257,6 +258,54 @@ def test_a_batch_of_adjusted_rows_equals_each_row_alone():
     assert torch.equal(got[4], logits[4])
     assert got[2, 9] == got[2, 8] == float("-inf") and torch.isfinite(got[5]).all()  # min_tokens; ignore_eos
     assert not torch.equal(got[0], logits[0])
+
+
+@pytest.mark.parametrize("use_kernels", [False, True])
+def test_kept_adjustments_follow_growing_histories_as_fresh_ones_do(use_kernels):
+    """A batch's Adjustments kept step after step (its flat indices appended to as the histories
+    grow: none, one or several new ids a row, a row's history started again, the vocabulary
+    changed) adjust the logits bitwise as adjustments made afresh at every step do (those in
+    torch's index operations; the kept ones also through the CPU kernels' penalize_at and
+    subtract_at, negative logits, zeros and infinities among them)."""
+    from keyacc_ray import kernels
+    from keyacc_ray.engine.penalties import Adjustments, History, apply
+
+    K = kernels.load() if use_kernels else None
+    assert K is not None or not use_kernels, kernels.unavailable_reason()
+
+    g = torch.Generator().manual_seed(2)
+    rng = random.Random(2)
+    params = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.4),
+              SamplingParams(repetition_penalty=0.8),
+              SamplingParams(presence_penalty=-0.7),
+              SamplingParams(repetition_penalty=1.3, frequency_penalty=0.3, presence_penalty=0.1),
+              SamplingParams(presence_penalty=1.5, repetition_penalty=1.1)]
+    rows = [0, 2, 3, 5, 6]
+    hists = [[rng.randrange(50) for _ in range(rng.randrange(1, 40))] for _ in params]
+    nps = [len(h) for h in hists]
+    hs = [History() for _ in params]
+    kept = Adjustments(rows, params, eos_ids=())
+    V = 64
+    for step in range(40):
+        if step == 25:
+            V = 80  # another vocabulary (a kept index for the old one would be wrong)
+        for k, h in enumerate(hists):
+            grow = rng.choice([0, 1, 1, 1, 3]) if step != 12 else 200  # (past the first room)
+            h.extend(rng.randrange(V) for _ in range(grow))
+        if step == 30:  # row 1 is another request now (a history that is not the one followed)
+            hists[1], nps[1] = [1, 2, 3], 2
+        for k, h in enumerate(hs):
+            h.update(hists[k], nps[k], params[k])
+        logits = torch.randn(8, V, generator=g) * 3
+        logits[:, :3] = torch.tensor([0.0, -0.0, float("-inf")])
+        got, want = logits.clone(), logits.clone()
+        kept.apply(got, hs, K)
+        fresh = [History() for _ in params]
+        for k, h in enumerate(fresh):
+            h.update(hists[k], nps[k], params[k])
+        apply(want, rows, params, fresh, eos_ids=())
+        assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), step
+        assert not torch.equal(got, logits)
 
 
 def test_sampled_rows_with_penalties_draw_in_a_batch_what_they_draw_alone(new_sampler):

@@ -1937,6 +1937,8 @@ torch::Tensor argmax_rows(torch::Tensor x);
 std::string sampling_isa();
 torch::Tensor sample_rows_seeded(torch::Tensor x, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
                                  torch::Tensor min_p, torch::Tensor seeds, torch::Tensor positions, torch::Tensor e);
+void penalize_at(torch::Tensor x, torch::Tensor idx, double penalty);
+void subtract_at(torch::Tensor x, torch::Tensor idx, torch::Tensor v);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16", &pack_bf16, "prepack [N, K] bf16 weights into 16-row k-pair blocks");
@@ -1957,6 +1959,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's first largest logit (float32 / bfloat16), as torch.argmax");
   m.def("sample_rows_seeded", &sample_rows_seeded,
         "sample_rows with each row's uniform made from its premixed seed and position (sampling.uniforms' rule)");
+  m.def("penalize_at", &penalize_at, "x[i] = x[i] < 0 ? x[i] * p : x[i] / p at flat indices (the repetition penalty)");
+  m.def("subtract_at", &subtract_at, "x[idx[j]] -= v[j] at flat indices (presence and frequency penalties)");
   m.def("decode_inputs", &decode_inputs,
         "a decode step's ids, positions, blocks, rows in block, block tables (int32) and context lengths");
   m.def("sampling_isa", &sampling_isa, "the variant the sampling kernels run (avx512 | avx2 | portable)");

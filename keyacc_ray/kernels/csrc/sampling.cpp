@@ -509,6 +509,49 @@ torch::Tensor sample_rows(torch::Tensor x, torch::Tensor temperature, torch::Ten
   return out;
 }
 
+// The penalties' flat index operations (engine/penalties.py, whose torch form is index_select,
+// where and index_copy_), in place on a contiguous float32 x; idx: int64 flat indices, each at
+// most once. penalize_at: x[i] = x[i] < 0 ? x[i] * p : x[i] / p, the penalty rounded to float32
+// as torch rounds a Python float for a float32 tensor (transformers' score * p and score / p).
+bool in_range(const int64_t* ip, int64_t n, int64_t size) {
+  int64_t lo = 0, hi = 0;  // (a min / max the compiler vectorises, then one test)
+  for (int64_t j = 0; j < n; ++j) {
+    lo = std::min(lo, ip[j]);
+    hi = std::max(hi, ip[j]);
+  }
+  return lo >= 0 && (n == 0 || hi < size);
+}
+
+void penalize_at(torch::Tensor x, torch::Tensor idx, double penalty) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "penalize_at: contiguous float32 x");
+  TORCH_CHECK(idx.scalar_type() == torch::kInt64 && idx.is_contiguous(), "penalize_at: contiguous int64 indices");
+  float* xp = x.data_ptr<float>();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const int64_t n = idx.numel();
+  TORCH_CHECK(in_range(ip, n, x.numel()), "penalize_at: index out of range");
+  const float p = static_cast<float>(penalty);
+  at::parallel_for(0, n, 1 << 14, [&](int64_t b, int64_t e) {
+    for (int64_t j = b; j < e; ++j) {  // (both made, one kept: no branch on the sign to mispredict)
+      const float v = xp[ip[j]], lo = v * p, hi = v / p;
+      xp[ip[j]] = v < 0.f ? lo : hi;
+    }
+  });
+}
+
+// x[idx[j]] -= v[j] (float32), as x.index_copy_(0, idx, x.index_select(0, idx) - v).
+void subtract_at(torch::Tensor x, torch::Tensor idx, torch::Tensor v) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "subtract_at: contiguous float32 x");
+  TORCH_CHECK(idx.scalar_type() == torch::kInt64 && idx.is_contiguous(), "subtract_at: contiguous int64 indices");
+  TORCH_CHECK(v.scalar_type() == torch::kFloat32 && v.is_contiguous() && v.numel() == idx.numel(),
+              "subtract_at: a float32 value an index");
+  float* xp = x.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const int64_t n = idx.numel();
+  TORCH_CHECK(in_range(ip, n, x.numel()), "subtract_at: index out of range");
+  for (int64_t j = 0; j < n; ++j) xp[ip[j]] -= vp[j];
+}
+
 // sample_rows with each row's uniform made here from its seed (premixed: splitmix64's finalizer
 // applied once, as engine/sampling.py's _Plan keeps them) and its position, as
 // sampling.uniforms() makes it: u = (mix(seed ^ position) >> 11) * 2^-53.
