@@ -54,6 +54,21 @@ class Distinct:
                 counts[j] += 1
 
 
+    def add_one(self, t: int) -> None:
+        """add([t]) for one token (a decode step's)."""
+        j = self.slot.get(t)
+        if j is None:
+            j = self.n
+            if j == len(self.ids):
+                self.add((t,))
+                return
+            self.slot[t] = j
+            self.ids[j] = t
+            self.n = j + 1
+        if self.counts is not None:
+            self.counts[j] += 1
+
+
 class History:
     """What a request's penalties read of its tokens, kept up to date as they grow: `seen` (prompt
     and output, for the repetition penalty) and `out` (the output, for presence and frequency;
@@ -68,6 +83,14 @@ class History:
 
     def update(self, tokens: list[int], num_prompt: int, p: SamplingParams) -> None:
         n, c = len(tokens), self.covered
+        if n == c + 1 and num_prompt == self.num_prompt and c:  # a decode step's one new token
+            t = tokens[c]
+            if (d := self.seen) is not None:
+                d.add_one(t)
+            if (d := self.out) is not None and c >= num_prompt:
+                d.add_one(t)
+            self.covered = n
+            return
         if c > n or num_prompt != self.num_prompt:  # not this history: start again
             c = self.covered = 0
             self.num_prompt = num_prompt
