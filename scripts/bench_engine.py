@@ -245,6 +245,7 @@ def isa_paths(args) -> dict:
                         "--threads", str(args.threads), "--isa", *paths], capture_output=True, text=True, timeout=3600)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     got = json.loads(lines[-1]) if lines else {"isa_paths_error": (r.stderr or r.stdout)[-300:]}
+    got["isa_paths_roofline_ms_bs1"] = got.pop("roofline_ms_bs1", None)  # (its own reading: not this run's)
     return {"fast_path_isa": best, **{k: v for k, v in got.items() if k not in ("model", "threads")}}
 
 

@@ -56,6 +56,31 @@ def test_logprobs_match_transformers_greedy_and_sampled(qwen3_path):
             check(qwen3_path, p, out, lps, k)
 
 
+def test_logprobs_are_the_models_own_beside_adjusted_rows(qwen3_path):
+    """Rows with penalties and a logit bias (their logits adjusted before sampling, in place where
+    no row of the batch reads them after) beside rows that ask for logprobs: each logprob is
+    still the model's own distribution, and the adjusted rows still draw their adjusted tokens
+    (a bias of 100 on one token: every token is it)."""
+    eng = _engine(qwen3_path)
+    prompts = [eng.tokenize(p) for p in PROMPTS[:4]]
+    pen = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, repetition_penalty=1.8, presence_penalty=1.0,
+                         logprobs=2)
+    biased = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logit_bias={7: 100.0})
+    rids = ["lp0", "lp1", "b0", "b1"]
+    outs = {r: ([], []) for r in rids}
+    for r, p, sp in zip(rids, prompts, (pen, pen, biased, biased)):
+        eng.add_request(r, p, sp)
+    while any(r in eng.seqs for r in rids):
+        for o in eng.step():
+            outs[o.request_id][0].extend(o.new_token_ids)
+            outs[o.request_id][1].extend(o.logprobs or [])
+    for r, p in zip(rids[:2], prompts):
+        check(qwen3_path, p, *outs[r], 2)
+    assert all(outs[r][0] == [7] * 6 and outs[r][1] == [] for r in rids[2:])
+    alone = run(eng, prompts[2:], biased, ["c0", "c1"])  # a batch of biased rows alone (adjusted in place)
+    assert [o for o, _ in alone] == [[7] * 6] * 2
+
+
 def test_no_logprobs_unless_asked(qwen3_path):
     eng = _engine(qwen3_path)
     eng.add_request("plain", eng.tokenize(PROMPTS[0]), SamplingParams(max_tokens=3, temperature=0))
