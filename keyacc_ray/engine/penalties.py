@@ -53,7 +53,6 @@ class Distinct:
             if counts is not None:
                 counts[j] += 1
 
-
     def add_one(self, t: int) -> None:
         """add([t]) for one token (a decode step's)."""
         j = self.slot.get(t)

@@ -513,7 +513,7 @@ torch::Tensor sample_rows(torch::Tensor x, torch::Tensor temperature, torch::Ten
 // where and index_copy_), in place on a contiguous float32 x; idx: int64 flat indices, each at
 // most once. penalize_at: x[i] = x[i] < 0 ? x[i] * p : x[i] / p, the penalty rounded to float32
 // as torch rounds a Python float for a float32 tensor (transformers' score * p and score / p).
-bool in_range(const int64_t* ip, int64_t n, int64_t size) {
+static bool in_range(const int64_t* ip, int64_t n, int64_t size) {
   int64_t lo = 0, hi = 0;  // (a min / max the compiler vectorises, then one test)
   for (int64_t j = 0; j < n; ++j) {
     lo = std::min(lo, ip[j]);
