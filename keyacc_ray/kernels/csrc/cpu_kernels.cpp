@@ -596,37 +596,29 @@ torch::Tensor linear_packed(const char* name, torch::Tensor x, const torch::Tens
 #endif
   torch::Tensor xf;  // AVX2: the input rows in float32, once
   if (avx2) xf = x2.to(torch::kFloat32).contiguous();
+  const float* xfp = avx2 ? xf.data_ptr<float>() : nullptr;
+  auto group = [&](int64_t g) {  // one group of outputs, on the path this CPU runs
 #if KEYACC_X86
+    if (fast) return group_avx512<W>(P + g * gstride, kp, g * GB * NB, xp, ldx, M, sc, bp, yp, N, N);
+    if (avx2) return group_avx2<W>(P + g * gstride, kp, g * GB * NB, xfp, ldx, M, sc, bp, yp, N, N);
+#endif
+    group_portable(P + g * gstride, kp, g * GB * NB, xp, ldx, M, sc, bp, yp, N, N);
+  };
   // AVX2 products of 2 rows or more: groups handed out one at a time, so a thread the host slows
   // (this kind of VM's steal time) does fewer of them instead of holding the other at the join.
   // `bench_linear.py --stream --isa avx2` on the 2-core Zen 3 VM, seven alternations: rows 8 faster
   // in all seven (by 0.5-58 ms, mostly in noisy minutes), rows 32 in four; rows 1 mixed (+-5 ms),
-  // so a batch-1 product keeps each thread's one contiguous half of the weights.
+  // so a batch-1 product (and every other path) keeps each thread's one contiguous share.
   if (avx2 && M > 1) {
     std::atomic<int64_t> next{0};
-    const float* xfp = xf.data_ptr<float>();
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-      for (int64_t g; (g = next.fetch_add(1, std::memory_order_relaxed)) < ng;)
-        group_avx2<W>(P + g * gstride, kp, g * GB * NB, xfp, ldx, M, sc, bp, yp, N, N);
+      for (int64_t g; (g = next.fetch_add(1, std::memory_order_relaxed)) < ng;) group(g);
     });
-    return y;
+  } else {
+    at::parallel_for(0, ng, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) group(g);
+    });
   }
-#endif
-  at::parallel_for(0, ng, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-#if KEYACC_X86
-      if (fast) {
-        group_avx512<W>(P + g * gstride, kp, g * GB * NB, xp, ldx, M, sc, bp, yp, N, N);
-        continue;
-      }
-      if (avx2) {
-        group_avx2<W>(P + g * gstride, kp, g * GB * NB, xf.data_ptr<float>(), ldx, M, sc, bp, yp, N, N);
-        continue;
-      }
-#endif
-      group_portable(P + g * gstride, kp, g * GB * NB, xp, ldx, M, sc, bp, yp, N, N);
-    }
-  });
   return y;
 }
 

@@ -522,13 +522,18 @@ static bool in_range(const int64_t* ip, int64_t n, int64_t size) {
   return lo >= 0 && (n == 0 || hi < size);
 }
 
+// x contiguous float32, idx contiguous int64 flat indices into it (`name` in the errors).
+static void check_flat(const torch::Tensor& x, const torch::Tensor& idx, const char* name) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), name, ": contiguous float32 x");
+  TORCH_CHECK(idx.scalar_type() == torch::kInt64 && idx.is_contiguous(), name, ": contiguous int64 indices");
+  TORCH_CHECK(in_range(idx.data_ptr<int64_t>(), idx.numel(), x.numel()), name, ": index out of range");
+}
+
 void penalize_at(torch::Tensor x, torch::Tensor idx, double penalty) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "penalize_at: contiguous float32 x");
-  TORCH_CHECK(idx.scalar_type() == torch::kInt64 && idx.is_contiguous(), "penalize_at: contiguous int64 indices");
+  check_flat(x, idx, "penalize_at");
   float* xp = x.data_ptr<float>();
   const int64_t* ip = idx.data_ptr<int64_t>();
   const int64_t n = idx.numel();
-  TORCH_CHECK(in_range(ip, n, x.numel()), "penalize_at: index out of range");
   const float p = static_cast<float>(penalty);
   at::parallel_for(0, n, 1 << 14, [&](int64_t b, int64_t e) {
     for (int64_t j = b; j < e; ++j) {  // (both made, one kept: no branch on the sign to mispredict)
@@ -540,15 +545,13 @@ void penalize_at(torch::Tensor x, torch::Tensor idx, double penalty) {
 
 // x[idx[j]] -= v[j] (float32), as x.index_copy_(0, idx, x.index_select(0, idx) - v).
 void subtract_at(torch::Tensor x, torch::Tensor idx, torch::Tensor v) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "subtract_at: contiguous float32 x");
-  TORCH_CHECK(idx.scalar_type() == torch::kInt64 && idx.is_contiguous(), "subtract_at: contiguous int64 indices");
+  check_flat(x, idx, "subtract_at");
   TORCH_CHECK(v.scalar_type() == torch::kFloat32 && v.is_contiguous() && v.numel() == idx.numel(),
               "subtract_at: a float32 value an index");
   float* xp = x.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   const int64_t* ip = idx.data_ptr<int64_t>();
   const int64_t n = idx.numel();
-  TORCH_CHECK(in_range(ip, n, x.numel()), "subtract_at: index out of range");
   for (int64_t j = 0; j < n; ++j) xp[ip[j]] -= vp[j];
 }
 
