@@ -46,6 +46,12 @@ class EngineConfig:
     # vLLM's default; on: also the same static-buffer step on CPU, eagerly; off: eager, vLLM's
     # enforce_eager). On CPU the fused decode step of the fast path takes precedence.
     decode_graphs: str = "auto"
+    # asynchronous scheduling (vLLM's --async-scheduling, off by default as there): in a run of
+    # decode steps over the static buffers (decode_graphs), step n+1 is launched from step n's
+    # sampled ids on the device before they are read, and step n is postprocessed while n+1 runs.
+    # Steps with prompt tokens, waiting requests, logprobs, penalties, a logit bias, min_tokens or
+    # a grammar run as before. Same tokens either way.
+    async_scheduling: bool = False
     # after a step with prompt tokens, fresh prompts wait this many times that step's duration
     # while sequences decode (vLLM v0's scheduler_delay_factor): prompts arriving meanwhile share
     # one eager step instead of making one each. None: 1.0 where decode steps replay CUDA graphs
@@ -91,6 +97,8 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.prefill_delay_factor must be None or a number in [0, 100], got {v!r}")
         if self.decode_graphs not in ("auto", "on", "off"):
             raise ConfigError(f"EngineConfig.decode_graphs must be auto/on/off, got {self.decode_graphs!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ConfigError(f"EngineConfig.async_scheduling must be true/false, got {self.async_scheduling!r}")
         if self.cpu_kernels not in ("auto", "on", "off"):
             raise ConfigError(f"EngineConfig.cpu_kernels must be auto/on/off, got {self.cpu_kernels!r}")
         if not isinstance(self.enable_prefix_caching, bool):

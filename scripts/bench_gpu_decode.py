@@ -12,6 +12,10 @@ graphs and at which sizes, the decode-attention kernel.
 
     python scripts/bench_gpu_decode.py --model PATH --batches 1 16 64 256 --context 1024
     python scripts/bench_gpu_decode.py --model models/tiny-qwen3 --batches 1 4 --context 64 --steps 4   # CPU
+    python scripts/bench_gpu_decode.py --model PATH --batches 64 256 --async-scheduling   # step n+1 launched before n is read
+
+With --async-scheduling the forward is not timed on its own (a synchronising wrapper would undo the
+overlap): `forward_ms` is null, `launched_ahead` counts the decode steps launched ahead.
 
 The last line is one JSON object. The roofline's bandwidth is a device-to-device copy's (bytes read
 plus written over its time; on CPU a 2-thread-or-more `torch.sum`'s read rate); the weights counted
@@ -83,6 +87,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--decode-graphs", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--max-prefill-tokens", type=int, default=8192)
+    ap.add_argument("--async-scheduling", action="store_true", help="EngineConfig.async_scheduling")
     ap.add_argument("--cpu-kernels", default="auto", choices=["auto", "off"], help="on CPU (off: the paged "
                     "model forward a GPU runs, e.g. with --decode-graphs on)")
     args = ap.parse_args()
@@ -90,7 +95,8 @@ def main() -> None:
     new = args.warmup + args.steps
     cfg = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batches),
                        max_model_len=args.context + new + 8, max_prefill_tokens=args.max_prefill_tokens,
-                       enable_prefix_caching=False, decode_graphs=args.decode_graphs, cpu_kernels=args.cpu_kernels, max_waiting=max(args.batches))
+                       enable_prefix_caching=False, decode_graphs=args.decode_graphs, cpu_kernels=args.cpu_kernels, max_waiting=max(args.batches),
+                       async_scheduling=args.async_scheduling)
     t0 = time.perf_counter()
     eng = LLMEngine(cfg)
     load_s = time.perf_counter() - t0
@@ -104,7 +110,8 @@ def main() -> None:
            "fused_step": r.fused_step is not None, "graphs_captured": r.graphs_captured,
            "graph_capture_s": round(r.static_decode.capture_s, 2) if r.static_decode else 0.0,
            "graph_failure": r.static_decode.failure if r.static_decode else "",
-           "bandwidth_gbs": round(bw / 1e9, 1), "weight_bytes": wbytes, "num_kv_blocks": r.num_blocks}
+           "bandwidth_gbs": round(bw / 1e9, 1), "weight_bytes": wbytes, "num_kv_blocks": r.num_blocks,
+           "async_scheduling": eng.async_scheduling}
     print(json.dumps(out), flush=True)
 
     fwd = []  # the runner's decode calls, synchronised: (seconds)
@@ -134,8 +141,10 @@ def main() -> None:
         prefill_s = time.perf_counter() - t
         for _ in range(args.warmup - 1):
             eng.step()
-        r.decode = timed
+        if not eng.async_scheduling:
+            r.decode = timed
         fwd.clear()
+        ahead = eng.steps_launched_ahead
         sync(dev)
         t, c = time.perf_counter(), time.process_time()
         for _ in range(args.steps):
@@ -143,13 +152,15 @@ def main() -> None:
         sync(dev)
         wall, cpu = time.perf_counter() - t, time.process_time() - c
         r.decode = real
+        ahead = eng.steps_launched_ahead - ahead
         while eng.has_unfinished():
             eng.step()
         step_s = wall / args.steps
         roof_s = (wbytes + b * (args.context + args.warmup + args.steps // 2) * kv_tok) / bw
         row = {"batch": b, "tokens_per_s": round(b / step_s, 1), "step_ms": round(step_s * 1e3, 3),
                "roofline_ms": round(roof_s * 1e3, 3), "x_roofline": round(step_s / roof_s, 2),
-               "forward_ms": round(1e3 * sum(fwd) / max(1, len(fwd)), 3), "forward_calls": len(fwd),
+               "forward_ms": round(1e3 * sum(fwd) / len(fwd), 3) if fwd else None, "forward_calls": len(fwd),
+               "launched_ahead": ahead,
                "cpu_ms_per_step": round(cpu / args.steps * 1e3, 3),
                "prefill_tokens_per_s": round(b * args.context / prefill_s, 1), "prefill_steps": steps}
         out[f"b{b}"] = row

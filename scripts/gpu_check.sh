@@ -14,6 +14,7 @@
 #   2b. the engine's decode speed on it (issue #21: scripts/bench_gpu_decode.py, CUDA graphs, the Triton
 #      decode attention): tokens/s at batch 1, 16, 64, 256 of 1k-token sequences, each step against the
 #      HBM roofline, prefill tokens/s, host CPU per step -> decode_<size>.json
+#   2c. the same at batch 64 and 256 with asynchronous scheduling -> decode_<size>_async.json
 #   3. the engine check on it: GPU prefill -> CPU decode continuation (and back), tokens compared
 #   3b. where the host CPU has AMX: the CPU fast path with and without AMX tiles (a JSON line in log.txt)
 #   4. Qwen3-14B's shape (KEYACC_CHECK_SIZE): its decode speed at batch 1, 16, 64 (decode_<size>.json),
@@ -86,11 +87,12 @@ make_model() {  # size dest seconds
 }
 CONTEXT=${KEYACC_DECODE_CONTEXT:-1024}
 [ "$DEVICE" = cpu ] && CONTEXT=${KEYACC_DECODE_CONTEXT:-64}
-decode_bench() {  # model size seconds batches...: the engine's decode speed, one JSON line kept
+decode_bench() {  # model name seconds batches...: the engine's decode speed, one JSON line kept
+  # (DECODE_FLAGS: more of bench_gpu_decode.py's options)
   local model=$1 size=$2 secs=$3; shift 3
   [ "$DEVICE" = cpu ] && set -- 1 4
   timeout "$secs" $PY scripts/bench_gpu_decode.py --model "$model" --batches "$@" --context "$CONTEXT" \
-    --steps 24 >"$WORK/decode_$size.log" 2>&1
+    --steps 24 ${DECODE_FLAGS:-} >"$WORK/decode_$size.log" 2>&1
   local rc=$?
   grep '^{' "$WORK/decode_$size.log" | tail -1 >"$OUT_DIR/decode_$size.json"
   grep '^{' "$WORK/decode_$size.log" | tee -a "$OUT_DIR/log.txt" | tail -6
@@ -111,6 +113,8 @@ make_model "$BENCH_SIZE" "$WORK/m-$BENCH_SIZE" "$(cap 90)" || { log "model creat
 log "2b decode speed on $BENCH_SIZE ($CONTEXT-token sequences)"
 decode_bench "$WORK/m-$BENCH_SIZE" "$BENCH_SIZE" "$(cap 120)" 1 16 64 256
 DECODE_RC=$?
+log "2c the same with asynchronous scheduling (step n+1 launched before step n's ids are read) at batch 64 and 256"
+DECODE_FLAGS=--async-scheduling decode_bench "$WORK/m-$BENCH_SIZE" "${BENCH_SIZE}_async" "$(cap 60)" 64 256 || DECODE_RC=1
 log "3/5 engine on $BENCH_SIZE: GPU prefill -> CPU decode and back, tokens compared"
 engine_check "$WORK/m-$BENCH_SIZE" "$WORK/engine_check_$BENCH_SIZE.json" "$(cap 90)"
 SMALL_RC=$?

@@ -11,9 +11,11 @@ refilled (one host-to-device copy of the small buffer and one of the bucket's ta
 pinned memory); on CPU the same step runs eagerly over the same buffers, which is how its
 buffer and padding logic is tested on a machine without a GPU.
 
-The host buffers are refilled by the next step only after the previous step's sampled tokens
-came back to the host (the engine's one device-to-host copy per step), so the asynchronous
-copies out of them have finished by then.
+On CUDA the host side is two sets of pinned buffers used in turn, each with an event recorded
+after its copies: with asynchronous scheduling (the engine's `async_scheduling`) step n+1 is
+filled while step n may not have been copied yet, so a set is written only once its last copy
+is done. Such a step takes its token ids from step n's sampled ids on the device (`fill(...,
+prev=)`): the host writes which of them each row takes, gathered on the device after the copy.
 """
 from __future__ import annotations
 
@@ -40,26 +42,42 @@ class StaticDecode:
     a bucket's rows; it returns their logits [rows, vocab]."""
 
     def __init__(self, max_rows: int, width: int, block_size: int, pad_block: int, device: torch.device,
-                 step: Callable[..., torch.Tensor]):
+                 step: Callable[..., torch.Tensor], staged: bool | None = None):
+        """`staged`: host buffers copied into device buffers, two sets in turn (None: on CUDA; on
+        CPU the step reads one set of host buffers, unless a test asks for CUDA's arrangement)."""
         self.sizes = bucket_sizes(max_rows)
         self.block_size = block_size
         self.pad_block = pad_block
         self.device = device
         self._step = step
         pin = device.type == "cuda"
-        self.host_small = torch.zeros((4, max_rows), dtype=torch.int64, pin_memory=pin)
-        self.host_tables = torch.full((max_rows, width), pad_block, dtype=torch.int32, pin_memory=pin)
-        self._hs, self._ht = self.host_small.numpy(), self.host_tables.numpy()
-        self._pad(0, max_rows)
-        if device.type == "cpu":  # the step reads the host buffers themselves
+        staged = pin if staged is None else staged
+        # host buffers: one set on CPU (the step reads them), two used in turn where staged
+        self._sets = [(torch.zeros((4, max_rows), dtype=torch.int64, pin_memory=pin),
+                       torch.full((max_rows, width), pad_block, dtype=torch.int32, pin_memory=pin))
+                      for _ in range(2 if staged else 1)]
+        self._copied: list = [None] * len(self._sets)  # per set: an event after its last copies
+        self._k = -1
+        for _ in self._sets:
+            self._next_set()
+            self._pad(0, max_rows)
+        if not staged:  # the step reads the host buffers themselves
             self.small, self.tables = self.host_small, self.host_tables
         else:
-            self.small = self.host_small.to(device)
-            self.tables = self.host_tables.to(device)
+            self.small = torch.empty_like(self.host_small, device=device).copy_(self.host_small)
+            self.tables = torch.empty_like(self.host_tables, device=device).copy_(self.host_tables)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_s = 0.0
         self.failure = ""  # why no graph was captured, if none was
+
+    def _next_set(self) -> None:
+        """The next set of host buffers, once the copies out of it are done."""
+        self._k = (self._k + 1) % len(self._sets)
+        self.host_small, self.host_tables = self._sets[self._k]
+        self._hs, self._ht = self.host_small.numpy(), self.host_tables.numpy()
+        if self._copied[self._k] is not None:
+            self._copied[self._k].synchronize()
 
     @property
     def max_rows(self) -> int:
@@ -79,12 +97,16 @@ class StaticDecode:
         h[3, lo:hi] = 1  # keys it attends over: its own
         self._ht[lo:hi, 0] = self.pad_block
 
-    def fill(self, ids: np.ndarray, pos: np.ndarray, rows: np.ndarray, block_array: np.ndarray) -> int:
+    def fill(self, ids: np.ndarray, pos: np.ndarray, rows: np.ndarray, block_array: np.ndarray,
+             prev: torch.Tensor | None = None) -> int:
         """Write a step's rows (token ids, positions, rows of the block manager's array) into the
-        buffers, pad up to the bucket, send them to the device; returns the bucket."""
+        buffers, pad up to the bucket, send them to the device; returns the bucket. `prev`: the
+        previous step's sampled ids on the device; then `ids` says which of them each row takes."""
         n = len(ids)
         b = self.bucket(n)
         bs = self.block_size
+        if len(self._sets) > 1:
+            self._next_set()
         h = self._hs
         h[0, :n] = ids
         h[1, :n] = pos
@@ -97,6 +119,11 @@ class StaticDecode:
         if self.small is not self.host_small:
             self.small.copy_(self.host_small, non_blocking=True)
             self.tables[:b].copy_(self.host_tables[:b], non_blocking=True)  # whole rows: one contiguous copy
+            if self.device.type == "cuda":
+                ev = self._copied[self._k] = self._copied[self._k] or torch.cuda.Event()
+                ev.record()
+        if prev is not None:  # (after the copy, on the same stream: the rows' sources are there)
+            self.small[0, :n].copy_(prev.index_select(0, self.small[0, :n]))
         return b
 
     def _run_step(self, b: int) -> torch.Tensor:

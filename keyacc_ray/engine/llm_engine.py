@@ -18,7 +18,7 @@ from keyacc_ray.engine.kv_package import KVMeta, KVPackage, dtype_name, to_engin
 from keyacc_ray.engine.postprocess import DecodeBatch, RequestOutput
 from keyacc_ray.engine.request import SamplingParams, Sequence, SeqStatus
 from keyacc_ray.engine.runner import ModelRunner, StepItem
-from keyacc_ray.engine.sampling import Sampler
+from keyacc_ray.engine.sampling import HostCopy, Sampler
 from keyacc_ray.engine.scheduler import PrefillRate, Scheduler
 from keyacc_ray.engine.structured import Grammars
 from keyacc_ray.engine.tiers import LowerTiers
@@ -53,6 +53,20 @@ class EngineStats:
     kv_tiers: dict | None = None
     histograms: dict | None = None  # histogram.ENGINE_HISTOGRAMS' names -> Histogram.to_dict()
     prefill_tokens_per_s: float = 0.0  # scheduler.PrefillRate: how fast prompts go through here lately
+    steps_launched_ahead: int = 0  # asynchronous scheduling: decode steps launched before the last was read
+
+
+@dataclass(slots=True)
+class Launched:
+    """A decode step launched ahead and not read back yet (asynchronous scheduling): its rows,
+    the positions they were fed at and their rows of the block array, the ids it sampled (on the
+    device) and their copy to the host under way."""
+
+    seqs: list[Sequence]
+    pos: np.ndarray
+    rows: np.ndarray
+    ids: torch.Tensor
+    copy: HostCopy
 
 
 class LLMEngine:
@@ -115,6 +129,13 @@ class LLMEngine:
         self.move_on_preempt: set[str] = set()
         self.preempt_exports: list[KVPackage] = []
         self._prompt_scores: dict[str, list] = {}  # prompt logprobs waiting for the first token's output
+        # asynchronous scheduling: where decode steps run over the static buffers (decode_graphs)
+        self.async_scheduling = config.async_scheduling and self.runner.decodes_ahead
+        if config.async_scheduling and not self.async_scheduling:
+            log.warning("async_scheduling needs decode steps over static buffers (decode_graphs; on CPU the "
+                        "fused step takes precedence): steps are scheduled synchronously")
+        self._ahead: Launched | None = None  # the step launched ahead, not yet read back
+        self.steps_launched_ahead = 0
 
     def _lower_tiers(self, config: EngineConfig):
         """Host and disk tiers under the block pool, where configured (with prefix caching)."""
@@ -207,7 +228,13 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One forward for every scheduled sequence (decode rows and prompt chunks together),
-        then one batched sampling of the rows that produce a token."""
+        then one batched sampling of the rows that produce a token. With asynchronous
+        scheduling, the step launched ahead by the last call is read back instead, where any of
+        its rows is still running (after launching the next one, where it may)."""
+        if self._ahead is not None:
+            outs = self._collect()
+            if outs is not None:
+                return outs
         if not self.prefill_delay_factor:
             return self._step(self.scheduler.schedule())
         t0 = time.monotonic()
@@ -238,6 +265,8 @@ class LLMEngine:
         self._last_decode = None  # (carried only from a step of decode rows alone that completed)
         if arrays is not None:  # decode rows alone (the common step): arrays, no items
             self.histograms["vllm:iteration_tokens_total"].observe(len(sched.decode))
+            if self.async_scheduling and self._plain(sched.decode):
+                return self._run_launched(self._launch(sched.decode, *arrays), range(len(sched.decode)))
             logits = self.runner.decode(*arrays)
             outs = self._decoded(sched.decode, logits, arrays[1] + 1)
             self._last_decode = (arrays[1], arrays[2], self.blocks.row_changes)  # (its tokens: in self._batch)
@@ -283,6 +312,82 @@ class LLMEngine:
         sampled = self._sample(logits, seqs)
         self._prefill_timed(sched.prefill, t0, None)
         return self._postprocess(seqs, sampled)
+
+    # ---- asynchronous scheduling -------------------------------------------------------
+    # In a run of decode steps of plain rows (DecodeBatch.plain) over the static buffers, step
+    # n+1 is launched (forward, sampling, the ids' copy to the host) before step n's ids are
+    # read, its token ids taken from step n's on the device, and step n is postprocessed while
+    # n+1 runs. Rows whose step-n token is their last by length are left out of n+1; a row that
+    # ends at step n otherwise (end of sequence, a stop) or leaves before n+1 is read (abort,
+    # export) is computed in n+1 and dropped: its extra key lies past what its sequence holds,
+    # in blocks it gives back (written, on a GPU, before any later step's writes there). Draws
+    # are keyed by position, so the tokens are the synchronous engine's.
+
+    def _plain(self, seqs: list[Sequence]) -> bool:
+        batch = self._batch
+        if batch is None or not batch.same(seqs):
+            batch = self._batch = DecodeBatch(seqs)
+        return batch.plain
+
+    def _launch(self, seqs: list[Sequence], ids: np.ndarray, pos: np.ndarray, rows: np.ndarray,
+                prev: torch.Tensor | None = None) -> Launched:
+        """Run (on a GPU: queue) a decode step of plain rows and its sampling; start the ids' copy.
+        `prev`: the ids of the step before, on the device (`ids` then index them)."""
+        self._last_decode = None  # (the synchronous path's carried batch: not kept here)
+        logits = self.runner.decode(ids, pos, rows, prev)
+        with torch.inference_mode():
+            sampled = self.sampler.sample(logits, [s.request_id for s in seqs], [s.params for s in seqs],
+                                          positions=pos + 1, keep_logits=False, to_host=False)
+        return Launched(seqs, pos, rows, sampled, HostCopy(sampled))
+
+    def _run_launched(self, f: Launched, alive) -> list[RequestOutput]:
+        """Launch the next step where it may, then read `f`'s ids and postprocess its rows
+        `alive` (indices; the others have left since it was launched)."""
+        alive = list(alive)
+        self._ahead = self._launch_next(f, alive)
+        tokens = f.copy.wait()
+        if len(alive) < len(f.seqs):
+            return self._postprocess([f.seqs[i] for i in alive], ([tokens[i] for i in alive], None), decoded=True)
+        return self._postprocess(f.seqs, (tokens, None), decoded=True)
+
+    def _collect(self) -> list[RequestOutput] | None:
+        """The step launched ahead: its rows still running postprocessed (None if none is)."""
+        f, self._ahead = self._ahead, None
+        seqs, running = self.seqs, SeqStatus.RUNNING
+        alive = [i for i, (s, p) in enumerate(zip(f.seqs, f.pos))
+                 if seqs.get(s.request_id) is s and s.status == running and s.num_cached == p]
+        if not alive:
+            return None
+        return self._run_launched(f, alive)
+
+    def _launch_next(self, f: Launched, alive: list[int]) -> Launched | None:
+        """The step after `f` (its rows `alive`, as yet unread), launched now, where the
+        scheduler would run the same rows next: nothing waiting, no other sequence running, no
+        tier moves, and every row's next key finds a place (lazy KV grown now, as the scheduler
+        would; where that fails, the scheduler preempts next step). Rows whose token from `f` is
+        their last by length are left out."""
+        sch = self.scheduler
+        if sch.waiting or len(sch.running) != len(alive) or (self.tiers is not None and self.tiers.moves):
+            return None
+        limit = self.max_model_len
+        keep = [i for i in alive if (n := len(f.seqs[i].token_ids) + 1) < limit
+                and n - f.seqs[i].num_prompt_tokens < f.seqs[i].params.max_tokens]
+        if not keep:
+            return None
+        idx = np.asarray(keep, dtype=np.int64)
+        pos = f.pos[idx] + 1
+        seqs = [f.seqs[i] for i in keep]
+        if sch.lazy:
+            blocks = self.blocks
+            changes, tables, bs = blocks.row_changes, blocks.tables, blocks.block_size
+            for s, p in zip(seqs, pos.tolist()):
+                if p >= len(tables[s.request_id]) * bs and not blocks.grow(s.request_id, p + 1):
+                    return None
+            if blocks.row_changes != changes:  # (a table grown past the array's width: no row)
+                return None
+        self.histograms["vllm:iteration_tokens_total"].observe(len(seqs))
+        self.steps_launched_ahead += 1
+        return self._launch(seqs, idx, pos, f.rows[idx], prev=f.ids)
 
     def _decode_arrays(self, seqs: list[Sequence]) -> tuple | None:
         """Decode rows as the runner's arrays: each one's last token id, position and row of the
@@ -510,7 +615,8 @@ class LLMEngine:
                            self.config.max_num_seqs, self.tokens_generated, self.runner.device_label(),
                            self.scheduler.num_preemptions, self.blocks.queries, self.blocks.hits,
                            self.blocks.num_cached_blocks, self.blocks.evictions, self._tier_stats(),
-                           {name: h.to_dict() for name, h in self.histograms.items()}, self.prefill_rate.tokens_per_s)
+                           {name: h.to_dict() for name, h in self.histograms.items()}, self.prefill_rate.tokens_per_s,
+                           self.steps_launched_ahead)
 
     def _tier_stats(self) -> dict | None:
         t = self.tiers

@@ -29,9 +29,10 @@ class RequestOutput:
 class DecodeBatch:
     """The rows the engine last sampled, in order: their sequences, request ids, sampling params,
     the rows that want logprobs, and the tokens drawn (the next step's inputs while the batch
-    holds)."""
+    holds), and whether the batch is plain: no row's sampling reads the host (logprobs, penalties,
+    a logit bias, min_tokens, a grammar), so its steps may be scheduled asynchronously."""
 
-    __slots__ = ("seqs", "rids", "params", "want", "sampled")
+    __slots__ = ("seqs", "rids", "params", "want", "sampled", "plain")
 
     def __init__(self, seqs: list):
         self.seqs = list(seqs)
@@ -39,6 +40,7 @@ class DecodeBatch:
         self.params = [s.params for s in seqs]
         self.want = [i for i, p in enumerate(self.params) if p.logprobs is not None]
         self.sampled: np.ndarray | None = None
+        self.plain = not self.want and not any(p.processes_logits for p in self.params)
 
     def same(self, seqs: list) -> bool:
         return len(self.seqs) == len(seqs) and all(map(operator.is_, self.seqs, seqs))

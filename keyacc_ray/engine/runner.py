@@ -570,15 +570,24 @@ class ModelRunner:
         or the paged model's own forward (the gather mode takes StepItems)."""
         return self.block_array is not None and (self.fused_step is not None or self.paged)
 
+    @property
+    def decodes_ahead(self) -> bool:
+        """Whether `decode` takes a step's token ids from the previous step's sampled ids on the
+        device (`prev`): decode steps over the static buffers (asynchronous scheduling)."""
+        return self.static_decode is not None and self.fused_step is None and self.block_array is not None
+
     @torch.inference_mode()
-    def decode(self, ids: np.ndarray, pos: np.ndarray, rows: np.ndarray) -> torch.Tensor:
+    def decode(self, ids: np.ndarray, pos: np.ndarray, rows: np.ndarray,
+               prev: torch.Tensor | None = None) -> torch.Tensor:
         """A step of decode rows alone given as arrays (each row's token id, position, and row of
         `block_array`), through the fused step where it runs, else the paged model's forward
         (`decodes_arrays`): the engine's common step with no per-row object. Logits [rows, vocab]
-        in row order."""
+        in row order. `prev` (`decodes_ahead`): the previous step's sampled ids on the device;
+        `ids` are then the indices of each row's token among them."""
         sd = self.static_decode
         if sd is not None and self.fused_step is None and len(ids) <= sd.max_rows:
-            return sd.run(sd.fill(ids, pos, rows, self.block_array))[:len(ids)]
+            return sd.run(sd.fill(ids, pos, rows, self.block_array, prev))[:len(ids)]
+        assert prev is None, "a decode step from the device's sampled ids runs over the static buffers"
         inputs = self._decode_inputs(ids, pos, rows)
         if self.fused_step is not None:
             return self.fused_step(*inputs, self.cache.k, self.cache.v, self.windows)

@@ -172,14 +172,16 @@ class Sampler:
         return np.array([self._seeds[request_id]], dtype=np.uint64)
 
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
-               history=None, positions: list[int] | None = None, keep_logits: bool = True) -> list[int]:
+               history=None, positions: list[int] | None = None, keep_logits: bool = True,
+               to_host: bool = True) -> list[int] | torch.Tensor:
         """logits: [B, vocab] on any device; returns one token id per row. `history(row)` gives a
         row's (token ids so far, number of prompt tokens, end-of-sequence ids), read only for rows
         whose logits are processed (penalties, logit bias, min_tokens, a grammar). `positions`: each row's
         new token's position in its sequence (what its draw is keyed by); without them, the
         number of draws the request has made here. `keep_logits=False`: the caller reads `logits`
         no more (no logprobs), so rows whose logits are processed are processed in place in a
-        float32 `logits` (a batch-by-vocabulary copy saved)."""
+        float32 `logits` (a batch-by-vocabulary copy saved). `to_host=False`: the ids stay on the
+        logits' device (a tensor; asynchronous scheduling feeds them to the next step there)."""
         plan = self._plan
         if plan is None or not plan.holds_for(request_ids, params):
             plan = self._plan = _Plan(request_ids, params, self._info, self._seeds, self._history)
@@ -211,7 +213,7 @@ class Sampler:
                    else g.argmax(dim=-1))
             if rows:
                 out = torch.empty(len(params), dtype=torch.long, device=logits.device).index_copy_(
-                    0, torch.tensor(greedy, device=logits.device), out)
+                    0, to_dev(greedy, logits.device), out)
         if positions is None:  # callers that keep no positions: the draws made here
             positions = [self._drawn[r] for r in request_ids]
             for r in request_ids:
@@ -224,8 +226,8 @@ class Sampler:
             if len(rows) == len(params):
                 out = got
             else:
-                out[torch.tensor(rows, device=logits.device)] = got
-        return host_list(out)
+                out[to_dev(rows, logits.device)] = got
+        return host_list(out) if to_host else out
 
     def _mask(self, logits: torch.Tensor, constrained: list, eos_ids) -> torch.Tensor:
         """The grammar rows' logits with every token their grammar does not allow at -inf (all at
@@ -280,6 +282,48 @@ def host_list(t: torch.Tensor) -> list[int]:
     return buf[:n].tolist()
 
 
+class HostCopy:
+    """A device tensor's copy to the host, started now and read later (`wait`): asynchronous
+    scheduling starts step n's copy, launches step n+1, then reads step n's ids. On CUDA a
+    non-blocking copy into one of two pinned buffers per device, used in turn (one step's copy in
+    flight while the previous one is read: at most two may be unread at a time), with an event
+    recorded after it; elsewhere the tensor itself."""
+
+    _rings: dict = {}  # device -> [the next buffer's index, [(pinned buffer, blocking event) or None] * 2]
+
+    def __init__(self, t: torch.Tensor):
+        self.n = t.numel()
+        self._event = None
+        if t.device.type != "cuda":
+            self._host = t
+            return
+        ring = HostCopy._rings.setdefault(t.device, [0, [None, None]])
+        k = ring[0]
+        ring[0] ^= 1
+        got = ring[1][k]
+        if got is None or got[0].numel() < self.n or got[0].dtype != t.dtype:
+            got = ring[1][k] = (torch.empty(max(self.n, 1024), dtype=t.dtype, pin_memory=True),
+                                torch.cuda.Event(blocking=True))
+        self._host, self._event = got
+        self._host[:self.n].copy_(t.reshape(-1), non_blocking=True)
+        self._event.record()
+
+    def wait(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host[:self.n].tolist()
+
+
+def to_dev(data, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list or array on `device`. On CUDA through pinned memory, without a wait: a
+    plain copy from pageable memory synchronises the stream (the host would wait for all the GPU
+    work queued before it, which defeats asynchronous scheduling)."""
+    t = torch.as_tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """x's rows `rows` (x itself when they are all of them: a vocabulary-wide copy saved)."""
     return x if len(rows) == x.shape[0] else x[rows]
@@ -303,7 +347,7 @@ def sample_rows(x: torch.Tensor, params: list[SamplingParams], u: np.ndarray) ->
     plain_rows = set(plain)
     part = [i for i in range(n) if i not in plain_rows]
     probs, ids = _candidates(_take(x, part), [params[i] for i in part])
-    tp = torch.tensor([params[i].top_p for i in part], dtype=probs.dtype, device=dev)
+    tp = to_dev([params[i].top_p for i in part], dev, probs.dtype)
     keep = probs >= _top_p_threshold(probs, tp)  # candidates in descending order; ties kept
     ids, order = torch.sort(ids, dim=-1)  # the draw walks them in token-id order
     got = _draw((probs * keep).gather(1, order), ids, u[part])
@@ -357,7 +401,7 @@ def _min_p(probs: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     renormalised; `probs` is this sampler's own tensor)."""
     if not any(min_p):
         return probs
-    mp = torch.tensor(min_p, dtype=probs.dtype, device=probs.device)
+    mp = to_dev(min_p, probs.device, probs.dtype)
     return probs.masked_fill_(probs < mp[:, None] * torch.amax(probs, dim=-1, keepdim=True), 0.0)
 
 
@@ -365,7 +409,7 @@ def _exp(x: torch.Tensor, temperature) -> torch.Tensor:
     """exp((x - max) / T) per row, float32, unnormalised: softmax's numerator, made in place in
     one new tensor (a vocabulary-wide row costs memory bandwidth per pass). `temperature`: a list
     or a float32 tensor, one per row."""
-    t = torch.as_tensor(temperature, dtype=torch.float32).to(x.device)[:, None]
+    t = to_dev(temperature, x.device, torch.float32)[:, None]
     y = x.float() / t  # a new tensor: the logits stay as they were
     return y.sub_(torch.amax(y, dim=-1, keepdim=True)).exp_()
 
@@ -383,7 +427,7 @@ def _draw(probs: torch.Tensor, ids: torch.Tensor | None, u: np.ndarray) -> torch
     in two levels, the chunk whose running sum passes the target and then inside that chunk, so
     no vocabulary-wide float64 cumulative sum is made (the result is the same candidate)."""
     n, width = probs.shape
-    target = torch.from_numpy(np.ascontiguousarray(u)).to(probs.device)[:, None]
+    target = to_dev(np.ascontiguousarray(u), probs.device)[:, None]
     if width <= 8 * DRAW_CHUNK:
         cdf = torch.cumsum(probs.double(), dim=-1)  # (cumsum's own dtype= is 3x slower on CPU)
         choice = torch.searchsorted(cdf, target * cdf[:, -1:], right=True).clamp_(max=width - 1)
@@ -421,20 +465,21 @@ def _candidates(x: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Te
     pr = [i for i, p in enumerate(params) if not _top_k(p, vocab)]
     parts = []
     if kr:
-        kt = torch.tensor([_top_k(params[i], vocab) for i in kr], device=dev)
+        ks = [_top_k(params[i], vocab) for i in kr]
+        kt = to_dev(ks, dev)
         xk = _take(x, kr)
-        width = min(vocab, int(kt.max()) + 8)
+        width = min(vocab, max(ks) + 8)
         vals, ids = torch.topk(xk, width, dim=-1)
         kth = vals.gather(1, (kt - 1)[:, None])
         if width < vocab and bool((vals[:, -1:] >= kth).any()):  # ties with the k-th past those taken
             vals, ids = torch.sort(xk, dim=-1, descending=True)
-        temp = torch.tensor([params[i].temperature for i in kr], device=dev)[:, None]
+        temp = to_dev([params[i].temperature for i in kr], dev)[:, None]
         lg = (vals.float() / temp).masked_fill(vals < kth, float("-inf"))
         parts.append((kr, _normalised(_min_p(torch.softmax(lg, dim=-1), [params[i].min_p for i in kr])), ids))
     if pr:
         full = _min_p(_exp(_take(x, pr), [params[i].temperature for i in pr]), [params[i].min_p for i in pr])
         full = full.div_(full.sum(dim=-1, keepdim=True))
-        need = torch.tensor([params[i].top_p for i in pr], dtype=full.dtype, device=dev)
+        need = to_dev([params[i].top_p for i in pr], dev, full.dtype)
         probs, ids = torch.topk(full, min(vocab, CANDIDATES), dim=-1)
 
         def short_rows(rows: list[int] | None = None) -> list[int]:
@@ -454,7 +499,7 @@ def _candidates(x: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Te
             grow = width - probs.shape[1]
             probs = torch.cat([probs, probs.new_zeros((len(pr), grow))], dim=1)
             ids = torch.cat([ids, ids.new_zeros((len(pr), grow))], dim=1)
-            r = torch.tensor(short, device=dev)
+            r = to_dev(short, dev)
             probs[r], ids[r] = wp, wi
             short = short_rows(short)
         parts.append((pr, probs, ids))
@@ -464,7 +509,7 @@ def _candidates(x: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Te
     probs = torch.zeros((n, width), dtype=torch.float32, device=dev)
     ids = torch.zeros((n, width), dtype=torch.long, device=dev)
     for rows, p, i in parts:
-        r = torch.tensor(rows, device=dev)
+        r = to_dev(rows, dev)
         probs[r, :p.shape[1]] = p
         ids[r, :i.shape[1]] = i
     return probs, ids

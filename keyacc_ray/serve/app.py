@@ -139,6 +139,7 @@ class PoolConfig:
     numa: str = "off"  # CPU pool: "auto" = one deployment per NUMA node (from the cluster or this host)
     cpu_kernels: str = "auto"  # engines on CPU: the fast-path kernels (auto / on / off)
     decode_graphs: str = "auto"  # decode steps as CUDA graphs on CUDA (auto / on / off: eager)
+    async_scheduling: bool = False  # launch decode step n+1 before step n's tokens are read (EngineConfig's)
     prefill_delay_factor: float | None = None  # fresh prompts held while decoding (EngineConfig's)
     cpu_weight_quant: str = "none"  # engines on CPU: "int8" = weight-only int8 linears on the fast path
     # A stream's tokens leave a replica at most once per interval (the first at once): each
@@ -257,6 +258,7 @@ class AppConfig:
                                    kv_memory_fraction=pool.kv_memory_fraction,
                                    gpu_memory_utilization=pool.gpu_memory_utilization, cpu_kernels=pool.cpu_kernels,
                                    cpu_weight_quant=pool.cpu_weight_quant, decode_graphs=pool.decode_graphs,
+                                   async_scheduling=pool.async_scheduling,
                                    prefill_delay_factor=pool.prefill_delay_factor,
                                    trust_remote_code=self.trust_remote_code))
 

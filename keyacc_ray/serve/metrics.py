@@ -338,6 +338,9 @@ class SnapshotCollector:
                      "per replica: prompt tokens found in the prefix cache"),
                     ("prefix_cache_evictions", "keyacc_prefix_cache_evictions", CounterMetricFamily,
                      "per replica: cached KV blocks whose memory was taken for new tokens"),
+                    ("steps_launched_ahead", "keyacc_decode_steps_launched_ahead", CounterMetricFamily,
+                     "per replica: decode steps launched before the previous step's tokens were read "
+                     "(async_scheduling)"),
                     ("num_cached_blocks", "keyacc_cached_kv_blocks", GaugeMetricFamily,
                      "per replica: KV blocks holding a cached prefix (in use or free)")):
                 fam(kind, name, help_, keys).add_metric(lab, r.get(field, 0))

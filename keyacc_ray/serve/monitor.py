@@ -51,6 +51,7 @@ class ReplicaReport:
     kv_tiers: dict | None = None  # the lower tiers' figures (LLMEngine's EngineStats.kv_tiers)
     histograms: dict | None = None  # vLLM's per-engine histograms (LLMEngine's EngineStats.histograms)
     prefill_tokens_per_s: float = 0.0  # LLMEngine's EngineStats.prefill_tokens_per_s (0: not measured)
+    steps_launched_ahead: int = 0  # LLMEngine's EngineStats.steps_launched_ahead (asynchronous scheduling)
 
     def content(self) -> tuple:
         """Everything but the arrival time: equal content means nothing to tell anyone."""

@@ -338,7 +338,8 @@ class EnginePool:
                              num_preemptions=s.num_preemptions, prefix_cache_queries=s.prefix_cache_queries,
                              prefix_cache_hits=s.prefix_cache_hits, prefix_cache_evictions=s.prefix_cache_evictions,
                              num_cached_blocks=s.num_cached_blocks, kv_tiers=s.kv_tiers,
-                             histograms=s.histograms, prefill_tokens_per_s=round(s.prefill_tokens_per_s, 1))
+                             histograms=s.histograms, prefill_tokens_per_s=round(s.prefill_tokens_per_s, 1),
+                             steps_launched_ahead=s.steps_launched_ahead)
 
     def _report_loop(self) -> None:
         """A report every REPORT_EVERY_S while the load changes; an idle replica sends the same
