@@ -325,8 +325,9 @@ def to_dev(data, device: torch.device, dtype: torch.dtype | None = None) -> torc
 
 
 def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """x's rows `rows` (x itself when they are all of them: a vocabulary-wide copy saved)."""
-    return x if len(rows) == x.shape[0] else x[rows]
+    """x's rows `rows` (x itself when they are all of them: a vocabulary-wide copy saved; the
+    index through to_dev: a Python list as an index is a synchronising copy on CUDA)."""
+    return x if len(rows) == x.shape[0] else x.index_select(0, to_dev(rows, x.device))
 
 
 def sample_rows(x: torch.Tensor, params: list[SamplingParams], u: np.ndarray) -> torch.Tensor:
@@ -343,7 +344,7 @@ def sample_rows(x: torch.Tensor, params: list[SamplingParams], u: np.ndarray) ->
         got = _draw(probs, None, u[plain])
         if len(plain) == n:
             return got
-        out[plain] = got
+        out[to_dev(plain, dev)] = got
     plain_rows = set(plain)
     part = [i for i in range(n) if i not in plain_rows]
     probs, ids = _candidates(_take(x, part), [params[i] for i in part])
@@ -353,7 +354,7 @@ def sample_rows(x: torch.Tensor, params: list[SamplingParams], u: np.ndarray) ->
     got = _draw((probs * keep).gather(1, order), ids, u[part])
     if len(part) == n:
         return got
-    out[part] = got
+    out[to_dev(part, dev)] = got
     return out
 
 
