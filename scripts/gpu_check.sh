@@ -94,7 +94,12 @@ decode_bench() {  # model name seconds batches...: the engine's decode speed, on
   timeout "$secs" $PY scripts/bench_gpu_decode.py --model "$model" --batches "$@" --context "$CONTEXT" \
     --steps 24 ${DECODE_FLAGS:-} >"$WORK/decode_$size.log" 2>&1
   local rc=$?
-  grep '^{' "$WORK/decode_$size.log" | tail -1 >"$OUT_DIR/decode_$size.json"
+  if [ "$rc" = 0 ]; then
+    grep '^{' "$WORK/decode_$size.log" | tail -1 >"$OUT_DIR/decode_$size.json"
+  else   # a run cut short or failed is a failure in its JSON, never a partial pass (its rows: log.txt)
+    echo "{\"failed\": true, \"exit_status\": $rc, \"timed_out\": $([ "$rc" = 124 ] && echo true || echo false)}" \
+      >"$OUT_DIR/decode_$size.json"
+  fi
   grep '^{' "$WORK/decode_$size.log" | tee -a "$OUT_DIR/log.txt" | tail -6
   [ "$rc" = 0 ] || { log "decode bench ($size) exit status $rc"; grep -v Warning "$WORK/decode_$size.log" | tail -15 | tee -a "$OUT_DIR/log.txt"; }
   return "$rc"
