@@ -169,3 +169,23 @@ def test_staged_buffers_alternate_and_take_token_ids_from_the_previous_step():
     ids, pos, ctx = seen[-1]
     assert ids.tolist() == [70, 50] and pos.tolist() == [2, 4] and ctx.tolist() == [3, 5]
     assert seen[0][0].tolist() == [5, 6, 7, 0]  # the first step's own ids, its pad row
+
+
+def test_the_engine_on_staged_buffers_as_on_cuda(qwen3_path):
+    """The engine's static decode step on CUDA's buffer arrangement (two host sets in turn, copied
+    into the step's own buffers, each row's token id gathered there from the previous step's ids):
+    generate()'s tokens, rows stopping and leaving by length among them."""
+    eng = engine(qwen3_path)
+    r = eng.runner
+    sd = r.static_decode
+    r.static_decode = StaticDecode(sd.max_rows, r.max_blocks_per_seq, r.block_size, r.pad_block, r.device,
+                                   r._static_step, staged=True)
+    stop = hf_greedy(qwen3_path, PROMPTS[3], 12)[5]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (5, 9, 14)]
+    params.append(SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop]))
+    got, reasons = run(eng, PROMPTS[:4], params)
+    for i, m in enumerate((5, 9, 14)):
+        assert got[f"r{i}"] == hf_greedy(qwen3_path, PROMPTS[i], m)
+    want = hf_greedy(qwen3_path, PROMPTS[3], 12)
+    assert got["r3"] == want[:want.index(stop) + 1] and reasons["r3"] == "stop"
+    assert eng.steps_launched_ahead >= 6 and r.static_decode.small is not r.static_decode.host_small
