@@ -362,12 +362,13 @@ class LLMEngine:
 
     def _launch_next(self, f: Launched, alive: list[int]) -> Launched | None:
         """The step after `f` (its rows `alive`, as yet unread), launched now, where the
-        scheduler would run the same rows next: nothing waiting, no other sequence running, no
-        tier moves, and every row's next key finds a place (lazy KV grown now, as the scheduler
-        would; where that fails, the scheduler preempts next step). Rows whose token from `f` is
-        their last by length are left out."""
+        scheduler would run the same rows next: nothing waiting, no other sequence running, and
+        every row's next key finds a place (lazy KV grown now, as the scheduler would; where that
+        fails, the scheduler preempts next step). Cached blocks the growing takes go to their
+        lower tier first, as in a scheduled step. Rows whose token from `f` is their last by
+        length are left out."""
         sch = self.scheduler
-        if sch.waiting or len(sch.running) != len(alive) or (self.tiers is not None and self.tiers.moves):
+        if sch.waiting or len(sch.running) != len(alive):
             return None
         limit = self.max_model_len
         keep = [i for i in alive if (n := len(f.seqs[i].token_ids) + 1) < limit
@@ -385,6 +386,8 @@ class LLMEngine:
                     return None
             if blocks.row_changes != changes:  # (a table grown past the array's width: no row)
                 return None
+        if self.tiers is not None and self.tiers.moves:  # (before the step writes into those blocks)
+            self.kv_store.run(self.tiers.take_moves())
         self.histograms["vllm:iteration_tokens_total"].observe(len(seqs))
         self.steps_launched_ahead += 1
         return self._launch(seqs, idx, pos, f.rows[idx], prev=f.ids)

@@ -189,3 +189,22 @@ def test_the_engine_on_staged_buffers_as_on_cuda(qwen3_path):
     want = hf_greedy(qwen3_path, PROMPTS[3], 12)
     assert got["r3"] == want[:want.index(stop) + 1] and reasons["r3"] == "stop"
     assert eng.steps_launched_ahead >= 6 and r.static_decode.small is not r.static_decode.host_small
+
+
+def test_cached_blocks_taken_while_growing_reach_their_tier_before_the_step_writes_them(qwen3_path, tmp_path):
+    """A small block pool with a host tier: decodes launched ahead grow into blocks that held a
+    cached prompt, which go to the host tier first (their copy made before the step that writes
+    the new keys there); the prompt sent again loads them back and gets generate()'s tokens."""
+    eng = engine(qwen3_path, num_kv_blocks=16, max_num_seqs=2, kv_host_tier_gb=0.001)
+    eng.tiers._worth_loading = lambda tier: True  # (the tiny model would rightly recompute)
+    head = [(53 * k + 7) % 400 + 5 for k in range(32)]  # 8 blocks
+    p = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    run(eng, [head], [p])  # its 8 blocks stay cached
+    others = [[(31 * k + 3 * i) % 400 + 5 for k in range(8)] for i in range(2)]
+    before = eng.steps_launched_ahead
+    run(eng, others, [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * 2)  # grow into all 16
+    assert eng.steps_launched_ahead > before
+    got, _ = run(eng, [head + [99]], [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)])
+    t = eng.stats().kv_tiers["tiers"]["host"]
+    assert t["loaded_blocks"] >= 6, t
+    assert got["r0"] == hf_greedy(qwen3_path, head + [99], 6)
