@@ -49,8 +49,8 @@ class EngineConfig:
     # asynchronous scheduling (vLLM's --async-scheduling, off by default as there): in a run of
     # decode steps over the static buffers (decode_graphs), step n+1 is launched from step n's
     # sampled ids on the device before they are read, and step n is postprocessed while n+1 runs.
-    # Steps with prompt tokens, waiting requests, logprobs, penalties, a logit bias, min_tokens or
-    # a grammar run as before. Same tokens either way.
+    # Steps with prompt tokens, requests waiting for a free slot, logprobs, penalties, a logit
+    # bias, min_tokens or a grammar run as before. Same tokens either way.
     async_scheduling: bool = False
     # after a step with prompt tokens, fresh prompts wait this many times that step's duration
     # while sequences decode (vLLM v0's scheduler_delay_factor): prompts arriving meanwhile share

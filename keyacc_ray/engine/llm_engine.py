@@ -362,18 +362,20 @@ class LLMEngine:
 
     def _launch_next(self, f: Launched, alive: list[int]) -> Launched | None:
         """The step after `f` (its rows `alive`, as yet unread), launched now, where the
-        scheduler would run the same rows next: nothing waiting, no other sequence running, and
-        every row's next key finds a place (lazy KV grown now, as the scheduler would; where that
-        fails, the scheduler preempts next step). Cached blocks the growing takes go to their
-        lower tier first, as in a scheduled step. Rows whose token from `f` is their last by
-        length are left out."""
+        scheduler would run the same rows next: no other sequence running, nothing waiting or no
+        place to admit it (every slot taken: the peak-load case), and every row's next key finds a
+        place (lazy KV grown now, as the scheduler would; where that fails, the scheduler
+        preempts next step). Cached blocks the growing takes go to their lower tier first, as in a
+        scheduled step. Rows whose token from `f` is their last by length are left out (their
+        slots free: a waiting request is then admitted by the scheduler, not launched past; one
+        freed by a stop is seen a step later)."""
         sch = self.scheduler
-        if sch.waiting or len(sch.running) != len(alive):
+        if len(sch.running) != len(alive):
             return None
         limit = self.max_model_len
         keep = [i for i in alive if (n := len(f.seqs[i].token_ids) + 1) < limit
                 and n - f.seqs[i].num_prompt_tokens < f.seqs[i].params.max_tokens]
-        if not keep:
+        if not keep or (sch.waiting and len(keep) < sch.max_num_seqs):
             return None
         idx = np.asarray(keep, dtype=np.int64)
         pos = f.pos[idx] + 1

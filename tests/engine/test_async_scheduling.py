@@ -208,3 +208,20 @@ def test_cached_blocks_taken_while_growing_reach_their_tier_before_the_step_writ
     t = eng.stats().kv_tiers["tiers"]["host"]
     assert t["loaded_blocks"] >= 6, t
     assert got["r0"] == hf_greedy(qwen3_path, head + [99], 6)
+
+
+def test_a_full_batch_with_requests_waiting_still_goes_ahead(qwen3_path):
+    """At peak load (every slot taken, requests waiting) the same rows run next whatever waits:
+    steps go ahead; a slot freed by length admits the next request at once, one freed by a stop
+    a step later; every request gets the synchronous engine's tokens and generate()'s."""
+    stop = hf_greedy(qwen3_path, PROMPTS[1], 16)[4]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (10, 16, 7, 12, 9)]
+    params[1] = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop_token_ids=[stop])
+    a = engine(qwen3_path, max_num_seqs=2)
+    waiting_ahead = []
+    got = run(a, PROMPTS, params, on_step=lambda step, e: waiting_ahead.append(
+        e._ahead is not None and e.scheduler.num_waiting > 0))
+    assert got == run(engine(qwen3_path, asy=False, max_num_seqs=2), PROMPTS, params)
+    for i in (0, 2, 3, 4):
+        assert got[0][f"r{i}"] == hf_greedy(qwen3_path, PROMPTS[i], params[i].max_tokens)
+    assert got[1]["r1"] == "stop" and any(waiting_ahead)
