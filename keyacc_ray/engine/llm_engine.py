@@ -135,6 +135,7 @@ class LLMEngine:
             log.warning("async_scheduling needs decode steps over static buffers (decode_graphs; on CPU the "
                         "fused step takes precedence): steps are scheduled synchronously")
         self._ahead: Launched | None = None  # the step launched ahead, not yet read back
+        self._copies = HostCopy.ring()  # (this engine's pinned buffers for the sampled ids)
         self.steps_launched_ahead = 0
 
     def _lower_tiers(self, config: EngineConfig):
@@ -338,7 +339,7 @@ class LLMEngine:
         with torch.inference_mode():
             sampled = self.sampler.sample(logits, [s.request_id for s in seqs], [s.params for s in seqs],
                                           positions=pos + 1, keep_logits=False, to_host=False)
-        return Launched(seqs, pos, rows, sampled, HostCopy(sampled))
+        return Launched(seqs, pos, rows, sampled, HostCopy(sampled, self._copies))
 
     def _run_launched(self, f: Launched, alive) -> list[RequestOutput]:
         """Launch the next step where it may, then read `f`'s ids and postprocess its rows

@@ -285,19 +285,22 @@ def host_list(t: torch.Tensor) -> list[int]:
 class HostCopy:
     """A device tensor's copy to the host, started now and read later (`wait`): asynchronous
     scheduling starts step n's copy, launches step n+1, then reads step n's ids. On CUDA a
-    non-blocking copy into one of two pinned buffers per device, used in turn (one step's copy in
-    flight while the previous one is read: at most two may be unread at a time), with an event
-    recorded after it; elsewhere the tensor itself."""
+    non-blocking copy into one of the two pinned buffers of `ring` (the caller's own, from
+    `HostCopy.ring()`), used in turn (one step's copy in flight while the previous one is read: at
+    most two of a ring's copies may be unread at a time), with an event recorded after it;
+    elsewhere the tensor itself."""
 
-    _rings: dict = {}  # device -> [the next buffer's index, [(pinned buffer, blocking event) or None] * 2]
+    @staticmethod
+    def ring() -> list:
+        """[the next buffer's index, [(pinned buffer, blocking event) or None] * 2]."""
+        return [0, [None, None]]
 
-    def __init__(self, t: torch.Tensor):
+    def __init__(self, t: torch.Tensor, ring: list):
         self.n = t.numel()
         self._event = None
         if t.device.type != "cuda":
             self._host = t
             return
-        ring = HostCopy._rings.setdefault(t.device, [0, [None, None]])
         k = ring[0]
         ring[0] ^= 1
         got = ring[1][k]
