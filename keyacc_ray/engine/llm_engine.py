@@ -324,21 +324,27 @@ class LLMEngine:
     # in blocks it gives back (written, on a GPU, before any later step's writes there). Draws
     # are keyed by position, so the tokens are the synchronous engine's.
 
-    def _plain(self, seqs: list[Sequence]) -> bool:
+    def _batch_of(self, seqs: list[Sequence]) -> DecodeBatch:
+        """The DecodeBatch of these rows (the last one where they are its rows: a decode batch is
+        the same rows step after step)."""
         batch = self._batch
         if batch is None or not batch.same(seqs):
             batch = self._batch = DecodeBatch(seqs)
-        return batch.plain
+        return batch
+
+    def _plain(self, seqs: list[Sequence]) -> bool:
+        return self._batch_of(seqs).plain
 
     def _launch(self, seqs: list[Sequence], ids: np.ndarray, pos: np.ndarray, rows: np.ndarray,
                 prev: torch.Tensor | None = None) -> Launched:
         """Run (on a GPU: queue) a decode step of plain rows and its sampling; start the ids' copy.
         `prev`: the ids of the step before, on the device (`ids` then index them)."""
         self._last_decode = None  # (the synchronous path's carried batch: not kept here)
+        batch = self._batch_of(seqs)
         logits = self.runner.decode(ids, pos, rows, prev)
         with torch.inference_mode():
-            sampled = self.sampler.sample(logits, [s.request_id for s in seqs], [s.params for s in seqs],
-                                          positions=pos + 1, keep_logits=False, to_host=False)
+            sampled = self.sampler.sample(logits, batch.rids, batch.params, positions=pos + 1, keep_logits=False,
+                                          to_host=False)
         return Launched(seqs, pos, rows, sampled, HostCopy(sampled, self._copies))
 
     def _run_launched(self, f: Launched, alive) -> list[RequestOutput]:
@@ -456,9 +462,7 @@ class LLMEngine:
     def _sample(self, logits, seqs: list[Sequence], positions=None) -> tuple[list[int], list | None]:
         """One token per row, and (where some request asked for them) each row's logprobs or None.
         `positions`: each new token's position (its sequence's length), where the caller has them."""
-        batch = self._batch
-        if batch is None or not batch.same(seqs):  # (a decode batch is the same rows step after step)
-            batch = self._batch = DecodeBatch(seqs)
+        batch = self._batch_of(seqs)
         params, want = batch.params, batch.want
         with torch.inference_mode():  # (the logits are the forward's: in place where nothing reads them after)
             ids = self.sampler.sample(logits, batch.rids, params,

@@ -261,7 +261,7 @@ class Sampler:
 
 
 
-_pinned: dict = {}  # device -> (pinned host buffer, blocking event): the sampled ids' way to the host
+_rings: dict = {}  # device -> HostCopy.ring(): the synchronous path's way to the host
 
 
 def host_list(t: torch.Tensor) -> list[int]:
@@ -270,16 +270,7 @@ def host_list(t: torch.Tensor) -> list[int]:
     step, instead of spinning on a core as a plain `.tolist()`'s synchronous copy does)."""
     if t.device.type != "cuda":
         return t.tolist()
-    n = t.numel()
-    got = _pinned.get(t.device)
-    if got is None or got[0].numel() < n or got[0].dtype != t.dtype:
-        got = _pinned[t.device] = (torch.empty(max(n, 1024), dtype=t.dtype, pin_memory=True),
-                                   torch.cuda.Event(blocking=True))
-    buf, done = got
-    buf[:n].copy_(t.reshape(-1), non_blocking=True)
-    done.record()
-    done.synchronize()
-    return buf[:n].tolist()
+    return HostCopy(t, _rings.setdefault(t.device, HostCopy.ring())).wait()
 
 
 class HostCopy:
