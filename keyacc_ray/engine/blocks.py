@@ -27,10 +27,16 @@ def chain_hashes(hashes: list[bytes], token_ids: list[int], block_size: int) -> 
     """Extend `hashes` (the keys of the first len(hashes) blocks of `token_ids`) with the keys of
     every further full block; returns it. A key: 16 bytes of BLAKE2b over the parent's key and the
     block's token ids (a cryptographic hash: no crafted prompt collides with another's)."""
-    for b in range(len(hashes), len(token_ids) // block_size):
-        h = hashlib.blake2b(hashes[-1] if hashes else b"", digest_size=16)
-        h.update(array("q", token_ids[b * block_size:(b + 1) * block_size]).tobytes())
-        hashes.append(h.digest())
+    start, end = len(hashes), len(token_ids) // block_size
+    if end <= start:
+        return hashes
+    raw = memoryview(array("q", token_ids[start * block_size:end * block_size]).tobytes())
+    step, key, blake2b = 8 * block_size, hashes[-1] if hashes else b"", hashlib.blake2b
+    for at in range(0, (end - start) * step, step):
+        h = blake2b(key, digest_size=16)
+        h.update(raw[at:at + step])
+        key = h.digest()
+        hashes.append(key)
     return hashes
 
 

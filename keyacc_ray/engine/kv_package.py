@@ -28,10 +28,15 @@ class KVMeta:
     head_dim: int
     dtype: str  # torch dtype name of the cached values
     layout: str  # one of LAYOUTS
-    num_kv_tokens: int  # tokens of `token_ids` whose K/V the package holds
+    num_kv_tokens: int  # the tokens of `token_ids` whose K/V the package holds end here
     block_size: int  # the exporting engine's KV block size (informational)
     source: str = ""  # device / replica that exported it
     v_head_dim: int = 0  # the values' head size where it differs from the keys' (MLA); 0: head_dim
+    # Tokens at the head whose K/V the package leaves out (a multiple of the exporter's block size):
+    # the router expects the importing engine to hold them in its prefix cache, so their bytes do
+    # not move. The arrays hold tokens [kv_start, num_kv_tokens). An importer that does not hold
+    # them computes the sequence again from what it does hold (LLMEngine, scheduler.py).
+    kv_start: int = 0
 
     @property
     def dims(self) -> tuple[int, int, int, int]:
@@ -69,9 +74,22 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _NAMES[dtype]
 
 
+def check_span(pkg: KVPackage) -> None:
+    """The arrays hold exactly tokens [kv_start, num_kv_tokens) of a sequence that has them."""
+    m = pkg.meta
+    axis = 2 if m.layout == "LHTD" else 1
+    n = m.num_kv_tokens - m.kv_start
+    if not 0 <= m.kv_start <= m.num_kv_tokens <= len(pkg.token_ids) or any(
+            a.ndim != 4 or a.shape[axis] != n for a in (pkg.keys, pkg.values)):
+        raise ValueError(f"KV package arrays do not hold tokens [{m.kv_start}, {m.num_kv_tokens}) of its "
+                         f"{len(pkg.token_ids)} tokens")
+
+
 def to_engine_tensors(pkg: KVPackage, dtype: torch.dtype, device: torch.device,
-                      expect: tuple[int, int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Package arrays -> [L, H, T, D] tensors in the importer's dtype, on its device."""
+                      expect: tuple[int, int, int, int], start: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Package arrays -> [L, H, T, D] tensors in the importer's dtype, on its device: tokens
+    [start, num_kv_tokens) (`start`: from the package's first, `meta.kv_start`, on; the
+    importer's cache holds the ones before)."""
     m = pkg.meta
     got = m.dims
     if got != expect:
@@ -79,7 +97,11 @@ def to_engine_tensors(pkg: KVPackage, dtype: torch.dtype, device: torch.device,
                          f"this engine's model {expect}")
     src_dtype = _FROM_NAME[m.dtype]
 
+    skip = 0 if start is None else start - m.kv_start
+    assert 0 <= skip <= m.num_kv_tokens - m.kv_start, (start, m.kv_start, m.num_kv_tokens)
+
     def convert(a: np.ndarray) -> torch.Tensor:
+        a = a[:, :, skip:] if m.layout == "LHTD" else a[:, skip:]
         t = torch.from_numpy(a)  # shares memory with the (possibly read-only) object-store view
         if src_dtype == torch.bfloat16:
             t = t.view(torch.bfloat16)

@@ -14,7 +14,7 @@ import torch
 from keyacc_ray.config import EngineConfig
 from keyacc_ray.engine.blocks import BlockManager, chain_hashes
 from keyacc_ray.engine.detok import IncrementalDetokenizer, step_all
-from keyacc_ray.engine.kv_package import KVMeta, KVPackage, dtype_name, to_engine_tensors, to_wire
+from keyacc_ray.engine.kv_package import KVMeta, KVPackage, check_span, dtype_name, to_engine_tensors, to_wire
 from keyacc_ray.engine.postprocess import DecodeBatch, RequestOutput
 from keyacc_ray.engine.request import SamplingParams, Sequence, SeqStatus
 from keyacc_ray.engine.runner import ModelRunner, StepItem
@@ -54,6 +54,12 @@ class EngineStats:
     histograms: dict | None = None  # histogram.ENGINE_HISTOGRAMS' names -> Histogram.to_dict()
     prefill_tokens_per_s: float = 0.0  # scheduler.PrefillRate: how fast prompts go through here lately
     steps_launched_ahead: int = 0  # asynchronous scheduling: decode steps launched before the last was read
+    # hand-offs and the prefix cache: tokens whose K/V an export left out (the importer holds them),
+    # tokens of imports found cached here on arrival (shared, not copied), tokens an import left out
+    # that were not cached here (computed again)
+    kv_export_skipped_tokens: int = 0
+    kv_import_cached_tokens: int = 0
+    kv_import_recomputed_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -137,6 +143,7 @@ class LLMEngine:
         self._ahead: Launched | None = None  # the step launched ahead, not yet read back
         self._copies = HostCopy.ring()  # (this engine's pinned buffers for the sampled ids)
         self.steps_launched_ahead = 0
+        self.kv_export_skipped_tokens = 0
 
     def _lower_tiers(self, config: EngineConfig):
         """Host and disk tiers under the block pool, where configured (with prefix caching)."""
@@ -557,16 +564,21 @@ class LLMEngine:
 
     # ---- hand-off ----------------------------------------------------------------------
     def export_request(self, request_id: str, layout: str | None = None, source: str = "",
-                       blocks: list[int] | None = None) -> KVPackage:
+                       blocks: list[int] | None = None, skip_tokens: int = 0) -> KVPackage:
         """Remove a sequence from this engine and return its full state as a KVPackage (`blocks`:
-        the table of a sequence preempted this step, whose KV its freed blocks still hold)."""
+        the table of a sequence preempted this step, whose KV its freed blocks still hold).
+        `skip_tokens`: the importer is expected to hold the sequence's head up to there in its
+        prefix cache: the K/V of the whole blocks within it are left out (KVMeta.kv_start)."""
         seq = self.seqs[request_id]
         layout = layout or self.config.kv_export_layout
         blocks = blocks if blocks is not None else self.blocks.block_table(request_id)
         if seq.imported is None:
             n = seq.num_cached if blocks else 0
-            k, v = self.runner.read_kv(blocks, n)
-            meta = self.kv_meta(layout, n, source or str(self.runner.device))
+            bs = self.blocks.block_size
+            skip = max(0, min(skip_tokens, n)) // bs * bs
+            k, v = self.runner.read_kv(blocks[skip // bs:], n - skip)
+            meta = self.kv_meta(layout, n, source or str(self.runner.device), kv_start=skip)
+            self.kv_export_skipped_tokens += skip
             keys, values = to_wire(k, layout), to_wire(v, layout)
         else:  # still waiting with an imported package: pass its arrays on untouched
             meta, keys, values = seq.imported.meta, seq.imported.keys, seq.imported.values
@@ -575,11 +587,11 @@ class LLMEngine:
         self._finish(seq, SeqStatus.FINISHED_EXPORTED)
         return pkg
 
-    def kv_meta(self, layout: str, num_kv_tokens: int, source: str) -> KVMeta:
+    def kv_meta(self, layout: str, num_kv_tokens: int, source: str, kv_start: int = 0) -> KVMeta:
         """What a package of this engine's KV says about itself."""
         s = self.runner.kv_shape
         return KVMeta(self.config.model, s.num_layers, s.num_kv_heads, s.head_dim, dtype_name(s.dtype), layout,
-                      num_kv_tokens, self.config.kv_block_size, source, s.v_head_dim)
+                      num_kv_tokens, self.config.kv_block_size, source, s.v_head_dim, kv_start)
 
     def _kv_dims(self) -> tuple[int, int, int, int]:
         s = self.runner.kv_shape
@@ -597,6 +609,11 @@ class LLMEngine:
         if got != dims:
             raise InvalidRequest(f"KV package for {got} (layers, kv_heads, k_dim, v_dim) cannot continue "
                                  f"on this engine's model {dims}")
+        if pkg.meta.num_kv_tokens > 0:
+            try:
+                check_span(pkg)
+            except ValueError as e:
+                raise InvalidRequest(str(e)) from None
         params = params or SamplingParams(**pkg.params)
         seq = Sequence(rid, list(pkg.token_ids), pkg.num_prompt_tokens, params,
                        emitted_text_chars=pkg.emitted_text_chars)
@@ -609,12 +626,15 @@ class LLMEngine:
         return seq
 
     def _write_imported(self, seq: Sequence) -> None:
-        pkg = seq.imported
+        """Its package's K/V into its blocks, past the head its admission found cached here
+        (`seq.kv_from` tokens, shared: those bytes are not copied)."""
+        pkg, start = seq.imported, seq.kv_from
         with warnings.catch_warnings():  # object-store views are read-only; we only read them
             warnings.simplefilter("ignore", UserWarning)
-            k, v = to_engine_tensors(pkg, self.runner.dtype, self.runner.device, self._kv_dims())
-        self.runner.write_kv(self.blocks.table_ref(seq.request_id), k, v)
-        seq.imported = None
+            k, v = to_engine_tensors(pkg, self.runner.dtype, self.runner.device, self._kv_dims(),
+                                     start=max(start, pkg.meta.kv_start))
+        self.runner.write_kv(self.blocks.table_ref(seq.request_id)[start // self.blocks.block_size:], k, v)
+        seq.imported, seq.kv_from = None, 0
         if self.blocks.prefix_caching:
             self._cache_blocks(seq)
 
@@ -626,7 +646,8 @@ class LLMEngine:
                            self.scheduler.num_preemptions, self.blocks.queries, self.blocks.hits,
                            self.blocks.num_cached_blocks, self.blocks.evictions, self._tier_stats(),
                            {name: h.to_dict() for name, h in self.histograms.items()}, self.prefill_rate.tokens_per_s,
-                           self.steps_launched_ahead)
+                           self.steps_launched_ahead, self.kv_export_skipped_tokens,
+                           self.scheduler.import_cached_tokens, self.scheduler.import_recomputed_tokens)
 
     def _tier_stats(self) -> dict | None:
         t = self.tiers

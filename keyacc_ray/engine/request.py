@@ -163,6 +163,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_cached: int = 0
     imported: Any = None  # a KVPackage waiting to be written into a slot on admission
+    kv_from: int = 0  # admitted with `imported`: the head its prefix cache held (shared, not written)
     # Tokens this engine produced, and where the output text stands (for hand-offs).
     emitted_text_chars: int = 0
     max_chunk: int = 0  # the most prompt tokens one step may feed (0: the scheduler's budget)

@@ -64,6 +64,10 @@ class Scheduler:
         self.clock = clock
         self.hold_until = 0.0  # fresh prompts wait while sequences decode, until then (clock's time)
         self.num_held = 0  # steps in which a fresh prompt was held back
+        # hand-offs admitted: tokens of their K/V found cached here (shared, not copied); tokens
+        # computed again (their package left out blocks not cached here)
+        self.import_cached_tokens = 0
+        self.import_recomputed_tokens = 0
 
     def add(self, seq: Sequence) -> bool:
         """Queue a sequence; False if the waiting queue is full. One whose stream is under way
@@ -127,7 +131,17 @@ class Scheduler:
                 break
             shared: list = []
             loads: list = []
-            if pending is not None and seq.num_cached == 0 and seq.share_prefix:
+            imp, cached_before = seq.imported, seq.num_cached
+            if imp is not None and (imp.meta.kv_start or (pending is not None and seq.share_prefix)):
+                # a hand-off with its KV: the head this engine caches is shared, its bytes in the
+                # package not copied (and a package may leave them out: kv_start); one that left out
+                # blocks not cached here is computed again from what is (its package dropped)
+                if pending is not None and seq.share_prefix:
+                    shared, loads = self._shared_prefix(seq, set(), cached_before // bs)
+                have = (len(shared) + len(loads)) * bs
+                if have < imp.meta.kv_start:
+                    seq.num_cached, decode = have, False
+            elif pending is not None and seq.num_cached == 0 and seq.share_prefix:
                 got = self._shared_prefix(seq, pending)
                 if got is None:
                     break  # its next block is being computed this step: next step it shares it
@@ -139,9 +153,16 @@ class Scheduler:
             # reserve: for all it may generate too
             if n == 0 or not self.blocks.allocate(seq.request_id,
                                                   seq.num_tokens if self.lazy else seq.max_total_tokens, shared):
-                if shared or loads:
-                    seq.num_cached = 0
+                seq.num_cached = cached_before
                 break  # FCFS: the head waits for budget or blocks; nothing overtakes it
+            if imp is not None:
+                have = (len(shared) + len(loads)) * bs
+                if seq.num_cached == cached_before:  # its package goes into the blocks past the shared head
+                    seq.kv_from = have
+                    self.import_cached_tokens += have
+                else:
+                    seq.imported = None
+                    self.import_recomputed_tokens += cached_before - have
             if loads:  # copied into its new blocks before the forward
                 self.lower.load(loads, tables[seq.request_id][len(shared):len(shared) + len(loads)])
             if pending is not None and seq.share_prefix and not decode:
@@ -169,13 +190,14 @@ class Scheduler:
             keys.update(hashes[seq.num_cached // bs:(seq.num_cached + n) // bs])
         return keys
 
-    def _shared_prefix(self, seq: Sequence, pending: set[bytes]) -> tuple[list[bytes], list] | None:
+    def _shared_prefix(self, seq: Sequence, pending: set[bytes],
+                       limit: int | None = None) -> tuple[list[bytes], list] | None:
         """Keys of the cached blocks the sequence begins with, and the (tier, key) of the blocks
-        after them to load from a lower tier (leaving at least its last token to compute); None
-        where its first block not found is being filled this step."""
+        after them to load from a lower tier (at most `limit` blocks; by default leaving at least
+        its last token to compute); None where its first block not found is being filled this step."""
         bs = self.blocks.block_size
         hashes = chain_hashes(seq.block_hashes, seq.token_ids, bs)
-        limit = (seq.num_tokens - 1) // bs
+        limit = (seq.num_tokens - 1) // bs if limit is None else limit
         k = self.blocks.cached_prefix(hashes, limit)
         if k < limit and hashes[k] in pending:
             return None

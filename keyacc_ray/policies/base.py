@@ -22,6 +22,7 @@ class RequestView:
     max_tokens: int
     expected_output: int | None = None  # what requests here really generate (OutputLengths), if known
     held_s: float = 0.0  # how long the router has held it, not yet admitted anywhere (see HOLD)
+    cpu_cached_tokens: int = 0  # prompt tokens at its head a CPU pool likely caches (the router's guess)
 
     @property
     def remaining_tokens(self) -> int:

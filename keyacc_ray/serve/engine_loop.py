@@ -47,6 +47,7 @@ class _Stream:
     check_every: int | None = None
     produced: int = 0
     movable: bool = False  # preempted (lazy KV), the sequence leaves with its KV instead of waiting here
+    export_skip: int = 0  # the export after `export_after` tokens leaves this head's K/V out (export_request)
     # takes each TokenChunk on the event loop, straight from the engine thread's hand-over (a
     # multiplexed token stream, serve/mux.py); False: it did not, the chunk goes to the queue
     sink: Callable[[TokenChunk], bool] | None = None
@@ -86,13 +87,14 @@ class AsyncEngine:
     async def generate(self, request_id: str, *, prompt_ids: list[int] | None = None,
                        params: SamplingParams, package: KVPackage | None = None,
                        export_after: int | None = None, check_every: int | None = None,
-                       movable: bool = False, sink: Callable[[TokenChunk], bool] | None = None
-                       ) -> AsyncIterator[list]:
+                       movable: bool = False, sink: Callable[[TokenChunk], bool] | None = None,
+                       export_skip: int = 0) -> AsyncIterator[list]:
         """Yields lists of TokenChunk / ErrorItem / Checkpoint / hand-off objects until the sequence
         ends. `movable`: if the engine preempts it, it is handed off (KV and all) instead.
-        `sink`: takes the token chunks instead (those it refuses come here as before)."""
+        `sink`: takes the token chunks instead (those it refuses come here as before).
+        `export_skip`: the hand-off after `export_after` tokens leaves this head's K/V out."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), export_after, check_every, movable=movable,
-                         sink=sink)
+                         sink=sink, export_skip=export_skip)
         self._inbox.put(("add", request_id, prompt_ids, params, package, stream))
         self._wake.set()
         done = False
@@ -127,10 +129,11 @@ class AsyncEngine:
         s.q.put_nowait(item)
         return True
 
-    def export(self, request_id: str) -> None:
+    def export(self, request_id: str, skip_tokens: int = 0) -> None:
         """Hand a running sequence off at the next step boundary (its stream ends with the hand-off);
-        nothing if it has finished by then."""
-        self._inbox.put(("export", request_id))
+        nothing if it has finished by then. `skip_tokens`: the head its next engine is expected to
+        cache (LLMEngine.export_request)."""
+        self._inbox.put(("export", request_id, skip_tokens))
         self._wake.set()
 
     def stop_checks(self, request_id: str) -> None:
@@ -189,7 +192,7 @@ class AsyncEngine:
                 if o.finished:
                     self._close(o.request_id)
                 elif s.export_after is not None and s.produced >= s.export_after:
-                    self._export(o.request_id, s)
+                    self._export(o.request_id, s, skip_tokens=s.export_skip)
                 elif s.check_every and s.produced % s.check_every == 0:
                     self._push(s, Checkpoint(s.produced, o.num_output_tokens))
             self._hand_off_preempted()
@@ -232,7 +235,7 @@ class AsyncEngine:
             if cmd[0] == "export":
                 s = self._streams.get(cmd[1])
                 if s is not None and cmd[1] in self.engine.seqs:
-                    self._export(cmd[1], s)
+                    self._export(cmd[1], s, skip_tokens=cmd[2])
                 continue
             _, rid, prompt_ids, params, package, stream = cmd
             try:
@@ -265,10 +268,12 @@ class AsyncEngine:
                 continue
             self._export(pkg.request_id, s, pkg)
 
-    def _export(self, rid: str, s: _Stream, pkg: KVPackage | None = None) -> None:
+    def _export(self, rid: str, s: _Stream, pkg: KVPackage | None = None, skip_tokens: int = 0) -> None:
         """End the stream with the sequence's hand-off (exported now unless `pkg` already is)."""
         try:
-            self._push(s, self.on_export(pkg if pkg is not None else self.engine.export_request(rid)))
+            if pkg is None:
+                pkg = self.engine.export_request(rid, skip_tokens=skip_tokens)
+            self._push(s, self.on_export(pkg))
         except Exception as e:  # noqa: BLE001
             log.exception("export of %s failed", rid)
             self._push(s, _internal_error(f"KV export failed: {e}"))

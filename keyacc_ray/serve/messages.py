@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from keyacc_ray.serve.prefix_affinity import PREFIX_BLOCK, anchors
+
 
 @dataclass
 class GenerateRequest:
@@ -161,11 +163,20 @@ class Ticket:
     backpressured: bool = False
     stall_moved: bool = False  # moved once because its pool did not take the stream in time
     error: ErrorItem | None = None  # set: answer with this and stop
+    # where its prompt's head is cached (the router's guesses, prefix_affinity.PoolPrefixes): the keys
+    # of its heads at a few depths (prefix_affinity.anchors, PREFIX_BLOCK tokens a block, deepest
+    # first); the head its hop is expected to cache (a move there decided by a pool's check in place
+    # exports the sequence without those blocks' K/V); the head every hop it may go to after this
+    # hop's `export_after` tokens is expected to cache (that hand-off leaves it out)
+    prefix_keys: tuple = ()
+    kv_skip_tokens: int = 0
+    export_skip_tokens: int = 0
 
     @classmethod
     def of(cls, req: GenerateRequest) -> "Ticket":
         return cls(req.request_id, len(req.prompt_token_ids), int(req.params.get("max_tokens", 16)),
-                   req.route, req.migrate_back_after)
+                   req.route, req.migrate_back_after,
+                   prefix_keys=tuple(anchors(req.prompt_token_ids, PREFIX_BLOCK)))
 
 
 @dataclass

@@ -341,6 +341,14 @@ class SnapshotCollector:
                     ("steps_launched_ahead", "keyacc_decode_steps_launched_ahead", CounterMetricFamily,
                      "per replica: decode steps launched before the previous step's tokens were read "
                      "(async_scheduling)"),
+                    ("kv_export_skipped_tokens", "keyacc_kv_handoff_skipped_tokens", CounterMetricFamily,
+                     "per replica: tokens whose K/V a hand-off from here left out (the router expected the "
+                     "next pool to cache them)"),
+                    ("kv_import_cached_tokens", "keyacc_kv_handoff_cached_tokens", CounterMetricFamily,
+                     "per replica: tokens of hand-offs to here found in the prefix cache (shared, not copied)"),
+                    ("kv_import_recomputed_tokens", "keyacc_kv_handoff_recomputed_tokens", CounterMetricFamily,
+                     "per replica: tokens of hand-offs to here computed again (their package left out blocks "
+                     "not cached here)"),
                     ("num_cached_blocks", "keyacc_cached_kv_blocks", GaugeMetricFamily,
                      "per replica: KV blocks holding a cached prefix (in use or free)")):
                 fam(kind, name, help_, keys).add_metric(lab, r.get(field, 0))

@@ -52,6 +52,10 @@ class ReplicaReport:
     histograms: dict | None = None  # vLLM's per-engine histograms (LLMEngine's EngineStats.histograms)
     prefill_tokens_per_s: float = 0.0  # LLMEngine's EngineStats.prefill_tokens_per_s (0: not measured)
     steps_launched_ahead: int = 0  # LLMEngine's EngineStats.steps_launched_ahead (asynchronous scheduling)
+    # hand-offs and the prefix cache (LLMEngine's EngineStats of the same names)
+    kv_export_skipped_tokens: int = 0
+    kv_import_cached_tokens: int = 0
+    kv_import_recomputed_tokens: int = 0
 
     def content(self) -> tuple:
         """Everything but the arrival time: equal content means nothing to tell anyone."""

@@ -127,13 +127,15 @@ class EnginePool:
     # ---- requests ----------------------------------------------------------------------
     async def generate(self, req: GenerateRequest, handoff: Handoff | None = None,
                        export_after: int | None = None, ticket: Ticket | None = None, movable: bool = False,
-                       mux: tuple[str, int] | None = None):
+                       mux: tuple[str, int] | None = None, export_skip: int = 0):
         """One hop of a request. `movable`: preempted here (lazy KV), the sequence ends this hop
         with a hand-off (KV and all) instead of waiting to be recomputed. `mux`: (ingress replica,
         key): if that ingress replica's token stream from here is open, the tokens go on it
-        (serve/mux.py) and this call carries the rest."""
+        (serve/mux.py) and this call carries the rest. `export_skip`: the hand-off after
+        `export_after` tokens leaves this head's K/V out (every hop it may go to caches it)."""
         sender = hop_sender(self._muxes, mux)
-        async for items in mux_hop(self._hop(req, handoff, export_after, ticket, movable, sender), sender):
+        async for items in mux_hop(self._hop(req, handoff, export_after, ticket, movable, sender, export_skip),
+                                   sender):
             yield items
 
     async def subscribe(self, sub: Subscribe):
@@ -147,7 +149,7 @@ class EnginePool:
         take_ack(self._muxes, ack, self.replica)
 
     async def _hop(self, req: GenerateRequest, handoff: Handoff | None, export_after: int | None,
-                   ticket: Ticket | None, movable: bool, sender: HopSender | None = None):
+                   ticket: Ticket | None, movable: bool, sender: HopSender | None = None, export_skip: int = 0):
         if handoff is not None:
             phase = "decode"
         else:
@@ -172,7 +174,7 @@ class EnginePool:
         if ticket is None or not export_after:
             async for items in self.loop.generate(rid, prompt_ids=req.prompt_token_ids, params=params,
                                                   package=package, export_after=export_after, movable=movable,
-                                                  sink=sender.token if sender else None):
+                                                  sink=sender.token if sender else None, export_skip=export_skip):
                 yield items
             return
         async for items in self._periods(rid, req, params, package, export_after, ticket, movable, sender):
@@ -261,7 +263,7 @@ class EnginePool:
             updates.append(TicketUpdate(nt))
         if nt.hop != here:  # move: the stream ends with the hand-off (or the request finished first)
             state["moving"] = True
-            self.loop.export(rid)
+            self.loop.export(rid, nt.kv_skip_tokens)  # (less the head the router expects cached there)
         elif not nt.export_after:  # it stays for good (a colocated GPU prefill's decode): no more checks
             self.loop.stop_checks(rid)
 
@@ -339,7 +341,10 @@ class EnginePool:
                              prefix_cache_hits=s.prefix_cache_hits, prefix_cache_evictions=s.prefix_cache_evictions,
                              num_cached_blocks=s.num_cached_blocks, kv_tiers=s.kv_tiers,
                              histograms=s.histograms, prefill_tokens_per_s=round(s.prefill_tokens_per_s, 1),
-                             steps_launched_ahead=s.steps_launched_ahead)
+                             steps_launched_ahead=s.steps_launched_ahead,
+                             kv_export_skipped_tokens=s.kv_export_skipped_tokens,
+                             kv_import_cached_tokens=s.kv_import_cached_tokens,
+                             kv_import_recomputed_tokens=s.kv_import_recomputed_tokens)
 
     def _report_loop(self) -> None:
         """A report every REPORT_EVERY_S while the load changes; an idle replica sends the same

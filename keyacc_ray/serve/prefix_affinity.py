@@ -13,22 +13,76 @@ no known anchor take the usual way too.
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 from keyacc_ray.engine.blocks import chain_hashes
 
 STRIDE = 4  # blocks between anchors past the first few
+MAX_BLOCKS = 1024  # heads deeper than this many blocks are not keyed (the hashing's cost stays bounded)
+PREFIX_BLOCK = 16  # tokens a block of the router's keys (PoolPrefixes): the pools' default block size
+PREFIX_TTL_S = 120.0  # how long the router trusts that a pool still caches a head it sent there
+
+
+def anchor_depths(num_tokens: int, block_size: int) -> list[int]:
+    """The depths (in blocks) of a prompt's anchors, deepest first: heads of 1, 2, 4, 8, 12, ...
+    full blocks and all its full blocks (the block of the prompt's last token is never a cached
+    one: not counted), up to MAX_BLOCKS."""
+    n = min((num_tokens - 1) // block_size, MAX_BLOCKS)
+    if n <= 0:
+        return []
+    return sorted({d for d in (1, 2) if d < n} | set(range(STRIDE, n, STRIDE)) | {n}, reverse=True)
 
 
 def anchors(token_ids: list[int], block_size: int) -> list[bytes]:
-    """Keys of the prompt's heads of 1, 2, 4, 8, 12, ... full blocks and of all its full blocks,
-    deepest first (the block of the prompt's last token is never a cached one: not counted)."""
-    n = (len(token_ids) - 1) // block_size
-    if n <= 0:
+    """Keys of the prompt's heads at `anchor_depths`, deepest first."""
+    depths = anchor_depths(len(token_ids), block_size)
+    if not depths:
         return []
-    keys = chain_hashes([], token_ids[:n * block_size], block_size)
-    depths = sorted({d for d in (1, 2) if d < n} | set(range(STRIDE, n, STRIDE)) | {n}, reverse=True)
+    keys = chain_hashes([], token_ids[:depths[0] * block_size], block_size)
     return [keys[d - 1] for d in depths]
+
+
+class PoolPrefixes:
+    """Which pools (the router's hops) likely cache a prompt's head, predicted, as PrefixAffinity
+    does between one pool's replicas, from where the router sent prompts: every hop a request
+    enters computes or imports its prompt and keeps its blocks cached. An entry older than
+    `ttl_s` is not trusted (a cache evicts under load); a hop whose replica failed is forgotten.
+    Keys: `anchors(prompt, PREFIX_BLOCK)`, carried by the request's Ticket."""
+
+    def __init__(self, ttl_s: float = PREFIX_TTL_S, max_entries: int = 100_000, clock=time.monotonic):
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self.clock = clock
+        self._seen: OrderedDict[bytes, dict[str, float]] = OrderedDict()  # key -> hop -> when, LRU first
+
+    def cached_tokens(self, keys, num_prompt_tokens: int, hop: str) -> int:
+        """Prompt tokens at the head that `hop` likely caches (0: none known)."""
+        if not keys:
+            return 0
+        now, seen = self.clock(), self._seen
+        for key, depth in zip(keys, anchor_depths(num_prompt_tokens, PREFIX_BLOCK)):
+            when = seen.get(key, {}).get(hop)
+            if when is not None and now - when <= self.ttl_s:
+                return depth * PREFIX_BLOCK
+        return 0
+
+    def record(self, keys, hop: str) -> None:
+        now, seen = self.clock(), self._seen
+        for k in keys:
+            hops = seen.get(k)
+            if hops is None:
+                hops = seen[k] = {}
+            else:
+                seen.move_to_end(k)
+            hops[hop] = now
+        while len(seen) > self.max_entries:
+            seen.popitem(last=False)
+
+    def forget(self, hop: str) -> None:
+        """`hop`'s caches are not to be trusted (a replica of it failed)."""
+        for hops in self._seen.values():
+            hops.pop(hop, None)
 
 
 class PrefixAffinity:

@@ -1,5 +1,5 @@
 """The pools' Serve request routers: power of two choices, with prefix affinity
-(`serve/prefix_affinity.py`) for fresh prompts where a pool has several replicas, and in both a
+(`serve/prefix_affinity.py`) for prompts and hand-offs where a pool has several replicas, and in both a
 subscription to a replica's multiplexed token stream (`serve/mux.py`) sent to the replica it
 names. Thin shells over Ray Serve's RequestRouter API (alpha in Ray 2.60); set per pool
 deployment by `serve/app.py` (`prefix_affinity` in a pool's config, `stream_mux`)."""
@@ -27,11 +27,10 @@ def _target(candidate_replicas, pending_request):
 
 
 def _prompt(pending_request) -> list[int] | None:
-    """A fresh request's prompt token ids (a hop that brings KV, or any other call: None)."""
+    """A request's prompt token ids (a fresh prompt, or a hand-off: its KV lands on the head
+    the replica caches, and may have left it out; any other call: None)."""
     args = getattr(pending_request, "args", None) or ()
     if not args or not isinstance(args[0], GenerateRequest):
-        return None
-    if len(args) > 1 and args[1] is not None:  # a hand-off: its KV comes with it
         return None
     return args[0].prompt_token_ids
 

@@ -27,6 +27,7 @@ from keyacc_ray.serve.driver import FAILOVER, MAX_RECOVERIES, error_item as _err
 from keyacc_ray.serve.heap import freeze_startup_heap
 from keyacc_ray.serve.messages import HopEnd, Ticket
 from keyacc_ray.serve.monitor import MONITOR_NAME, MONITOR_NAMESPACE, LoadMonitor, mean_measured
+from keyacc_ray.serve.prefix_affinity import PoolPrefixes
 
 log = logging.getLogger("ray.serve")
 REFRESH_EVERY_S = 0.1
@@ -95,6 +96,7 @@ class Router:
         self._held: deque[_Held] = deque()  # new requests waiting here for a place, oldest first
         self._policy_counted: dict[str, int] = {}
         self.output_lengths = OutputLengths()  # what requests really generate: their KV estimate
+        self.prefixes = PoolPrefixes(clock=self.clock)  # which hops likely cache a prompt's head
         self._cpu_loads: list[PoolLoad] = [PoolLoad() for _ in self.cpu_keys]
         self.snapshot = None
         self.snapshot_age_s = float("inf")
@@ -233,8 +235,9 @@ class Router:
         return LoadView(loads["gpu_prefill"], loads["gpu_decode"], cpu, free)
 
     def _pick_cpu(self, prefer: str | None = None) -> str:
-        """One CPU decode deployment (NUMA node): stay where the sequence is unless that one is
-        queued, else the least loaded (running + queued, with this router's in-flight count)."""
+        """One CPU decode deployment (NUMA node): stay where the sequence is (or go where its
+        prompt's head is cached) unless that one is queued, else the least loaded (running +
+        queued, with this router's in-flight count)."""
         if len(self.cpu_keys) == 1:
             return self.cpu_keys[0]
         self.load_view()
@@ -246,6 +249,15 @@ class Router:
         # a deployment the monitor has no live replica of last (its requests would wait in Serve's
         # queue for a replacement)
         return min(self.cpu_keys, key=lambda k: (bool(live) and k not in live, load[k], self.inflight[k]))
+
+    def _caching_cpu(self, t: Ticket) -> str | None:
+        """The CPU decode deployment (NUMA node) that likely caches the longest head of the
+        request's prompt, if any does (several deployments: `_pick_cpu` prefers it while it has
+        nothing queued)."""
+        if len(self.cpu_keys) == 1 or not t.prefix_keys:
+            return None
+        n, key = max((self.prefixes.cached_tokens(t.prefix_keys, t.num_prompt_tokens, k), k) for k in self.cpu_keys)
+        return key if n > 0 else None
 
     def _cpu_gone(self) -> bool:
         """The monitor's fresh snapshot shows the GPU pool but no live replica of any CPU decode
@@ -278,14 +290,30 @@ class Router:
     def _enter(self, t: Ticket, hop: str, export_after: int | None) -> Ticket:
         """Send the request to `hop` next: picks the CPU deployment, counts it in flight."""
         if hop == "cpu_decode":
-            hop = t.last_cpu = self._pick_cpu(prefer=t.last_cpu)
+            hop = t.last_cpu = self._pick_cpu(prefer=t.last_cpu or self._caching_cpu(t))
         t.hop, t.export_after, t.error = hop, export_after, None
         t.move_on_preempt = hop == "gpu_decode" and t.pinned_route is None and self.policy.offload_on_preemption()
+        # the heads the next hops likely cache, for the hand-off to leave out (router guesses): a move
+        # to this hop decided by a pool's check in place; the hand-off after `export_after` tokens,
+        # where every hop it may go to caches it
+        cached = self.prefixes.cached_tokens
+        t.kv_skip_tokens = cached(t.prefix_keys, t.num_prompt_tokens, hop)
+        t.export_skip_tokens = min((cached(t.prefix_keys, t.num_prompt_tokens, h) for h in self._after(t, hop)),
+                                   default=0) if export_after and t.prefix_keys else 0
+        self.prefixes.record(t.prefix_keys, hop)  # computed or imported there, its prompt stays cached
         tokens = self._view(t, 0).total_tokens
         self._active[t.request_id] = (hop, self.clock(), tokens)
         self.inflight[hop] += 1
         self.inflight_tokens[hop] += tokens
         return t
+
+    def _after(self, t: Ticket, hop: str) -> list[str]:
+        """The hops a sequence may go to when `hop` hands it off after its `export_after` tokens
+        (`_next_hop`): from a CPU pool, the GPU decode pool; from the GPU, a CPU pool (pinned
+        `stage`) or, as the policy places the decode, either pool."""
+        if hop.startswith("cpu_decode"):
+            return ["gpu_decode"]
+        return self.cpu_keys if t.pinned_route == "stage" else ["gpu_decode", *self.cpu_keys]
 
     def _leave(self, t: Ticket, end: HopEnd) -> None:
         """The request left its hop: no longer in flight there (if this replica counted it)."""
@@ -455,6 +483,7 @@ class Router:
                 return self._stop(t, _err(503, f"the {kind} replica failed mid-request ({end.error}) "
                                                "and recovery failed", "unavailable"))
             t.recoveries += 1
+            self.prefixes.forget(t.hop)  # (its replacement caches nothing)
             nxt = FAILOVER[kind]
             log.warning("hop %s of %s failed (%s); continuing on %s after %d tokens", t.hop, t.request_id,
                         end.error, nxt, end.num_output_tokens)
@@ -517,8 +546,10 @@ class Router:
         self._release_held()
 
     def _view(self, t: Ticket, num_output_tokens: int, held_s: float = 0.0) -> RequestView:
+        cpu_cached = max((self.prefixes.cached_tokens(t.prefix_keys, t.num_prompt_tokens, k) for k in self.cpu_keys),
+                         default=0) if t.prefix_keys else 0
         return RequestView(t.num_prompt_tokens, num_output_tokens, t.max_tokens, self.output_lengths.expected(),
-                           held_s)
+                           held_s, cpu_cached)
 
     def _cpu_period(self, t: Ticket) -> int | None:
         """Tokens before the next decision on the CPU pool. A pinned request has none unless the

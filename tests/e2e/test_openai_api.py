@@ -379,6 +379,37 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache_with_the_same_tokens(
     assert hits and hits[0] >= 2 * ((n - 1) // 16 * 16), hits
 
 
+def _replica_counter(app_url: str, name: str, deployment: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{app_url}/metrics").text.splitlines()
+               if line.startswith(name + "{") and f'deployment="{deployment}"' in line)
+
+
+def test_a_handoff_leaves_out_the_head_the_cpu_pool_caches(app_url, client):
+    """Two conversations with one head, each prefilled on the GPU engine and decoded on the CPU
+    pool (`stage`): the second's hand-off leaves the head's K/V out (the router saw the first's
+    head go to the CPU pool), the CPU pool decodes over the head it cached, nothing is computed
+    again, and both give generate()'s tokens."""
+    head = f"[handoff {time.monotonic_ns()}] " + " ".join(PROMPTS[:9])
+    names = ("keyacc_kv_handoff_skipped_tokens_total", "GpuDecode"), \
+        ("keyacc_kv_handoff_cached_tokens_total", "CpuDecode"), \
+        ("keyacc_kv_handoff_recomputed_tokens_total", "CpuDecode")
+    before = [_replica_counter(app_url, *n) for n in names]
+    for q in ("first", "second"):
+        prompt = f"{head} And the {q} question?"
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                  "keyacc": {"route": "stage"}})
+        assert r.choices[0].token_ids == ref_ids(prompt, 12)
+        assert [s["pool"] for s in r.model_extra["keyacc"]["segments"]] == ["gpu", "cpu"]
+    deadline = time.monotonic() + 20  # the replicas' load reports reach /metrics within a second or two
+    while time.monotonic() < deadline:
+        skipped, cached, recomputed = (a - b for a, b in zip([_replica_counter(app_url, *n) for n in names], before))
+        if skipped > 0 and cached >= skipped:
+            break
+        time.sleep(0.3)
+    assert skipped >= 64 and cached >= skipped and recomputed == 0, (skipped, cached, recomputed)
+
+
 @pytest.mark.parametrize("route", ["stage", "cpu"])
 def test_migrate_back_streams_without_gap_or_repeat(client, route):
     stream = client.completions.create(

@@ -236,6 +236,9 @@ def test_a_whole_request_goes_to_the_cpu_only_if_its_prompt_goes_through_there_i
     assert p.route(long_prompt, flooded(400.0)) == "gpu"  # 2 s
     assert p.route(REQ, flooded(400.0)) == "cpu"  # a 20-token prompt: 0.05 s
     assert p.counters["cpu_prefill_too_slow"] == 1
+    # the CPU pool likely caches its head (the router's guess): only the rest is computed there
+    cached_head = RequestView(num_prompt_tokens=800, num_output_tokens=0, max_tokens=40, cpu_cached_tokens=640)
+    assert p.route(cached_head, flooded(400.0)) == "cpu"  # 160 tokens: 0.4 s
     assert make_policy(name, {"cpu_prefill_max_s": 0}).route(long_prompt, flooded(400.0)) == "cpu"  # no limit
     assert make_policy(name, {"cpu_prefill_max_s": 3.0}).route(long_prompt, flooded(400.0)) == "cpu"
     for bad in (-1, "fast", None):

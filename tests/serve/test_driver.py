@@ -145,9 +145,10 @@ class FakePool:
         return self
 
     def remote(self, req: GenerateRequest, handoff: Handoff | None, export_after: int | None, ticket=None,
-               movable=False, mux=None):
+               movable=False, mux=None, export_skip=0):
         # a pool that does not check periods itself: it hands off after each one (the driver asks)
         self.calls.append((None if handoff is None else len(handoff.token_ids), export_after))
+        self.export_skips = getattr(self, "export_skips", []) + [export_skip]
         self.movable.append(movable)
         if movable and self.preempt_after is not None:
             export_after, self.preempt_after = self.preempt_after, None
@@ -199,7 +200,7 @@ class CheckingPool(FakePool):
     router: Router
     checks = 0
 
-    def remote(self, req, handoff, export_after, ticket=None, movable=False, mux=None):
+    def remote(self, req, handoff, export_after, ticket=None, movable=False, mux=None, export_skip=0):
         if ticket is None:
             return super().remote(req, handoff, export_after, mux=mux)
         self.calls.append((None if handoff is None else len(handoff.token_ids), export_after))
@@ -218,6 +219,7 @@ class CheckingPool(FakePool):
             if not last and period and here % period == 0:
                 nt = await self.router.advance(copy.deepcopy(t), HopEnd("handoff", 0.0, done, True, in_place=True))  # as over gRPC
                 self.checks += 1
+                self.answers = getattr(self, "answers", []) + [nt]
                 if nt.hop != t.hop:
                     yield [TicketUpdate(nt), Handoff(req.request_id, None, [], list(req.prompt_token_ids) +
                                                      [100 + i for i in range(done)], len(req.prompt_token_ids),
@@ -331,6 +333,49 @@ def test_colocated_decision_after_prefill_is_one_check_and_a_move_only_if_it_mov
     else:
         assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == [("gpu", 12)]
         assert pools["cpu_decode/0"].calls == []
+    assert settled(router)
+
+
+def test_a_move_decided_in_place_leaves_out_the_head_the_router_expects_cached_there():
+    """The router records which hop each prompt's head went to (PoolPrefixes): a second request
+    with the same 48-token head, moved to the CPU pool by the GPU engine's check, gets the head's
+    length in its answer (`kv_skip_tokens`: the export leaves those blocks' K/V out); the first,
+    whose head the CPU pool had never seen, gets 0; a request with another head gets 0."""
+    driver, router, pools = make("stage_offload", {"decode_period_tokens": 100}, colocated=True)
+    gpu = CheckingPool("GpuDecode", "gpu", "whole")
+    gpu.router = router
+    driver.hops["gpu_decode"] = pools["gpu_decode"] = gpu
+    router.policy.after_prefill = lambda req, load: "cpu"
+    head = list(range(500, 548))
+    for i, prompt in enumerate([head + [1] * 8, head + [2] * 8, list(range(900, 956))]):
+        req = GenerateRequest(f"r{i}", prompt, {"max_tokens": 6}, None, None)
+        tokens, errors, _ = asyncio.run(collect(driver, req))
+        assert tokens == [100 + i for i in range(6)] and not errors
+    assert [(a.hop, a.kv_skip_tokens) for a in gpu.answers] == [("cpu_decode/0", 0), ("cpu_decode/0", 48),
+                                                                ("cpu_decode/0", 0)]
+    assert settled(router)
+
+
+def test_a_hand_off_after_export_after_tokens_leaves_out_what_every_next_hop_caches():
+    """Hops that end with a hand-off after `export_after` tokens (a GPU prefill, a pinned route)
+    pass `export_skip`: the head every hop the sequence may go to next likely caches (0 while one
+    of them has not seen it)."""
+    driver, router, pools = make()  # GPU prefill on GpuPrefill, the decode placed after it
+    head = list(range(500, 548))
+
+    def run(i, prompt, route=None, migrate_back_after=None):
+        req = GenerateRequest(f"r{i}", prompt, {"max_tokens": 6}, route, migrate_back_after)
+        tokens, errors, _ = asyncio.run(collect(driver, req))
+        assert tokens == [100 + i for i in range(6)] and not errors
+
+    run(0, head + [1] * 8)  # gpu_prefill -> gpu_decode: the CPU pool has not seen the head
+    run(1, head + [2] * 8)  # both decode pools? only gpu_decode has it: nothing left out
+    run(2, head + [3] * 8, "stage", 3)  # pinned stage: its next hop is the CPU pool, which has not seen it
+    run(3, head + [4] * 8, "stage", 3)  # now it has: the prefill's hand-off leaves out the head;
+    # and its CPU period's hand-off back to gpu_decode too
+    run(4, head + [5] * 8)  # both decode pools have it now
+    assert pools["gpu_prefill"].export_skips == [0, 0, 0, 48, 48]
+    assert pools["cpu_decode/0"].export_skips == [48, 48]
     assert settled(router)
 
 
@@ -666,7 +711,7 @@ class QueuingCpuPool(FakePool):
         self.withdrawn: set[str] = set()
         self.waiting: dict[str, asyncio.Event] = {}
 
-    def remote(self, req, handoff, export_after, ticket=None, movable=False, mux=None):
+    def remote(self, req, handoff, export_after, ticket=None, movable=False, mux=None, export_skip=0):
         self.calls.append((None if handoff is None else len(handoff.token_ids), export_after))
         return FakeStream(self.muxed(self._queued(req, handoff, export_after), mux))
 
@@ -1094,3 +1139,29 @@ def test_a_new_request_not_taken_by_its_pool_is_routed_again_once(monkeypatch, c
     assert {s["pool"] for s in trace["segments"]} == {"gpu"} and len(cpu.calls) == 1  # (prefill, then decode)
     assert router._counters["moves_total|from=cpu,to=gpu,reason=stalled"] == 1
     assert settled(router)
+
+
+def test_a_request_goes_to_the_cpu_deployment_that_caches_its_head_unless_it_is_queued():
+    """Several CPU decode deployments (NUMA nodes): a request whose prompt's head went to one of
+    them goes there too (its prefix cache has it), busier or not, while nothing is queued there;
+    a queued one, or a head never seen, the least loaded."""
+    from keyacc_ray.serve.monitor import Snapshot
+
+    r = Router(["CpuNode0", "CpuNode1"], "gpu_only", monitor=_Unreachable())
+    snap = Snapshot(0.0, {"GpuPrefill": _view("GpuPrefill", "gpu", 8, 40), "GpuDecode": _view("GpuDecode", "gpu", 8, 40),
+                          "CpuNode0": _view("CpuNode0", "cpu", 32, 4000), "CpuNode1": _view("CpuNode1", "cpu", 32, 4000)})
+    r.snapshot, r.snapshot_age_s = snap, 0.0
+    head = list(range(300, 364))
+
+    def enter(rid, prompt):
+        return r._enter(Ticket.of(GenerateRequest(rid, prompt, {"max_tokens": 4}, None, None)), "cpu_decode", None)
+
+    r.inflight["cpu_decode/0"] = 3  # node 0 busier
+    first = enter("a", head + [1] * 5)
+    assert (first.hop, first.kv_skip_tokens) == ("cpu_decode/1", 0)  # never seen: the least loaded
+    r.inflight["cpu_decode/1"] += 5  # node 1 now the busier, not queued (32 slots)
+    again = enter("b", head + [2] * 9)
+    assert (again.hop, again.kv_skip_tokens) == ("cpu_decode/1", 64)  # its head is cached there
+    assert enter("c", list(range(700, 790))).hop == "cpu_decode/0"  # another prompt: the least loaded
+    snap.deployments["CpuNode1"].num_waiting = 2  # node 1 queued: the least loaded after all
+    assert enter("d", head + [3] * 9).hop == "cpu_decode/0"

@@ -32,3 +32,37 @@ def test_the_map_is_bounded():
     for i in range(20):
         pa.record(anchors([i] * 40, 4), f"r{i}")
     assert len(pa._where) == 10
+
+
+def test_pool_prefixes_predict_the_cached_head_per_hop_until_it_is_stale_or_forgotten():
+    from keyacc_ray.serve.prefix_affinity import PREFIX_BLOCK, PoolPrefixes
+
+    now = [0.0]
+    pp = PoolPrefixes(ttl_s=10.0, clock=lambda: now[0])
+    system = list(range(1000, 1000 + 5 * PREFIX_BLOCK))  # 80 tokens
+    a = system + [1] * 30
+    pp.record(anchors(a, PREFIX_BLOCK), "cpu_decode/0")
+    assert pp.cached_tokens(anchors(a, PREFIX_BLOCK), len(a), "cpu_decode/0") == (len(a) - 1) // 16 * 16
+    b = system + [2] * 30  # the same 80-token head: its anchor at 4 blocks is shared
+    assert pp.cached_tokens(anchors(b, PREFIX_BLOCK), len(b), "cpu_decode/0") == 4 * PREFIX_BLOCK
+    assert pp.cached_tokens(anchors(b, PREFIX_BLOCK), len(b), "gpu_decode") == 0  # not sent there
+    assert pp.cached_tokens(anchors([7] * 100, PREFIX_BLOCK), 100, "cpu_decode/0") == 0  # never seen
+    assert pp.cached_tokens((), 100, "cpu_decode/0") == 0
+    now[0] = 11.0  # older than the TTL: not trusted
+    assert pp.cached_tokens(anchors(a, PREFIX_BLOCK), len(a), "cpu_decode/0") == 0
+    pp.record(anchors(a, PREFIX_BLOCK), "cpu_decode/0")
+    pp.record(anchors(a, PREFIX_BLOCK), "gpu_decode")
+    pp.forget("cpu_decode/0")  # a replica there failed
+    assert pp.cached_tokens(anchors(a, PREFIX_BLOCK), len(a), "cpu_decode/0") == 0
+    assert pp.cached_tokens(anchors(a, PREFIX_BLOCK), len(a), "gpu_decode") > 0
+    small = PoolPrefixes(max_entries=3)
+    small.record(anchors(list(range(200)), PREFIX_BLOCK), "gpu_decode")
+    assert len(small._seen) == 3
+
+
+def test_anchors_stop_at_a_bounded_depth():
+    from keyacc_ray.serve.prefix_affinity import MAX_BLOCKS, anchor_depths
+
+    long = list(range(16 * (MAX_BLOCKS + 50)))
+    assert anchor_depths(len(long), 16)[0] == MAX_BLOCKS
+    assert anchors(long, 16)[0] == anchors(long[:16 * MAX_BLOCKS + 1], 16)[0]
