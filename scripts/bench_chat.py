@@ -16,6 +16,11 @@ Configurations:
   host     on_small's block pool with a host-memory tier under it that holds the whole working set
   host_disk on_small's block pool, a host tier of another quarter of the working set, and a disk
            tier (under --disk-dir) for the rest
+  stage    prefix caching on, ample budgets, every turn pinned `stage` (prefill on the GPU pool,
+           decode on the CPU pool, whose cache then holds the system prompt and the histories):
+           hand-offs leave out the head the CPU pool caches (kv_handoff_skip)
+  stage_full the same with kv_handoff_skip off: every hand-off carries all its K/V
+  (stage configurations also report the hand-offs' bytes and time, from /metrics)
 
     python scripts/bench_chat.py                       # 32 conversations, 4-8 turns, 1,500-token system prompt
     python scripts/bench_chat.py --conversations 8 --system-tokens 600 --configs off on
@@ -61,22 +66,46 @@ def block_bytes(model: Path) -> int:
     return c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2 * item * BLOCK
 
 
-def app_config(args, model: Path, caching: bool, kv_blocks: int, tiers: dict | None = None) -> dict:
+def app_config(args, model: Path, caching: bool, kv_blocks: int, tiers: dict | None = None,
+               stage: str | None = None) -> dict:
+    cpu_seqs = args.gpu_seqs if stage else 4
     return {
         "model": str(model), "max_model_len": args.max_model_len, "policy": "gpu_only",
+        "kv_handoff_skip": stage != "stage_full",
         "gpu": {"device": "auto", "max_num_seqs": args.gpu_seqs, "num_kv_blocks": kv_blocks, "num_threads": 1,
                 "num_cpus": 0.5, "cpu_affinity": [0], "enable_prefix_caching": caching,
                 "max_prefill_tokens": args.max_prefill_tokens, "max_waiting": 256, "max_queued_requests": 256,
                 **(tiers or {})},
-        "cpu": {"device": "cpu", "max_num_seqs": 4, "num_threads": 1, "num_cpus": 0.5, "cpu_affinity": [1],
-                "enable_prefix_caching": caching},
+        "cpu": {"device": "cpu", "max_num_seqs": cpu_seqs, "num_threads": 1, "num_cpus": 0.5, "cpu_affinity": [1],
+                "enable_prefix_caching": caching, "num_kv_blocks": kv_blocks if stage else None,
+                "max_waiting": 256, "max_queued_requests": 256},
     }
+
+
+HANDOFF_SERIES = {"handoff_bytes": "keyacc_handoff_bytes_total", "handoffs": "keyacc_handoffs_total",
+                  "handoff_seconds_sum": "keyacc_handoff_seconds_sum",
+                  "skipped_tokens": "keyacc_kv_handoff_skipped_tokens_total",
+                  "cached_tokens": "keyacc_kv_handoff_cached_tokens_total",
+                  "recomputed_tokens": "keyacc_kv_handoff_recomputed_tokens_total"}
+
+
+def handoff_figures(url: str) -> dict:
+    """The hand-off series of /metrics, summed over their labels."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    out = dict.fromkeys(HANDOFF_SERIES, 0.0)
+    for line in text.splitlines():
+        for k, name in HANDOFF_SERIES.items():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                out[k] += float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    configs = ["off", "on", "on_small", "host", "host_disk"]
-    ap.add_argument("--configs", nargs="+", default=configs, choices=configs)
+    configs = ["off", "on", "on_small", "host", "host_disk", "stage", "stage_full"]
+    ap.add_argument("--configs", nargs="+", default=configs[:5], choices=configs)
     ap.add_argument("--small-fraction", type=float, default=0.25,
                     help="on_small, host, host_disk: the block pool as a share of the working set")
     ap.add_argument("--disk-dir", default=None, help="the disk tier's directory (default: the temp dir)")
@@ -126,15 +155,27 @@ def main() -> None:
     results = {}
     try:
         for cfg_name in args.configs:
-            blocks = ample if cfg_name in ("off", "on") else small
-            serve.run(build_app(app_config(args, model, cfg_name != "off", blocks, tiers.get(cfg_name))),
+            stage = cfg_name if cfg_name.startswith("stage") else None
+            blocks = ample if cfg_name in ("off", "on") or stage else small
+            serve.run(build_app(app_config(args, model, cfg_name != "off", blocks, tiers.get(cfg_name), stage)),
                       name="keyacc", route_prefix="/")
+            route = "stage" if stage else None
             warm = ChatWorkload(2, 64, 1, 1, 16, 4, seed=args.seed + 1000)  # kernels and paths warmed, no shared head
-            asyncio.run(run_chat(url, name, warm))
+            asyncio.run(run_chat(url, name, warm, route=route))
             time.sleep(1.0)
-            turns, wall = asyncio.run(run_chat(url, name, wl))
+            before = handoff_figures(url) if stage else None
+            turns, wall = asyncio.run(run_chat(url, name, wl, route=route))
             res = summarize(turns, wall)
             res["kv_blocks"] = blocks
+            if stage:
+                time.sleep(3.0)  # the replicas' last load reports (their counters) reach the monitor
+                after = handoff_figures(url)
+                d = {k: after[k] - before[k] for k in after}
+                n = max(1.0, d["handoffs"])
+                res.update({"handoffs": int(d["handoffs"]), "handoff_mb_per_turn": round(d["handoff_bytes"] / n / 1e6, 3),
+                            "handoff_ms_mean": round(d["handoff_seconds_sum"] / n * 1e3, 2),
+                            "kv_skipped_tokens": int(d["skipped_tokens"]), "kv_cached_tokens": int(d["cached_tokens"]),
+                            "kv_recomputed_tokens": int(d["recomputed_tokens"])})
             results[cfg_name] = res
             print(json.dumps({cfg_name: res}), flush=True)
             errs = sorted({t.error for t in turns if not t.ok})[:3]
@@ -152,6 +193,9 @@ def main() -> None:
         r_off, r_on = results["off"], results["on"]
         out["followup_ttft_p50_speedup"] = round(r_off["ttft_followup_p50_s"] / r_on["ttft_followup_p50_s"], 2)
         out["throughput_ratio_on_vs_off"] = round(r_on["output_tokens_per_s"] / r_off["output_tokens_per_s"], 3)
+    if "stage" in results and "stage_full" in results and results["stage_full"].get("handoff_mb_per_turn"):
+        out["stage_handoff_bytes_ratio"] = round(results["stage"]["handoff_mb_per_turn"]
+                                                 / results["stage_full"]["handoff_mb_per_turn"], 3)
     for name in ("on_small", "host", "host_disk"):
         if "on" in results and name in results and results["on"]["hit_rate"]:
             out[f"{name}_hit_rate_vs_ample"] = round(results[name]["hit_rate"] / results["on"]["hit_rate"], 3)

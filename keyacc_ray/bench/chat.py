@@ -58,9 +58,12 @@ class Turn:
     error: str = ""
 
 
-async def _turn(client: aiohttp.ClientSession, model: str, prompt: list[int], n: int, turn: Turn) -> Turn:
+async def _turn(client: aiohttp.ClientSession, model: str, prompt: list[int], n: int, turn: Turn,
+                route: str | None = None) -> Turn:
     body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
             "ignore_eos": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+    if route:
+        body["keyacc"] = {"route": route}
     t0 = time.perf_counter()
     try:
         async with client.post("v1/completions", json=body) as r:
@@ -88,8 +91,10 @@ async def _turn(client: aiohttp.ClientSession, model: str, prompt: list[int], n:
     return turn
 
 
-async def run_chat(url: str, model: str, wl: ChatWorkload, timeout_s: float = 600) -> tuple[list[Turn], float]:
-    """Every conversation to its end, all at once; the turns and the wall time."""
+async def run_chat(url: str, model: str, wl: ChatWorkload, timeout_s: float = 600,
+                   route: str | None = None) -> tuple[list[Turn], float]:
+    """Every conversation to its end, all at once; the turns and the wall time (`route`: every
+    turn pinned there, the `keyacc` extension)."""
     system, convs = wl.plan()
     turns: list[Turn] = []
     async with aiohttp.ClientSession(base_url=url.rstrip("/") + "/",
@@ -99,7 +104,7 @@ async def run_chat(url: str, model: str, wl: ChatWorkload, timeout_s: float = 60
             history = list(system)
             for i, user in enumerate(messages):
                 history += user
-                t = await _turn(client, model, list(history), wl.output_tokens, Turn(c, i, len(history)))
+                t = await _turn(client, model, list(history), wl.output_tokens, Turn(c, i, len(history)), route)
                 turns.append(t)
                 if not t.ok:
                     return  # the conversation cannot go on without its reply

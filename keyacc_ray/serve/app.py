@@ -171,6 +171,10 @@ class AppConfig:
     # the prefilled KV to GpuDecode through the object store (vLLM's disaggregated prefill).
     gpu_prefill: str = "colocated"
     allow_route_pinning: bool | str = True  # True, False, or "operators" (operator keys only)
+    # A hand-off leaves out the K/V of the head its next pool likely caches (the router's guess from
+    # where it sent each prompt; a pool that lacks it after all computes it again). False: every
+    # hand-off carries all its K/V (the next pool still shares what it caches).
+    kv_handoff_skip: bool = True
     max_body_bytes: int = 1 << 20
     gpu: PoolConfig = field(default_factory=lambda: PoolConfig(device="auto", max_num_seqs=8, num_kv_blocks=48))
     cpu: PoolConfig = field(default_factory=PoolConfig)
@@ -219,6 +223,8 @@ class AppConfig:
 
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ConfigError(f"tool_call_parser must be one of {sorted(PARSERS)} or null, got {self.tool_call_parser!r}")
+        if not isinstance(self.kv_handoff_skip, bool):
+            raise ConfigError(f"kv_handoff_skip must be true or false, got {self.kv_handoff_skip!r}")
         if not isinstance(self.stream_mux, bool):
             raise ConfigError(f"stream_mux must be true or false, got {self.stream_mux!r}")
         if isinstance(self.ingress_replicas, bool) or not isinstance(self.ingress_replicas, int) or not (
@@ -370,7 +376,8 @@ def build_app(args: dict | None = None):
         max_ongoing_requests=4096, **logs("internal"),
         ray_actor_options={"num_cpus": cfg.router_num_cpus, "resources": dict(cfg.control_resources), **env},
         user_config={"policy": cfg.policy, "policy_options": cfg.policy_options},
-    ).bind(cpu_deployments=cpu_names, allow_route_pinning=cfg.allow_route_pinning, colocated_gpu=colocated)
+    ).bind(cpu_deployments=cpu_names, allow_route_pinning=cfg.allow_route_pinning, colocated_gpu=colocated,
+           kv_handoff_skip=cfg.kv_handoff_skip)
     cpu_list = cpu_decode if isinstance(cpu_decode, list) else [cpu_decode]
     pools = dict(zip(hop_keys(len(cpu_list)), [gpu_prefill, gpu_decode, *cpu_list]))
     if colocated:  # the ingress's drivers never call it (their fallback starts on GpuDecode)

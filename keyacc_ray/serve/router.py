@@ -73,12 +73,13 @@ def hop_keys(num_cpu_deployments: int) -> list[str]:
 class Router:
     def __init__(self, cpu_deployments: list[str] | None = None, policy: str = "gpu_only",
                  policy_options: dict | None = None, allow_route_pinning: bool = True, monitor=None,
-                 colocated_gpu: bool = False, clock=None):
+                 colocated_gpu: bool = False, clock=None, kv_handoff_skip: bool = True):
         """cpu_deployments: the CPU decode deployments' names (one per NUMA node where there are
         several): each is separate capacity and the router balances across them. colocated_gpu:
         one GPU engine (GpuDecode) serves both phases of a GPU request, prefill included, and
         GpuPrefill gets nothing (README "One copy of the weights per GPU"). clock: the request
-        path's and the policy's time (time.monotonic; the simulator's own time in keyacc_ray.sim)."""
+        path's and the policy's time (time.monotonic; the simulator's own time in keyacc_ray.sim).
+        kv_handoff_skip: hand-offs leave out the head their next pool likely caches."""
         self.clock = clock or time.monotonic
         self.colocated = colocated_gpu
         cpu_names = cpu_deployments or ["CpuDecode"]
@@ -97,6 +98,7 @@ class Router:
         self._policy_counted: dict[str, int] = {}
         self.output_lengths = OutputLengths()  # what requests really generate: their KV estimate
         self.prefixes = PoolPrefixes(clock=self.clock)  # which hops likely cache a prompt's head
+        self.kv_handoff_skip = kv_handoff_skip
         self._cpu_loads: list[PoolLoad] = [PoolLoad() for _ in self.cpu_keys]
         self.snapshot = None
         self.snapshot_age_s = float("inf")
@@ -296,10 +298,10 @@ class Router:
         # the heads the next hops likely cache, for the hand-off to leave out (router guesses): a move
         # to this hop decided by a pool's check in place; the hand-off after `export_after` tokens,
         # where every hop it may go to caches it
-        cached = self.prefixes.cached_tokens
-        t.kv_skip_tokens = cached(t.prefix_keys, t.num_prompt_tokens, hop)
+        cached, skip = self.prefixes.cached_tokens, self.kv_handoff_skip and t.prefix_keys
+        t.kv_skip_tokens = cached(t.prefix_keys, t.num_prompt_tokens, hop) if skip else 0
         t.export_skip_tokens = min((cached(t.prefix_keys, t.num_prompt_tokens, h) for h in self._after(t, hop)),
-                                   default=0) if export_after and t.prefix_keys else 0
+                                   default=0) if skip and export_after else 0
         self.prefixes.record(t.prefix_keys, hop)  # computed or imported there, its prompt stays cached
         tokens = self._view(t, 0).total_tokens
         self._active[t.request_id] = (hop, self.clock(), tokens)
