@@ -302,7 +302,6 @@ class Router:
         t.kv_skip_tokens = cached(t.prefix_keys, t.num_prompt_tokens, hop) if skip else 0
         t.export_skip_tokens = min((cached(t.prefix_keys, t.num_prompt_tokens, h) for h in self._after(t, hop)),
                                    default=0) if skip and export_after else 0
-        self.prefixes.record(t.prefix_keys, hop)  # computed or imported there, its prompt stays cached
         tokens = self._view(t, 0).total_tokens
         self._active[t.request_id] = (hop, self.clock(), tokens)
         self.inflight[hop] += 1
@@ -316,6 +315,15 @@ class Router:
         if hop.startswith("cpu_decode"):
             return ["gpu_decode"]
         return self.cpu_keys if t.pinned_route == "stage" else ["gpu_decode", *self.cpu_keys]
+
+    def _ran(self, t: Ticket, end: HopEnd) -> None:
+        """The hop reports the request ran there (it handed the sequence off after tokens made
+        there, checks in while decoding there, or finished there by itself): its prompt was
+        computed or imported there and stays cached. (Not when it entered: a hand-off on its way
+        there, or waiting in the queue, holds nothing there yet, and one of a burst that leaves
+        out a head another is still bringing would find it missing.)"""
+        if t.hop and t.prefix_keys and (end.outcome == "handoff" or end.in_place or end.finished):
+            self.prefixes.record(t.prefix_keys, t.hop)
 
     def _leave(self, t: Ticket, end: HopEnd) -> None:
         """The request left its hop: no longer in flight there (if this replica counted it)."""
@@ -435,6 +443,7 @@ class Router:
         return t
 
     async def _advance(self, t: Ticket, end: HopEnd) -> Ticket:
+        self._ran(t, end)
         self._leave(t, end)
         kind = t.hop.split("/")[0]
         # After a colocated GPU engine's prefill the decision is its pool's check, in place (or, pinned
@@ -535,6 +544,7 @@ class Router:
         for held in [h for h in self._held if h.ticket.request_id == t.request_id]:
             held.admitted.cancel()
             self._held.remove(held)
+        self._ran(t, end)
         self._leave(t, end)
         now = self.clock()
         self._finished[t.request_id] = now

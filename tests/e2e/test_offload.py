@@ -85,6 +85,44 @@ def test_burst_offloads_by_policy_and_outputs_match(app_url, policy, name, expec
     assert kv_directory_puts() - puts == sum(s.get("kv") == "received" for s in segs)
 
 
+def _replica_counter(app_url: str, name: str, deployment: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{app_url}/metrics", timeout=10).text.splitlines()
+               if line.startswith(name + "{") and f'deployment="{deployment}"' in line)
+
+
+def test_policy_moves_of_requests_with_a_shared_head_leave_it_out_of_their_hand_offs(app_url, policy):
+    """A burst of requests with one 100-odd-token head under stage_offload: decodes the policy
+    moves to the CPU pool (decided by the GPU engine's check in place) and back (the CPU pool's
+    check after a period) leave out the head the router saw go there before; the CPU pool finds
+    it cached, never computes anything again, and every output equals generate()."""
+    policy("stage_offload", FAST)
+    head = f"[shared head {time.monotonic_ns()}] " + " ".join(PROMPTS[:7]) + " "
+    series = [("keyacc_kv_handoff_skipped_tokens_total", "GpuDecode"),
+              ("keyacc_kv_handoff_skipped_tokens_total", "CpuDecode"),
+              ("keyacc_kv_handoff_recomputed_tokens_total", "CpuDecode")]
+    before = [_replica_counter(app_url, *x) for x in series]
+    jobs = [head + PROMPTS[i % len(PROMPTS)] for i in range(12)]
+
+    def one(prompt):
+        return prompt, httpx.post(f"{app_url}/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+
+    with cf.ThreadPoolExecutor(12) as ex:
+        results = list(ex.map(one, jobs)) + list(ex.map(one, jobs))
+    traces = check(results, 60)
+    assert any(s["pool"] == "cpu" and s["phase"] == "decode" for t in traces for s in t["segments"])
+    deadline = time.monotonic() + 20  # the replicas' load reports reach /metrics within a second or two
+    while time.monotonic() < deadline:
+        gpu_skipped, cpu_skipped, cpu_recomputed = (a - b for a, b in zip(
+            [_replica_counter(app_url, *x) for x in series], before))
+        if gpu_skipped > 0:
+            break
+        time.sleep(0.3)
+    assert gpu_skipped > 0 and cpu_recomputed == 0, (gpu_skipped, cpu_skipped, cpu_recomputed)
+    assert router_inflight_settles() and kv_directory_size() == 0
+
+
 def test_full_offload_burst_puts_at_most_one_waiting_batch_on_the_gpu(app_url, policy):
     """16 requests at once, a trigger window too long to matter: only the flood rule can send
     work to the CPU. The GPU's KV budget holds 4 of these requests; at most one more batch may

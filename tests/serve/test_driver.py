@@ -1159,7 +1159,9 @@ def test_a_request_goes_to_the_cpu_deployment_that_caches_its_head_unless_it_is_
     r.inflight["cpu_decode/0"] = 3  # node 0 busier
     first = enter("a", head + [1] * 5)
     assert (first.hop, first.kv_skip_tokens) == ("cpu_decode/1", 0)  # never seen: the least loaded
-    r.inflight["cpu_decode/1"] += 5  # node 1 now the busier, not queued (32 slots)
+    assert enter("a2", head + [4] * 9).kv_skip_tokens == 0  # (sent there, not yet run there: not cached yet)
+    asyncio.run(r.finish(first, HopEnd("done", 0.0, 4, finished=True)))  # ran there
+    r.inflight["cpu_decode/1"] += 6  # node 1 now the busier, not queued (32 slots)
     again = enter("b", head + [2] * 9)
     assert (again.hop, again.kv_skip_tokens) == ("cpu_decode/1", 64)  # its head is cached there
     assert enter("c", list(range(700, 790))).hop == "cpu_decode/0"  # another prompt: the least loaded
