@@ -132,7 +132,8 @@ class LLMEngine:
         self.histograms = {name: Histogram(b) for name, (b, _) in ENGINE_HISTOGRAMS.items()}
         # Lazy KV: sequences that leave (exported, KV and all) when preempted instead of being
         # recomputed here; their packages wait in preempt_exports for the driver of the engine.
-        self.move_on_preempt: set[str] = set()
+        # (request id -> the head its next engine likely caches: the export leaves its K/V out)
+        self.move_on_preempt: dict[str, int] = {}
         self.preempt_exports: list[KVPackage] = []
         self._prompt_scores: dict[str, list] = {}  # prompt logprobs waiting for the first token's output
         # asynchronous scheduling: where decode steps run over the static buffers (decode_graphs)
@@ -259,7 +260,8 @@ class LLMEngine:
         for s in sched.preempted:
             if s.request_id in self.move_on_preempt:  # leaves with its KV (its blocks are intact this step)
                 self.preempt_exports.append(self.export_request(s.request_id,
-                                                                blocks=sched.preempted_tables[s.request_id]))
+                                                                blocks=sched.preempted_tables[s.request_id],
+                                                                skip_tokens=self.move_on_preempt[s.request_id]))
                 continue
             s.num_cached = 0  # its KV is gone: readmitted, it prefills again
         now = time.monotonic()
@@ -555,7 +557,7 @@ class LLMEngine:
             self.histograms["vllm:request_inference_time_seconds"].observe(now - seq.scheduled_at)
             if seq.first_token_at is not None:
                 self.histograms["vllm:request_decode_time_seconds"].observe(now - seq.first_token_at)
-        self.move_on_preempt.discard(seq.request_id)
+        self.move_on_preempt.pop(seq.request_id, None)
         self.scheduler.finish(seq, status)
         self.seqs.pop(seq.request_id, None)
         self.sampler.remove(seq.request_id)

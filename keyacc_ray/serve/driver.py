@@ -171,7 +171,7 @@ class RequestDriver:
             try:
                 if t.move_on_preempt:
                     in_periods["movable"] = True
-                if t.export_skip_tokens and t.export_after and "ticket" not in in_periods:
+                if t.export_skip_tokens and (t.export_after or t.move_on_preempt):
                     in_periods["export_skip"] = t.export_skip_tokens  # (its hand-off's next hops cache that head)
                 if self.mux is not None:  # its tokens may come on the replica's multiplexed stream
                     hop = self.mux.open(t.hop)

@@ -47,7 +47,7 @@ class _Stream:
     check_every: int | None = None
     produced: int = 0
     movable: bool = False  # preempted (lazy KV), the sequence leaves with its KV instead of waiting here
-    export_skip: int = 0  # the export after `export_after` tokens leaves this head's K/V out (export_request)
+    export_skip: int = 0  # its export after `export_after` tokens, or when preempted, leaves this head's K/V out
     # takes each TokenChunk on the event loop, straight from the engine thread's hand-over (a
     # multiplexed token stream, serve/mux.py); False: it did not, the chunk goes to the queue
     sink: Callable[[TokenChunk], bool] | None = None
@@ -92,7 +92,8 @@ class AsyncEngine:
         """Yields lists of TokenChunk / ErrorItem / Checkpoint / hand-off objects until the sequence
         ends. `movable`: if the engine preempts it, it is handed off (KV and all) instead.
         `sink`: takes the token chunks instead (those it refuses come here as before).
-        `export_skip`: the hand-off after `export_after` tokens leaves this head's K/V out."""
+        `export_skip`: the hand-off after `export_after` tokens, or a movable one's when preempted,
+        leaves this head's K/V out."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), export_after, check_every, movable=movable,
                          sink=sink, export_skip=export_skip)
         self._inbox.put(("add", request_id, prompt_ids, params, package, stream))
@@ -256,7 +257,7 @@ class AsyncEngine:
                 continue
             self._streams[rid] = stream
             if stream.movable:
-                self.engine.move_on_preempt.add(rid)
+                self.engine.move_on_preempt[rid] = stream.export_skip
 
     def _hand_off_preempted(self) -> None:
         """Sequences the engine preempted and exported (movable ones): their streams end with the

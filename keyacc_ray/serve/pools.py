@@ -132,7 +132,8 @@ class EnginePool:
         with a hand-off (KV and all) instead of waiting to be recomputed. `mux`: (ingress replica,
         key): if that ingress replica's token stream from here is open, the tokens go on it
         (serve/mux.py) and this call carries the rest. `export_skip`: the hand-off after
-        `export_after` tokens leaves this head's K/V out (every hop it may go to caches it)."""
+        `export_after` tokens, or a movable one's when preempted, leaves this head's K/V out (every
+        hop it may go to caches it)."""
         sender = hop_sender(self._muxes, mux)
         async for items in mux_hop(self._hop(req, handoff, export_after, ticket, movable, sender, export_skip),
                                    sender):
@@ -177,11 +178,12 @@ class EnginePool:
                                                   sink=sender.token if sender else None, export_skip=export_skip):
                 yield items
             return
-        async for items in self._periods(rid, req, params, package, export_after, ticket, movable, sender):
+        async for items in self._periods(rid, req, params, package, export_after, ticket, movable, sender,
+                                         export_skip):
             yield items
 
     async def _periods(self, rid, req, params, package, period: int, ticket: Ticket, movable: bool = False,
-                       sender: HopSender | None = None):
+                       sender: HopSender | None = None, export_skip: int = 0):
         """Decode in periods: after every `period` tokens the router decides (in a task: the
         sequence keeps decoding meanwhile); its ticket goes to the driver, and if it names another
         hop the sequence is exported at the next step and the stream ends with the hand-off."""
@@ -202,7 +204,7 @@ class EnginePool:
                     return token(chunk)
             async for items in self.loop.generate(rid, prompt_ids=req.prompt_token_ids, params=params,
                                                   package=package, check_every=period, movable=movable,
-                                                  sink=sink):
+                                                  sink=sink, export_skip=export_skip):
                 self._unstarted.pop(rid, None)
                 out = []
                 for it in items:

@@ -301,7 +301,7 @@ class Router:
         cached, skip = self.prefixes.cached_tokens, self.kv_handoff_skip and t.prefix_keys
         t.kv_skip_tokens = cached(t.prefix_keys, t.num_prompt_tokens, hop) if skip else 0
         t.export_skip_tokens = min((cached(t.prefix_keys, t.num_prompt_tokens, h) for h in self._after(t, hop)),
-                                   default=0) if skip and export_after else 0
+                                   default=0) if skip and (export_after or t.move_on_preempt) else 0
         tokens = self._view(t, 0).total_tokens
         self._active[t.request_id] = (hop, self.clock(), tokens)
         self.inflight[hop] += 1
@@ -309,12 +309,15 @@ class Router:
         return t
 
     def _after(self, t: Ticket, hop: str) -> list[str]:
-        """The hops a sequence may go to when `hop` hands it off after its `export_after` tokens
-        (`_next_hop`): from a CPU pool, the GPU decode pool; from the GPU, a CPU pool (pinned
+        """The hops a sequence may go to when `hop` hands it off after its `export_after` tokens,
+        or preempted there (`_next_hop`): from a CPU pool, the GPU decode pool; from the GPU decode
+        pool, a CPU pool (preempted, or pinned `stage`); from a GPU prefill, a CPU pool (pinned
         `stage`) or, as the policy places the decode, either pool."""
         if hop.startswith("cpu_decode"):
             return ["gpu_decode"]
-        return self.cpu_keys if t.pinned_route == "stage" else ["gpu_decode", *self.cpu_keys]
+        if hop == "gpu_decode" or t.pinned_route == "stage":
+            return self.cpu_keys
+        return ["gpu_decode", *self.cpu_keys]
 
     def _ran(self, t: Ticket, end: HopEnd) -> None:
         """The hop reports the request ran there (it handed the sequence off after tokens made

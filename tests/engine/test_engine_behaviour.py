@@ -218,18 +218,22 @@ def test_lazy_kv_runs_more_at_once_and_preempts_without_changing_tokens(qwen3_pa
         assert outs[f"r{i}"] == hf_greedy(qwen3_path, p, max_tokens), i
 
 
-def test_a_movable_sequence_leaves_with_its_kv_when_preempted(qwen3_path):
+@pytest.mark.parametrize("skip", [0, 16])
+def test_a_movable_sequence_leaves_with_its_kv_when_preempted(qwen3_path, skip):
     """Lazy KV, `move_on_preempt`: instead of being recomputed, a preempted sequence is exported
-    with its KV (into `preempt_exports`) and continues on another engine with generate()'s tokens."""
+    with its KV (into `preempt_exports`) and continues on another engine with generate()'s tokens.
+    With a skip (the head the next engine likely caches), the package leaves that head out."""
     block, max_tokens = 8, 20
     a = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=8, kv_block_size=block, num_kv_blocks=12))
     b = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=8))
     prompts = [p for p in (a.tokenize(x)[:28] for x in PROMPTS) if len(p) > 20][:3]
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    if skip:  # b has seen these prompts
+        b.generate(prompts, SamplingParams(max_tokens=1, temperature=0))
     outs = {}
     for i, p in enumerate(prompts):
         a.add_request(f"r{i}", p, params)
-        a.move_on_preempt.add(f"r{i}")
+        a.move_on_preempt[f"r{i}"] = skip
     moved = []
     while a.has_unfinished() or b.has_unfinished():
         for eng in (a, b):
@@ -237,11 +241,13 @@ def test_a_movable_sequence_leaves_with_its_kv_when_preempted(qwen3_path):
                 outs.setdefault(o.request_id, []).extend(o.new_token_ids)
         for pkg in a.preempt_exports:
             assert pkg.meta.num_kv_tokens == len(pkg.token_ids) - 1 > 0  # its KV came along
+            assert pkg.meta.kv_start == skip
             moved.append(pkg.request_id)
             b.import_request(pkg)
         a.preempt_exports.clear()
     assert moved and a.scheduler.num_preemptions == len(moved) and not a.move_on_preempt
     assert a.blocks.num_free_blocks == 12
+    assert b.stats().kv_import_recomputed_tokens == 0 and (b.stats().kv_import_cached_tokens >= skip * len(moved))
     for i, p in enumerate(prompts):
         assert outs[f"r{i}"] == hf_greedy(qwen3_path, p, max_tokens), i
 

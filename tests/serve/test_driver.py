@@ -379,6 +379,19 @@ def test_a_hand_off_after_export_after_tokens_leaves_out_what_every_next_hop_cac
     assert settled(router)
 
 
+def test_a_gpu_decode_that_may_be_preempted_to_the_cpu_pool_leaves_out_what_it_caches():
+    """Under an offload policy a GPU decode preempted for lack of KV moves to a CPU pool with its
+    KV (`movable`): its call carries the head the CPU pools cache, for that export to leave out."""
+    driver, router, pools = make("stage_offload", {"decode_period_tokens": 100})
+    head = list(range(500, 548))
+    for i, route in enumerate([None, "cpu", None]):  # the CPU pool runs the head in the second
+        req = GenerateRequest(f"r{i}", head + [i] * 8, {"max_tokens": 6}, route, None)
+        tokens, errors, _ = asyncio.run(collect(driver, req))
+        assert tokens == [100 + i for i in range(6)] and not errors
+    assert pools["gpu_decode"].export_skips == [0, 48]
+    assert settled(router)
+
+
 def test_colocated_without_a_router_starts_on_the_gpu_engine():
     from keyacc_ray.serve.driver import fallback
 

@@ -37,7 +37,7 @@ class FakeEngine:
         self.lock = threading.Lock()
         self.idle_checks = 0
         self.aborted: list[str] = []
-        self.move_on_preempt: set[str] = set()  # LLMEngine's lazy-KV hand-off interface (unused here)
+        self.move_on_preempt: dict[str, int] = {}  # LLMEngine's lazy-KV hand-off interface (unused here)
         self.preempt_exports: list = []
 
     def add_request(self, rid, prompt_ids, params):
