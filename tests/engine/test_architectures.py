@@ -66,3 +66,27 @@ def test_package_from_a_different_model_shape_is_refused(tmp_path, qwen3_path):
     other = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=2))
     with pytest.raises(Exception, match="k_dim, v_dim"):
         other.import_request(pkg)
+
+
+@pytest.mark.parametrize("cls,kw,dims", ARCHS, ids=[a[0] for a in ARCHS])
+def test_other_architectures_hand_off_over_the_receivers_cached_head(tmp_path, cls, kw, dims):
+    """A hand-off that leaves out the head its receiver caches (KVMeta.kv_start) lands on that
+    head: MLA latents, sliding windows and soft-capped eager attention decode on like generate()."""
+    path = _random_model(tmp_path, cls, **kw)
+    cfg = dict(max_num_seqs=4, dtype="float32", max_model_len=256, kv_block_size=8)
+    a, b = LLMEngine(EngineConfig(model=path, **cfg)), LLMEngine(EngineConfig(model=path, **cfg))
+    head = list(range(40, 80))
+    b.generate([head + [3, 4]], SamplingParams(max_tokens=2, temperature=0))  # b caches the head
+    prompt = head + [9, 8, 7, 6, 5]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    a.add_request("h", prompt, params)
+    got = []
+    while len(got) < 3:
+        got += [t for o in a.step() for t in o.new_token_ids]
+    pkg = a.export_request("h", skip_tokens=len(head))
+    assert pkg.meta.kv_start == len(head)
+    b.import_request(pkg)
+    while b.has_unfinished():
+        got += [t for o in b.step() for t in o.new_token_ids]
+    assert got == hf_greedy(path, prompt, 10)
+    assert b.stats().kv_import_cached_tokens == len(head) and b.stats().kv_import_recomputed_tokens == 0
