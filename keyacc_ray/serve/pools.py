@@ -108,7 +108,9 @@ class EnginePool:
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         self._calls = 0
         self._held: collections.deque = collections.deque()
-        self._kv_dir = None  # the KV directory actor's handle, made on first use
+        self._kv_dir = None  # the KV directory actor's handle
+        if ray.is_initialized():  # made now (a process to start: ~1 s), not in the first hand-off's path
+            self._directory()
         self._router_handle = None  # the Router deployment's handle, for period checks, made on first use
         self._unstarted: dict[str, tuple[Ticket, float]] = {}  # engine id -> (ticket, since): queued, no token yet
         self._recaller: asyncio.Task | None = None

@@ -151,7 +151,7 @@ def kv_directory_puts() -> int:
 
     try:
         directory = ray.get_actor(NAME, namespace=MONITOR_NAMESPACE)
-    except ValueError:  # no hand-off yet: the pools make it on first use
+    except ValueError:  # (the pools make it when they start)
         return 0
     return ray.get(directory.num_puts.remote(), timeout=10)
 
