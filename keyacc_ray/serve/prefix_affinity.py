@@ -45,12 +45,13 @@ def anchors(token_ids: list[int], block_size: int) -> list[bytes]:
 
 class PoolPrefixes:
     """Which pools (the router's hops) likely cache a prompt's head, predicted, as PrefixAffinity
-    does between one pool's replicas, from where the router sent prompts: every hop a request
-    enters computes or imports its prompt and keeps its blocks cached. An entry older than
-    `ttl_s` is not trusted (a cache evicts under load); a hop whose replica failed is forgotten.
+    does between one pool's replicas, from where prompts ran: every hop a request ran on computed
+    or imported its prompt and keeps its blocks cached (Router._ran). An entry older than `ttl_s`
+    is not trusted (a cache evicts under load); a hop whose replica failed, stalled or left the
+    monitor's view is forgotten. About 400 bytes a key: 32,768 keys are some 13 MB.
     Keys: `anchors(prompt, PREFIX_BLOCK)`, carried by the request's Ticket."""
 
-    def __init__(self, ttl_s: float = PREFIX_TTL_S, max_entries: int = 100_000, clock=time.monotonic):
+    def __init__(self, ttl_s: float = PREFIX_TTL_S, max_entries: int = 32_768, clock=time.monotonic):
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self.clock = clock

@@ -99,6 +99,7 @@ class Router:
         self.output_lengths = OutputLengths()  # what requests really generate: their KV estimate
         self.prefixes = PoolPrefixes(clock=self.clock)  # which hops likely cache a prompt's head
         self.kv_handoff_skip = kv_handoff_skip
+        self._replicas_seen: dict[str, set] = {}  # deployment -> its replicas in the last snapshot
         self._cpu_loads: list[PoolLoad] = [PoolLoad() for _ in self.cpu_keys]
         self.snapshot = None
         self.snapshot_age_s = float("inf")
@@ -176,8 +177,20 @@ class Router:
         if snap is not None:
             self.snapshot = snap
             self._pending_blocks = {h: 0 for h in self.deployment_of}
+            self._forget_gone_replicas(snap)
         self.policy.observe(self.load_view())
         self._collect_policy_counters()
+
+    def _forget_gone_replicas(self, snap) -> None:
+        """A replica gone from the snapshot (dead, or silent: its replacement caches nothing): what
+        its pool was guessed to cache is forgotten."""
+        now: dict[str, set] = {}
+        for r in snap.replicas or ():
+            now.setdefault(r.get("deployment"), set()).add(r.get("replica"))
+        for hop, dep in self.deployment_of.items():
+            if self._replicas_seen.get(dep, set()) - now.get(dep, set()):
+                self.prefixes.forget(hop)
+        self._replicas_seen = now
 
     def reconfigure(self, user_config: dict) -> None:
         """Serve user_config: switch the policy without restarting anything."""
@@ -468,6 +481,7 @@ class Router:
             # a stream under way that its pool did not take within the driver's bound (the replica
             # is dead and being replaced, or full): the other pool, once; pinned, the same pool again
             self._count(f"stalled_starts_total|hop={kind}")
+            self.prefixes.forget(t.hop)  # (its replica may be dead: a replacement caches nothing)
             again, t.stall_moved = t.stall_moved, True
             if not end.num_output_tokens and not end.has_handoff and t.pinned_route is None:
                 # a new request the CPU pool did not take within the (longer) bound for new ones

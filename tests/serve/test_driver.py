@@ -1180,3 +1180,23 @@ def test_a_request_goes_to_the_cpu_deployment_that_caches_its_head_unless_it_is_
     assert enter("c", list(range(700, 790))).hop == "cpu_decode/0"  # another prompt: the least loaded
     snap.deployments["CpuNode1"].num_waiting = 2  # node 1 queued: the least loaded after all
     assert enter("d", head + [3] * 9).hop == "cpu_decode/0"
+
+
+def test_a_pool_whose_replica_left_the_snapshot_is_not_guessed_to_cache_anything():
+    from keyacc_ray.serve.monitor import Snapshot
+
+    r = Router(["CpuDecode"], "gpu_only", monitor=_Unreachable())
+    t = Ticket.of(GenerateRequest("a", list(range(300, 364)) + [1] * 5, {"max_tokens": 4}, None, None))
+
+    def snap(replicas):
+        return Snapshot(0.0, {}, [{"deployment": d, "replica": x} for d, x in replicas])
+
+    r.take_snapshot(snap([("CpuDecode", "c1"), ("GpuDecode", "g1")]))
+    for hop in ("cpu_decode/0", "gpu_decode"):
+        t.hop = hop
+        r._ran(t, HopEnd("done", 0.0, 4, finished=True))
+    r.take_snapshot(snap([("CpuDecode", "c1"), ("CpuDecode", "c2"), ("GpuDecode", "g1")]))  # one more: kept
+    assert r.prefixes.cached_tokens(t.prefix_keys, t.num_prompt_tokens, "cpu_decode/0") == 64
+    r.take_snapshot(snap([("CpuDecode", "c3"), ("GpuDecode", "g1")]))  # c1 and c2 gone
+    assert r.prefixes.cached_tokens(t.prefix_keys, t.num_prompt_tokens, "cpu_decode/0") == 0
+    assert r.prefixes.cached_tokens(t.prefix_keys, t.num_prompt_tokens, "gpu_decode") == 64
