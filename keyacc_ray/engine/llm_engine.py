@@ -633,8 +633,7 @@ class LLMEngine:
         pkg, start = seq.imported, seq.kv_from
         with warnings.catch_warnings():  # object-store views are read-only; we only read them
             warnings.simplefilter("ignore", UserWarning)
-            k, v = to_engine_tensors(pkg, self.runner.dtype, self.runner.device, self._kv_dims(),
-                                     start=max(start, pkg.meta.kv_start))
+            k, v = to_engine_tensors(pkg, self.runner.dtype, self.runner.device, self._kv_dims(), start=start)
         self.runner.write_kv(self.blocks.table_ref(seq.request_id)[start // self.blocks.block_size:], k, v)
         seq.imported, seq.kv_from = None, 0
         if self.blocks.prefix_caching:

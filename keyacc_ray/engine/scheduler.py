@@ -131,7 +131,7 @@ class Scheduler:
                 break
             shared: list = []
             loads: list = []
-            imp, cached_before = seq.imported, seq.num_cached
+            imp, cached_before, recompute = seq.imported, seq.num_cached, False
             if imp is not None and (imp.meta.kv_start or (pending is not None and seq.share_prefix)):
                 # a hand-off with its KV: the head this engine caches is shared, its bytes in the
                 # package not copied (and a package may leave them out: kv_start); one that left out
@@ -139,7 +139,8 @@ class Scheduler:
                 if pending is not None and seq.share_prefix:
                     shared, loads = self._shared_prefix(seq, set(), cached_before // bs)
                 have = (len(shared) + len(loads)) * bs
-                if have < imp.meta.kv_start:
+                recompute = have < imp.meta.kv_start
+                if recompute:
                     seq.num_cached, decode = have, False
             elif pending is not None and seq.num_cached == 0 and seq.share_prefix:
                 got = self._shared_prefix(seq, pending)
@@ -157,12 +158,12 @@ class Scheduler:
                 break  # FCFS: the head waits for budget or blocks; nothing overtakes it
             if imp is not None:
                 have = (len(shared) + len(loads)) * bs
-                if seq.num_cached == cached_before:  # its package goes into the blocks past the shared head
-                    seq.kv_from = have
-                    self.import_cached_tokens += have
-                else:
+                if recompute:
                     seq.imported = None
                     self.import_recomputed_tokens += cached_before - have
+                else:  # its package goes into the blocks past the shared head
+                    seq.kv_from = have
+                    self.import_cached_tokens += have
             if loads:  # copied into its new blocks before the forward
                 self.lower.load(loads, tables[seq.request_id][len(shared):len(shared) + len(loads)])
             if pending is not None and seq.share_prefix and not decode:
