@@ -498,11 +498,7 @@ class Router:
                 return self._enter(t, t.hop, t.export_after)  # pinned: the same pool again, up to the longer bound
             if other == "cpu_decode" and t.pinned_route is None and self._cpu_gone():
                 # no live CPU decode replica (killed, its replacement starting: ~30 s here): the GPU
-                # pool, full but turning over, again, with the driver's bound again (not marked as
-                # moved): its queue is not first come first served, and a stream waiting there
-                # without a bound was starved past its client's timeout in the kill soak; asked
-                # again each time, it goes to the CPU pool once a replica lives there
-                t.stall_moved = again
+                # pool, full but turning over, again and without the bound (t.stall_moved)
                 self._count("moves_kept_total|reason=cpu_unavailable")
                 return self._enter(t, t.hop, None)
             # (a pinned stream not taken there twice: its pool is gone for now, a node removed or
