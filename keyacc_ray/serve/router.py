@@ -496,11 +496,6 @@ class Router:
             other = "gpu_decode" if kind == "cpu_decode" else "cpu_decode"
             if (t.pinned_route is not None or kind not in ("gpu_decode", "cpu_decode")) and not again:
                 return self._enter(t, t.hop, t.export_after)  # pinned: the same pool again, up to the longer bound
-            if other == "cpu_decode" and t.pinned_route is None and self._cpu_gone():
-                # no live CPU decode replica (killed, its replacement starting: ~30 s here): the GPU
-                # pool, full but turning over, again and without the bound (t.stall_moved)
-                self._count("moves_kept_total|reason=cpu_unavailable")
-                return self._enter(t, t.hop, None)
             # (a pinned stream not taken there twice: its pool is gone for now, a node removed or
             # replicas that cannot be placed; it goes on on the other pool too, not without end)
             src, dst = ("cpu", "gpu") if other == "gpu_decode" else ("gpu", "cpu")

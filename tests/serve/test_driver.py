@@ -1200,23 +1200,3 @@ def test_a_pool_whose_replica_left_the_snapshot_is_not_guessed_to_cache_anything
     r.take_snapshot(snap([("CpuDecode", "c3"), ("GpuDecode", "g1")]))  # c1 and c2 gone
     assert r.prefixes.cached_tokens(t.prefix_keys, t.num_prompt_tokens, "cpu_decode/0") == 0
     assert r.prefixes.cached_tokens(t.prefix_keys, t.num_prompt_tokens, "gpu_decode") == 64
-
-
-@pytest.mark.parametrize("cpu_alive", [True, False])
-def test_a_stream_the_full_gpu_pool_did_not_take_in_time_waits_there_while_no_cpu_replica_lives(cpu_alive):
-    """A stream under way that the GPU decode pool did not take within the driver's bound moves
-    to the CPU pool, unless the monitor shows no live CPU decode replica: there it would wait for
-    the replacement (30-67 s stream gaps in the kill soak), where the GPU pool, full at twice its
-    capacity, turns over within seconds; so it goes back to the GPU pool, without the bound."""
-    r = Router(["CpuDecode"], "full_offload", {}, monitor=_monitor_seeing_cpu(cpu_alive), colocated_gpu=True)
-
-    async def run():
-        await r.snapshot_dict()
-        t = await r.begin(Ticket("a", 64, 96))
-        t.prefill_check = False
-        t = await r.advance(t, HopEnd("stalled", 1.0, 20, True))
-        assert (t.hop, t.stall_moved) == ("cpu_decode/0" if cpu_alive else "gpu_decode", True)
-        assert r._counters.get("moves_kept_total|reason=cpu_unavailable", 0) == (0 if cpu_alive else 1)
-        await r.finish(t, HopEnd("done", 0.5, 96, finished=True))
-        assert settled(r)
-    asyncio.run(run())
