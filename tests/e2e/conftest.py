@@ -26,7 +26,15 @@ def start_app(args: dict, port: int):
     apply_cluster_env()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=bool(os.environ.get("KEYACC_TEST_LOGS")),
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    for attempt in range(3):
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            break
+        except Exception as e:  # noqa: BLE001 - the free port was taken before the proxy bound it
+            if "Address already in use" not in str(e) or attempt == 2:
+                raise
+            serve.shutdown()
+            port = free_port()
     serve.run(build_app(args), name="keyacc", route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
