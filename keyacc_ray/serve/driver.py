@@ -205,6 +205,8 @@ class RequestDriver:
                                 # last hop to this one's start (export, object store, import)
                                 trace.segments[-1]["kv_bytes"] = handoff.kv_bytes
                                 trace.segments[-1]["handoff_ms"] = round((time.monotonic() - handed_at) * 1e3, 2)
+                                if handoff.meta is not None and handoff.meta.kv_start:  # left out: cached there
+                                    trace.segments[-1]["kv_skipped_tokens"] = handoff.meta.kv_start
                             segment_started = True
                         elif isinstance(it, Handoff):
                             next_handoff = it

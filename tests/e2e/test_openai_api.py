@@ -406,13 +406,17 @@ def test_a_handoff_leaves_out_the_head_the_cpu_pool_caches(app_url, client):
         ("keyacc_kv_handoff_cached_tokens_total", "CpuDecode"), \
         ("keyacc_kv_handoff_recomputed_tokens_total", "CpuDecode")
     before = [_replica_counter(app_url, *n) for n in names]
+    left_out = []
     for q in ("first", "second"):
         prompt = f"{head} And the {q} question?"
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
                                       extra_body={"ignore_eos": True, "return_token_ids": True,
                                                   "keyacc": {"route": "stage"}})
         assert r.choices[0].token_ids == ref_ids(prompt, 12)
-        assert [s["pool"] for s in r.model_extra["keyacc"]["segments"]] == ["gpu", "cpu"]
+        segments = r.model_extra["keyacc"]["segments"]
+        assert [s["pool"] for s in segments] == ["gpu", "cpu"]
+        left_out.append(segments[1].get("kv_skipped_tokens", 0))  # the trace says what the hand-off left out
+    assert left_out[0] == 0 and left_out[1] >= 64, left_out
     deadline = time.monotonic() + 20  # the replicas' load reports reach /metrics within a second or two
     while time.monotonic() < deadline:
         skipped, cached, recomputed = (a - b for a, b in zip([_replica_counter(app_url, *n) for n in names], before))
