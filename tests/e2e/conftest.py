@@ -68,6 +68,12 @@ def wait_for_monitor(base: str, timeout_s: float = 120, headers: dict | None = N
     raise TimeoutError("pools did not report to the load monitor")
 
 
+def replica_counter(app_url: str, name: str, deployment: str) -> float:
+    """A per-replica series of /metrics, summed over the deployment's replicas."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{app_url}/metrics", timeout=10).text.splitlines()
+               if line.startswith(name + "{") and f'deployment="{deployment}"' in line)
+
+
 def stop_app():
     import ray
     from ray import serve

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from tests.conftest import tiny_model
+from tests.e2e.conftest import replica_counter
 from tests.helpers import PROMPTS, hf_greedy, hf_model
 
 MODEL = "tiny-qwen3"
@@ -85,11 +86,6 @@ def test_burst_offloads_by_policy_and_outputs_match(app_url, policy, name, expec
     assert kv_directory_puts() - puts == sum(s.get("kv") == "received" for s in segs)
 
 
-def _replica_counter(app_url: str, name: str, deployment: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{app_url}/metrics", timeout=10).text.splitlines()
-               if line.startswith(name + "{") and f'deployment="{deployment}"' in line)
-
-
 def test_policy_moves_of_requests_with_a_shared_head_leave_it_out_of_their_hand_offs(app_url, policy):
     """A burst of requests with one 100-odd-token head under stage_offload: decodes the policy
     moves to the CPU pool (decided by the GPU engine's check in place) and back (the CPU pool's
@@ -100,7 +96,7 @@ def test_policy_moves_of_requests_with_a_shared_head_leave_it_out_of_their_hand_
     series = [("keyacc_kv_handoff_skipped_tokens_total", "GpuDecode"),
               ("keyacc_kv_handoff_skipped_tokens_total", "CpuDecode"),
               ("keyacc_kv_handoff_recomputed_tokens_total", "CpuDecode")]
-    before = [_replica_counter(app_url, *x) for x in series]
+    before = [replica_counter(app_url, *x) for x in series]
     jobs = [head + PROMPTS[i % len(PROMPTS)] for i in range(12)]
 
     def one(prompt):
@@ -115,7 +111,7 @@ def test_policy_moves_of_requests_with_a_shared_head_leave_it_out_of_their_hand_
     deadline = time.monotonic() + 20  # the replicas' load reports reach /metrics within a second or two
     while time.monotonic() < deadline:
         gpu_skipped, cpu_skipped, cpu_recomputed = (a - b for a, b in zip(
-            [_replica_counter(app_url, *x) for x in series], before))
+            [replica_counter(app_url, *x) for x in series], before))
         if gpu_skipped > 0:
             break
         time.sleep(0.3)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model
+from tests.e2e.conftest import replica_counter
 from tests.helpers import PROMPTS, hf_greedy, hf_model
 
 MODEL = "tiny-qwen3"
@@ -391,11 +392,6 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache_with_the_same_tokens(
     assert hits and hits[0] >= 2 * ((n - 1) // 16 * 16), hits
 
 
-def _replica_counter(app_url: str, name: str, deployment: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{app_url}/metrics").text.splitlines()
-               if line.startswith(name + "{") and f'deployment="{deployment}"' in line)
-
-
 def test_a_handoff_leaves_out_the_head_the_cpu_pool_caches(app_url, client):
     """Two conversations with one head, each prefilled on the GPU engine and decoded on the CPU
     pool (`stage`): the second's hand-off leaves the head's K/V out (the router saw the first's
@@ -405,7 +401,7 @@ def test_a_handoff_leaves_out_the_head_the_cpu_pool_caches(app_url, client):
     names = ("keyacc_kv_handoff_skipped_tokens_total", "GpuDecode"), \
         ("keyacc_kv_handoff_cached_tokens_total", "CpuDecode"), \
         ("keyacc_kv_handoff_recomputed_tokens_total", "CpuDecode")
-    before = [_replica_counter(app_url, *n) for n in names]
+    before = [replica_counter(app_url, *n) for n in names]
     left_out = []
     for q in ("first", "second"):
         prompt = f"{head} And the {q} question?"
@@ -419,7 +415,7 @@ def test_a_handoff_leaves_out_the_head_the_cpu_pool_caches(app_url, client):
     assert left_out[0] == 0 and left_out[1] >= 64, left_out
     deadline = time.monotonic() + 20  # the replicas' load reports reach /metrics within a second or two
     while time.monotonic() < deadline:
-        skipped, cached, recomputed = (a - b for a, b in zip([_replica_counter(app_url, *n) for n in names], before))
+        skipped, cached, recomputed = (a - b for a, b in zip([replica_counter(app_url, *n) for n in names], before))
         if skipped > 0 and cached >= skipped:
             break
         time.sleep(0.3)
