@@ -55,7 +55,21 @@ def ray_processes_rss() -> dict[str, int]:
 HEADS = [" ".join(r.choice(WORDS) for _ in range(120)) for r in (random.Random(i) for i in range(6))]
 
 
+async def where(request_id: str) -> list[dict]:
+    """Where the router counts request `request_id` (its X-Request-Id) right now: hop and seconds."""
+    from ray import serve
+
+    from keyacc_ray.serve.pools import ROUTER_NAME
+
+    try:
+        rows = await serve.get_deployment_handle(ROUTER_NAME, "keyacc").requests_in_flight.remote(10_000)
+    except Exception as e:  # noqa: BLE001 - the router restarting: nothing to say
+        return [{"error": repr(e)[:80]}]
+    return [r for r in rows if r["request_id"].startswith(f"cmpl-{request_id}-")]
+
+
 async def good(client, rng, ref, stats, stream: bool, tiers: bool = False):
+    rid = f"soak-{stats['sent']}"
     prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 20)))
     if tiers and rng.random() < 0.8:
         prompt = rng.choice(HEADS) + " " + prompt
@@ -65,7 +79,7 @@ async def good(client, rng, ref, stats, stream: bool, tiers: bool = False):
     t0, ids = time.monotonic(), []
     try:
         if stream:
-            async with client.stream("POST", "/v1/completions", json=body) as r:
+            async with client.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": rid}) as r:
                 if r.status_code != 200:
                     return record_reject(stats, r.status_code, await r.aread())
                 last = None  # gaps between a stream's events, from its first (the wait for it is TTFT)
@@ -93,7 +107,7 @@ async def good(client, rng, ref, stats, stream: bool, tiers: bool = False):
                     stats["worst_gaps"].append((round(worst[0], 2), worst[1], segs))
                     stats["worst_gaps"] = sorted(stats["worst_gaps"], reverse=True)[:8]
         else:
-            r = await client.post("/v1/completions", json=body)
+            r = await client.post("/v1/completions", json=body, headers={"X-Request-Id": rid})
             if r.status_code != 200:
                 return record_reject(stats, r.status_code, r.content)
             body = r.json()
@@ -118,7 +132,8 @@ async def good(client, rng, ref, stats, stream: bool, tiers: bool = False):
         # (what the client had: a stream cut or stalled after some tokens, or a request never answered)
         stats["lost"] += 1
         stats["lost_examples"].append({"error": repr(e)[:80], "stream": stream, "tokens": len(ids), "max_tokens": n,
-                                       "after_s": round(time.monotonic() - t0, 1)})
+                                       "after_s": round(time.monotonic() - t0, 1), "request_id": rid,
+                                       "router_has_it": await where(rid)})
 
 
 def record_reject(stats, status, content):
@@ -293,7 +308,7 @@ def main() -> None:
             cfg[pool] = {**cfg.get(pool, {}), **extra}
     serve.run(build_app(cfg), name="keyacc", route_prefix="/")
     stats, mem = asyncio.run(main_async(args, f"http://127.0.0.1:{args.port}"))
-    stats["lost_examples"] = stats["lost_examples"][:5]
+    stats["lost_examples"] = stats["lost_examples"][:12]
     # first, middle and last samples: growth that stops by the middle is warm-up; growth that
     # continues through the second half is what a leak looks like
     growth = {k: {"first_mib": v[0] >> 20, "mid_mib": v[len(v) // 2] >> 20, "peak_mib": max(v) >> 20,

@@ -180,8 +180,13 @@ class RequestDriver:
                                                                                **in_periods)
                 bound = (HOP_START_BOUND_S if generated else
                          NEW_HOP_START_BOUND_S if t.hop.startswith("cpu_decode") else None)
-                if t.stall_moved:  # moved once: no bound, but a pinned request back on its own pool
-                    bound = NEW_HOP_START_BOUND_S if bound is not None and t.pinned_route is not None else None
+                if t.stall_moved:  # moved once: no bound on the GPU pools, whose Serve queue is bounded (a
+                    # full one is a clear 503); the longer one on the CPU pool, which may be a pool whose
+                    # replicas keep dying (alive between deaths to the monitor), where Serve's queue waits
+                    # for a replacement without end: requests waited there past their clients' timeouts
+                    # (the kill soak's lost requests); and a pinned request back on its own pool
+                    bound = (NEW_HOP_START_BOUND_S if bound is not None and
+                             (t.pinned_route is not None or t.hop.startswith("cpu_decode")) else None)
                 if bound is not None:
                     waiting["timer"] = asyncio.get_running_loop().call_later(bound, _stalled, stream, waiting)
                 async for items in (stream if hop is None else hop.attach(stream)):

@@ -294,7 +294,8 @@ class Ingress:
             p = protocol.parse(data, kind, tokenizer=self.tokenizer, served_names={self.model_name},
                                max_model_len=self.max_model_len, allow_pinning=self._may_pin(request),
                                vocab_size=self.vocab_size, defaults=self.sampling_defaults,
-                               tool_parser=self.tool_call_parser)
+                               tool_parser=self.tool_call_parser,
+                               request_id=protocol.client_request_id(request.headers.get("x-request-id")))
         except KeyaccError as e:
             self._count(f"errors_{e.status_code}")
             return error_response(e.status_code, e.to_dict())
@@ -326,10 +327,12 @@ class Ingress:
                 self._count(f"errors_{errs[0].status_code}")
                 return error_response(errs[0].status_code, errs[0].body, _retry_after(errs[0].status_code))
         items = _merged(firsts, its)
+        echo = {"X-Request-Id": request.headers["x-request-id"]} if "x-request-id" in request.headers else {}
         if p.stream:
             return StreamingResponse(self._sse_stream(p, items, timer), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._collect(p, items, timer)
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **echo})
+        body = await self._collect(p, items, timer)
+        return JSONResponse(body, headers=echo) if echo and isinstance(body, dict) else body
 
     async def _collect(self, p, items, timer):
         n = len(p.requests)

@@ -3,6 +3,7 @@ clear `InvalidRequest` (400) naming the offending parameter for anything malform
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -86,10 +87,26 @@ def load_json(body: bytes, max_bytes: int) -> dict:
     return data
 
 
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+def client_request_id(value: str | None) -> str | None:
+    """The `X-Request-Id` header's value, if the request has one: 1-128 letters, digits, `.`, `_`,
+    `:` or `-` (it goes into the response's id and the server's logs); else a 400."""
+    if value is None:
+        return None
+    if not _REQUEST_ID.fullmatch(value):
+        raise InvalidRequest("the X-Request-Id header must be 1-128 characters of letters, digits, '.', '_', "
+                             "':' or '-'", param="X-Request-Id")
+    return value
+
+
 def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model_len: int,
           allow_pinning: bool = True, vocab_size: int | None = None, defaults: dict | None = None,
-          tool_parser: str | None = "hermes") -> ParsedRequest:
-    """`vocab_size`: len(tokenizer), which the caller should compute once (transformers rebuilds
+          tool_parser: str | None = "hermes", request_id: str | None = None) -> ParsedRequest:
+    """`request_id`: the client's own id for the request (vLLM's `X-Request-Id` header): the
+    response's id is `cmpl-<it>` (`chatcmpl-<it>`); inside the graph each choice's id also carries a
+    random part (two clients may send the same one) and so do the server's logs. `vocab_size`: len(tokenizer), which the caller should compute once (transformers rebuilds
     the whole vocabulary to answer it: about a millisecond per call). `defaults`: sampling
     parameters for the fields a request leaves out or sends as null (`generation_defaults`).
     `tool_parser`: how `tool_choice: auto` reads calls from the output (tools.PARSERS; None: off)."""
@@ -205,14 +222,16 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
     return_ids = data.get("return_token_ids", False)
     _type(return_ids, (bool,), "return_token_ids", "a boolean")
     route, back = _keyacc_ext(data.get("keyacc"), allow_pinning)
-    rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    rid = f"{prefix}-{request_id}" if request_id else f"{prefix}-{uuid.uuid4().hex}"
+    inner = f"{rid}-{uuid.uuid4().hex[:8]}" if request_id else rid
     base = params.to_dict()
     reqs = []
     for ids in prompts:
         for j in range(n):
             choice_params = base if j == 0 else {**base, "seed": _child_seed(params.seed, j)}
             # each choice is a request of its own through the graph: its id must be unique
-            reqs.append(GenerateRequest(rid if n * len(prompts) == 1 else f"{rid}-{len(reqs)}", list(ids),
+            reqs.append(GenerateRequest(inner if n * len(prompts) == 1 else f"{inner}-{len(reqs)}", list(ids),
                                         choice_params, route, back))
     texts = [x if isinstance(x, str) else tokenizer.decode(x) for x in _prompt_items(data)] if echo else None
     return ParsedRequest(kind, reqs, stream, include_usage, model, return_ids, rid, sum(len(ids) for ids in prompts),

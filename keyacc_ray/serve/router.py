@@ -498,8 +498,14 @@ class Router:
                 return self._enter(t, t.hop, t.export_after)  # pinned: the same pool again, up to the longer bound
             # (a pinned stream not taken there twice: its pool is gone for now, a node removed or
             # replicas that cannot be placed; it goes on on the other pool too, not without end)
-            src, dst = ("cpu", "gpu") if other == "gpu_decode" else ("gpu", "cpu")
-            self._count(f"moves_total|from={src},to={dst},reason=stalled")
+            if other == "cpu_decode" and t.pinned_route is None and self._cpu_gone():
+                # no live CPU replica (killed, its replacement starting): Serve's queue there would
+                # hold it until one starts; it waits its turn on the GPU pool instead
+                self._count("moves_kept_total|reason=cpu_unavailable")
+                other = "gpu_decode"
+            else:
+                src, dst = ("cpu", "gpu") if other == "gpu_decode" else ("gpu", "cpu")
+                self._count(f"moves_total|from={src},to={dst},reason=stalled")
             if other == "gpu_decode":
                 self._pending_blocks[other] += self.load_view().gpu_decode.blocks_for(self._view(t, end.num_output_tokens).total_tokens)
                 return self._enter(t, other, None)
@@ -623,3 +629,13 @@ class Router:
         return {"snapshot": snap.to_dict() if snap is not None else None,
                 "snapshot_age_s": self.snapshot_age_s, "policy": self.policy.name,
                 "inflight": dict(self.inflight), "held": len(self._held)}
+
+    def requests_in_flight(self, limit: int = 50) -> list[dict]:
+        """The oldest requests this replica counts on a hop or holds (for an operator, and the
+        soak's lost requests): id, where (a hop, or `held`), seconds there."""
+        now = self.clock()
+        rows = [{"request_id": rid, "hop": hop, "seconds": round(now - since, 3)}
+                for rid, (hop, since, _) in self._active.items()]
+        rows += [{"request_id": h.ticket.request_id, "hop": "held", "seconds": round(now - h.since, 3)}
+                 for h in self._held]
+        return sorted(rows, key=lambda r: -r["seconds"])[:limit]

@@ -825,6 +825,11 @@ def test_requests_with_no_place_on_either_pool_wait_at_the_router_in_order():
         await asyncio.sleep(0.05)
         assert not any(h.done() for h in held) and r.inflight["cpu_decode/0"] == 2
         assert (await r.snapshot_dict())["held"] == 3
+        where = {x["request_id"]: x["hop"] for x in r.requests_in_flight(limit=100)}
+        assert where == {**{f"b{i}": "gpu_prefill" for i in range(9)}, "b9": "cpu_decode/0", "b10": "cpu_decode/0",
+                         **{f"h{i}": "held" for i in range(3)}}
+        ages = [x["seconds"] for x in r.requests_in_flight(limit=3)]
+        assert len(ages) == 3 and ages == sorted(ages, reverse=True)
         held[1].cancel()  # its client went away: it leaves the line, nothing counted anywhere
         await asyncio.sleep(0)
         await r.finish(first[9], HopEnd("done", 1.0, 96, finished=True))  # a CPU place frees
@@ -1200,3 +1205,55 @@ def test_a_pool_whose_replica_left_the_snapshot_is_not_guessed_to_cache_anything
     r.take_snapshot(snap([("CpuDecode", "c3"), ("GpuDecode", "g1")]))  # c1 and c2 gone
     assert r.prefixes.cached_tokens(t.prefix_keys, t.num_prompt_tokens, "cpu_decode/0") == 0
     assert r.prefixes.cached_tokens(t.prefix_keys, t.num_prompt_tokens, "gpu_decode") == 64
+
+
+def test_a_stream_moved_by_a_stall_to_a_cpu_pool_that_never_takes_it_goes_back_to_the_gpu(monkeypatch):
+    """A GPU decode hop of a stream under way not taken within the bound moves to the CPU pool;
+    a CPU pool that does not take it either (replicas killed while they start: alive to the
+    monitor between deaths, Serve's queue waiting for a replacement) sends it back to the GPU
+    pool after NEW_HOP_START_BOUND_S, where it waits its turn: never without a bound on the CPU
+    pool (the kill soak's lost requests: 120 s client timeouts in that queue)."""
+    from keyacc_ray.serve import driver as driver_mod
+
+    monkeypatch.setattr(driver_mod, "HOP_START_BOUND_S", 0.05)
+    monkeypatch.setattr(driver_mod, "NEW_HOP_START_BOUND_S", 0.2)
+    driver, router, pools = make("stage_offload", {"decode_period_tokens": 100})
+    router.policy.after_prefill = lambda req, load: "gpu"
+    gpu, cpu = pools["gpu_decode"], pools["cpu_decode/0"]
+    gpu.start_delay = 0.3  # the first call waits in a full GPU pool's queue
+    real = cpu._run
+
+    async def never_taken(req, handoff, export_after):
+        await asyncio.sleep(60)
+        async for items in real(req, handoff, export_after):
+            yield items
+
+    cpu._run = never_taken
+    tokens, errors, trace = asyncio.run(asyncio.wait_for(collect(driver, request(10)), 4))
+    assert not errors and tokens == [100 + i for i in range(10)]
+    assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == [("gpu", 1), ("gpu", 9)]
+    assert len(gpu.calls) == 2 and len(cpu.calls) == 1 and cpu.streams[0].cancelled
+    assert router._counters["stalled_starts_total|hop=gpu_decode"] == 1
+    assert router._counters["stalled_starts_total|hop=cpu_decode"] == 1
+    assert router._counters["moves_total|from=gpu,to=cpu,reason=stalled"] == 1
+    assert router._counters["moves_total|from=cpu,to=gpu,reason=stalled"] == 1
+    assert settled(router)
+
+
+@pytest.mark.parametrize("cpu_alive", [True, False])
+def test_a_stalled_gpu_decode_stays_on_the_gpu_while_no_cpu_replica_lives(cpu_alive):
+    """A stream whose GPU decode hop was not taken in time goes to the CPU pool, unless the
+    monitor's fresh snapshot shows no live CPU decode replica: then it waits its turn on the GPU
+    pool (whose queue is bounded), not in Serve's queue for a dead CPU deployment."""
+    r = Router(["CpuDecode"], "full_offload", {}, monitor=_monitor_seeing_cpu(cpu_alive), colocated_gpu=True)
+
+    async def run():
+        await r.snapshot_dict()
+        t = await r.begin(Ticket("a", 64, 96))
+        t.prefill_check = False
+        t = await r.advance(t, HopEnd("stalled", 1.0, 12, True))
+        assert t.hop == ("cpu_decode/0" if cpu_alive else "gpu_decode") and t.stall_moved
+        assert r._counters.get("moves_kept_total|reason=cpu_unavailable", 0) == (0 if cpu_alive else 1)
+        await r.finish(t, HopEnd("done", 0.5, 96, finished=True))
+        assert settled(r)
+    asyncio.run(run())

@@ -318,3 +318,28 @@ def test_a_text_chunks_event_is_the_whole_bodys_encoding(qwen3_path, kind):
         assert (event("") is None) == (kind == "chat")  # (chat's empty delta is `{}`: the whole path)
         if kind != "chat":
             assert event("") == _sse(chunk_body(p, 1700000000, "", None, index=k))
+
+
+def test_client_request_id(qwen3_path):
+    """vLLM's X-Request-Id: the response's id carries it, each choice's id inside the graph carries
+    it and a part of its own (two clients may send one id), a malformed one is a 400."""
+    from keyacc_ray.serve.protocol import client_request_id
+
+    tok = AutoTokenizer.from_pretrained(qwen3_path)
+    assert client_request_id(None) is None
+    assert client_request_id("trace-1.a:b_c") == "trace-1.a:b_c"
+    for bad in ("", "a b", "x" * 129, "é", "a\nb"):
+        with pytest.raises(InvalidRequest) as e:
+            client_request_id(bad)
+        assert e.value.param == "X-Request-Id"
+    body = {"model": "m", "prompt": "hi", "n": 2}
+    one, two = (parse(body, "completion", tokenizer=tok, served_names={"m"}, max_model_len=256, request_id="job-7")
+                for _ in range(2))
+    assert one.response_id == two.response_id == "cmpl-job-7"
+    ids = [r.request_id for r in one.requests + two.requests]
+    assert len(set(ids)) == 4 and all(i.startswith("cmpl-job-7-") for i in ids)
+    chat = parse({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "chat", tokenizer=tok,
+                 served_names={"m"}, max_model_len=256, request_id="job-7")
+    assert chat.response_id == "chatcmpl-job-7" and chat.request.request_id.startswith("chatcmpl-job-7-")
+    plain = parse(body, "completion", tokenizer=tok, served_names={"m"}, max_model_len=256)
+    assert plain.response_id.startswith("cmpl-") and plain.requests[0].request_id.startswith(plain.response_id)
