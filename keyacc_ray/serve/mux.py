@@ -49,7 +49,13 @@ ACK_WAIT_S = 1.0  # no ack for this long (lost): send anyway
 # hops there on calls of their own (each coalesced by its own reader's pace) for COOLDOWN_S.
 MAX_LAG_S = 1.0
 COOLDOWN_S = 30.0
-LOST_AFTER_S = 10.0  # a hop whose call ended waits this long for its last runs, then fails
+# A hop whose call ended waits this long for its last runs, then fails; while the token stream that
+# carries them is still open, up to LATE_LIMIT_S: they are late (an ingress replica too loaded to read
+# its streams at their pace fell more than 10 s behind in the kill soak), not lost: a hop failed then
+# was computed again elsewhere, its stream stalled for a minute. A stream that ended has sent all it
+# held (a broken one fails its hops at once): runs still missing then are lost.
+LOST_AFTER_S = 10.0
+LATE_LIMIT_S = 120.0
 RESUBSCRIBE_AFTER_S = 2.0  # an ingress waits this long before subscribing again to a replica that refused
 
 
@@ -270,8 +276,10 @@ class Inbox:
         self._ended = False  # the call ended (unmultiplexed: that is the hop's end)
         self._error: BaseException | None = None
         self._wake = asyncio.Event()
+        self._ended_at: float | None = None  # when get() first found the call ended and runs missing
         self.muxed = False
         self.source: tuple[str, str] | None = None  # (hop, replica) whose subscription carries it
+        self.source_open: Callable[[], bool] | None = None  # that subscription is still open
 
     def run(self, seq: int, items: list) -> None:
         if seq < self._next:
@@ -319,9 +327,19 @@ class Inbox:
             if self._total is None:
                 await self._wake.wait()
                 continue
-            try:  # the call has ended: what is missing is on its way, or lost with the subscription
-                await wait_at_most(self._wake.wait(), LOST_AFTER_S)
+            # the call has ended: what is missing is on its way, or lost with the subscription
+            if self._ended_at is None:
+                self._ended_at = time.monotonic()
+            waited = time.monotonic() - self._ended_at
+            open_ = self.source_open is not None and self.source_open()
+            left = (LATE_LIMIT_S if open_ else LOST_AFTER_S if self.source_open is None else 0.0) - waited
+            try:
+                if left <= 0:
+                    raise asyncio.TimeoutError
+                await wait_at_most(self._wake.wait(), min(left, LOST_AFTER_S))
             except asyncio.TimeoutError:
+                if open_ and waited < LATE_LIMIT_S:
+                    continue  # late on a stream still open: wait on (its end wakes this wait)
                 raise ConnectionError(f"tokens of the hop lost (runs {self._next}..{self._total - 1})") from None
 
 
@@ -354,6 +372,7 @@ class MuxHop:
                             start = next((x for x in it.items if type(x) is SegmentStart), None)
                             if start is not None:
                                 inbox.source = (self.hop, start.replica)
+                                inbox.source_open = self.client.is_open(inbox.source)
                         inbox.run(it.seq, it.items)
                     elif type(it) is MuxEnd:
                         inbox.muxed = True
@@ -405,6 +424,12 @@ class MuxClient:
     def open(self, hop: str) -> MuxHop:
         return MuxHop(self, hop)
 
+    def is_open(self, k: tuple[str, str]) -> Callable[[], bool]:
+        """Whether the subscription to (hop, replica) open now is still open later (not one
+        opened after it ended)."""
+        task = self._subs.get(k)
+        return lambda: task is not None and not task.done() and self._subs.get(k) is task
+
     def want(self, hop: str, replica: str) -> None:
         """A hop ran unmultiplexed on this replica: subscribe to it (once, in the background)."""
         k = (hop, replica)
@@ -452,10 +477,13 @@ class MuxClient:
             # Broken (not closed by the pool, which sends what it holds first and the rest of its
             # hops on their own calls): the hops under way on it lost what was in flight. They
             # fail, and go on elsewhere from the tokens the client has, as when a replica dies.
-            if broken:
-                for inbox in list(self._inboxes.values()):
-                    if inbox.source == k and not inbox._done():
+            # Closed: its hops still missing runs after their calls ended learn it now (`Inbox.get`).
+            for inbox in list(self._inboxes.values()):
+                if inbox.source == k and not inbox._done():
+                    if broken:
                         inbox.fail(ConnectionError(f"token stream from {k[0]} {k[1]} broke"))
+                    else:
+                        inbox._wake.set()
         if not got:  # refused (another replica took the call), full or gone: not again at once
             self._refused[k] = max(self._refused.get(k, 0.0), time.monotonic() + RESUBSCRIBE_AFTER_S)
             if len(self._refused) > 1024:

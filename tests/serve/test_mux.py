@@ -69,6 +69,53 @@ def test_inbox_raises_the_calls_error_after_what_came_before_and_fails_a_hop_who
     asyncio.run(go())
 
 
+def test_runs_late_on_a_stream_still_open_are_waited_for_and_lost_once_it_ends(monkeypatch):
+    """A hop whose call ended waits for its last runs past LOST_AFTER_S while the token stream
+    that carries them is still open (an ingress too loaded to read it at its pace: they are late,
+    not lost), up to LATE_LIMIT_S; once that stream has ended (it sends all it holds first), runs
+    still missing are lost at once."""
+    monkeypatch.setattr(mux_mod, "LOST_AFTER_S", 0.05)
+    monkeypatch.setattr(mux_mod, "LATE_LIMIT_S", 0.5)
+
+    async def go():
+        state = {"open": True}
+        box = Inbox()
+        box.muxed, box.source, box.source_open = True, ("gpu_decode", "r"), lambda: state["open"]
+        box.run(0, [_tok(1)])
+        box.end(2)
+        await box.get()
+        asyncio.get_running_loop().call_later(0.2, box.run, 1, [_tok(2, last=True)])  # 4x LOST_AFTER_S late
+        assert (await asyncio.wait_for(box.get(), 2))[0].token_ids == [2]
+        assert await box.get() is None
+
+        box = Inbox()
+        box.muxed, box.source, box.source_open = True, ("gpu_decode", "r"), lambda: state["open"]
+        box.run(0, [_tok(1)])
+        box.end(3)
+        await box.get()
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError):  # open, but nothing for LATE_LIMIT_S
+            await asyncio.wait_for(box.get(), 2)
+        assert 0.4 <= time.monotonic() - t0 < 1.5
+
+        box = Inbox()
+        box.muxed, box.source, box.source_open = True, ("gpu_decode", "r"), lambda: state["open"]
+        box.run(0, [_tok(1)])
+        box.end(3)
+        await box.get()
+
+        def stream_ends():
+            state["open"] = False
+            box._wake.set()  # as MuxClient does when the subscription ends
+        asyncio.get_running_loop().call_later(0.02, stream_ends)
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError):
+            await asyncio.wait_for(box.get(), 2)
+        assert time.monotonic() - t0 < 0.3
+
+    asyncio.run(go())
+
+
 def test_a_cancelled_inbox_wait_is_cancelled_even_when_its_tokens_arrive_in_the_same_turn():
     """The driver of a client that went away is cancelled while it waits for a hop's last runs;
     the runs arriving in the same turn of the loop must not swallow the cancellation (Python
@@ -338,3 +385,32 @@ def test_a_lagging_token_stream_is_closed_and_its_hops_go_on_on_their_own_calls(
     assert driver.mux.lagging >= 1 and not pools["cpu_decode/0"].channels
     assert driver.mux._refused[("cpu_decode/0", "CpuDecode-r0")] > time.monotonic() + 10
     assert settled(router)
+
+
+def test_a_hops_token_stream_is_open_until_it_ends_and_a_later_one_is_another():
+    """`MuxClient.is_open`: true while the subscription a hop's runs came on runs, false once it
+    ended, and still false when the ingress subscribes to that replica again (a new stream)."""
+    async def go():
+        ends = {"now": asyncio.Event()}
+
+        async def subscribe(hop, sub):
+            yield pickle.dumps((time.time(), 1, []))
+            await ends["now"].wait()
+
+        client = MuxClient("i", subscribe)
+        client.want("gpu_decode", "r")
+        await asyncio.sleep(0.01)
+        is_open = client.is_open(("gpu_decode", "r"))
+        assert is_open()
+        ends["now"].set()
+        await asyncio.sleep(0.01)
+        assert not is_open()
+        ends["now"] = asyncio.Event()
+        client._refused.clear()
+        client.want("gpu_decode", "r")
+        await asyncio.sleep(0.01)
+        assert ("gpu_decode", "r") in client._subs and not is_open()
+        assert client.is_open(("gpu_decode", "r"))()
+        client.close()
+
+    asyncio.run(go())
