@@ -327,12 +327,11 @@ class Ingress:
                 self._count(f"errors_{errs[0].status_code}")
                 return error_response(errs[0].status_code, errs[0].body, _retry_after(errs[0].status_code))
         items = _merged(firsts, its)
-        echo = {"X-Request-Id": request.headers["x-request-id"]} if "x-request-id" in request.headers else {}
+        # (Serve's proxy echoes the X-Request-Id header in the response, as vLLM does)
         if p.stream:
             return StreamingResponse(self._sse_stream(p, items, timer), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **echo})
-        body = await self._collect(p, items, timer)
-        return JSONResponse(body, headers=echo) if echo and isinstance(body, dict) else body
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._collect(p, items, timer)
 
     async def _collect(self, p, items, timer):
         n = len(p.requests)

@@ -103,6 +103,30 @@ def test_streaming_completion_matches(client):
     assert trace and sum(s["tokens"] for s in trace["segments"]) == 24
 
 
+def test_x_request_id_names_the_request(app_url, client):
+    """vLLM's X-Request-Id over real HTTP: the response's id carries it and echoes the header, in
+    a body and in a stream (each chunk's id); the same id twice is two requests; a malformed one is
+    a clear 400, the server stays up."""
+    want = ref_ids(PROMPTS[2], 6)
+    for _ in range(2):  # the same id again: another request through the graph, not a clash
+        raw = client.completions.with_raw_response.create(
+            model=MODEL, prompt=PROMPTS[2], max_tokens=6, temperature=0, extra_headers={"X-Request-Id": "job-42.a"},
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+        r = raw.parse()
+        assert r.id == "cmpl-job-42.a" and raw.headers["x-request-id"] == "job-42.a"
+        assert r.choices[0].token_ids == want
+    with httpx.stream("POST", f"{app_url}/v1/chat/completions", headers={"X-Request-Id": "chat:7"}, timeout=60,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                            "stream": True}) as s:
+        assert s.status_code == 200 and s.headers["x-request-id"] == "chat:7"
+        ids = {json.loads(line[6:])["id"] for line in s.iter_lines() if line.startswith("data: {")}
+    assert ids == {"chatcmpl-chat:7"}
+    bad = httpx.post(f"{app_url}/v1/completions", headers={"X-Request-Id": "no spaces allowed"}, timeout=30,
+                     json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Request-Id"
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text is not None
+
+
 def test_chat_streaming_and_not(client):
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello, world!"}]
     want = chat_ref(msgs, 30)
