@@ -55,35 +55,39 @@ class PoolPrefixes:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self.clock = clock
-        self._seen: OrderedDict[bytes, dict[str, float]] = OrderedDict()  # key -> hop -> when, LRU first
+        # key -> hop -> (when, the hop's epoch then), least recently used first
+        self._seen: OrderedDict[bytes, dict[str, tuple[float, int]]] = OrderedDict()
+        self._epoch: dict[str, int] = {}  # per hop: entries of an older epoch were forgotten
 
     def cached_tokens(self, keys, num_prompt_tokens: int, hop: str) -> int:
         """Prompt tokens at the head that `hop` likely caches (0: none known)."""
         if not keys:
             return 0
-        now, seen = self.clock(), self._seen
+        now, seen, epoch = self.clock(), self._seen, self._epoch.get(hop, 0)
         for key, depth in zip(keys, anchor_depths(num_prompt_tokens, PREFIX_BLOCK)):
-            when = seen.get(key, {}).get(hop)
-            if when is not None and now - when <= self.ttl_s:
+            entry = seen.get(key, {}).get(hop)
+            if entry is not None and entry[1] == epoch and now - entry[0] <= self.ttl_s:
                 return depth * PREFIX_BLOCK
         return 0
 
     def record(self, keys, hop: str) -> None:
         now, seen = self.clock(), self._seen
+        entry = (now, self._epoch.get(hop, 0))
         for k in keys:
             hops = seen.get(k)
             if hops is None:
                 hops = seen[k] = {}
             else:
                 seen.move_to_end(k)
-            hops[hop] = now
+            hops[hop] = entry
         while len(seen) > self.max_entries:
             seen.popitem(last=False)
 
     def forget(self, hop: str) -> None:
-        """`hop`'s caches are not to be trusted (a replica of it failed)."""
-        for hops in self._seen.values():
-            hops.pop(hop, None)
+        """`hop`'s caches are not to be trusted (a replica of it failed, stalled or left). O(1): a
+        new epoch for the hop (the kill soak stalls hops by the hundred a minute; walking every
+        key each time cost the router milliseconds apiece)."""
+        self._epoch[hop] = self._epoch.get(hop, 0) + 1
 
 
 class PrefixAffinity:

@@ -55,6 +55,8 @@ def test_pool_prefixes_predict_the_cached_head_per_hop_until_it_is_stale_or_forg
     pp.forget("cpu_decode/0")  # a replica there failed
     assert pp.cached_tokens(anchors(a, PREFIX_BLOCK), len(a), "cpu_decode/0") == 0
     assert pp.cached_tokens(anchors(a, PREFIX_BLOCK), len(a), "gpu_decode") > 0
+    pp.record(anchors(b, PREFIX_BLOCK), "cpu_decode/0")  # ran there after the failure: trusted again
+    assert pp.cached_tokens(anchors(a, PREFIX_BLOCK), len(a), "cpu_decode/0") == 4 * PREFIX_BLOCK
     small = PoolPrefixes(max_entries=3)
     small.record(anchors(list(range(200)), PREFIX_BLOCK), "gpu_decode")
     assert len(small._seen) == 3
