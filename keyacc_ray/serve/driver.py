@@ -33,13 +33,14 @@ MAX_RECOVERIES = 2
 # then (it waits in Serve's queue: the replica died and is being replaced, or it is full) goes on
 # on the other pool instead, once per request: the client's longest gap stays near this.
 HOP_START_BOUND_S = 1.0
-# A new request (no token yet) sent to the CPU pool waits for its first place longer, as a queue
-# does, but not without end: a hop whose replica has not taken it by then (Serve's queue for a pool
-# whose replicas died and are being replaced, again and again under the kill soak, kept requests
-# past their clients' timeouts) starts over on the GPU pools. (Not on the GPU pools: there the
-# policy would route it back to the same queue, behind where it was.) A pinned request stalled
-# once waits this long on its own pool again, then goes on elsewhere (its pool may be gone).
+# A new request (no token yet) waits for its first place longer, as a queue does, but not without
+# end: a hop whose replica has not taken it by then (Serve's queue for a pool whose replicas died
+# and are being replaced, again and again under the kill soak, kept requests past their clients'
+# timeouts: on the CPU pool, and on the GPU pool when its replica was killed) starts over on the
+# other pool. A stream moved once by a stall, and a pinned request stalled once on its own pool,
+# wait this long too. (A live pool's full queue is bounded: Serve refuses past it, a clear 503.)
 NEW_HOP_START_BOUND_S = 20.0
+MAX_STALLS = 4  # hops of one request not taken in time: past it a 503, never a wait without end
 # Pool streams and router calls use Serve's gRPC transport (`_by_reference=False`): per streamed
 # item it costs the ingress about half the CPU of Ray's task streaming (docs/benchmarks.md).
 # Nothing in them may be an ObjectRef (a pickled ref pins its object): hand-offs carry the KV
@@ -97,9 +98,9 @@ def fallback(t: Ticket, end: HopEnd | None, colocated: bool = False) -> Ticket:
     if end.outcome == "handoff":  # finish where the request is
         t.hop = t.hop if kind == "cpu_decode" else "gpu_decode"
         t.export_after = None
-    elif end.outcome == "stalled":  # its pool did not take it in time: the other pool, once
+    elif end.outcome == "stalled" and t.stalls < MAX_STALLS:  # its pool did not take it in time: the other
         t.hop = "gpu_decode" if kind == "cpu_decode" else "cpu_decode/0"
-        t.export_after, t.stall_moved = None, True
+        t.export_after, t.stall_moved, t.stalls = None, True, t.stalls + 1
     elif end.outcome == "withdrawn":  # recalled unstarted: start over on the GPU pools
         t.hop, t.export_after = gpu_start
     elif end.outcome == "failed" and t.recoveries < MAX_RECOVERIES:
@@ -178,17 +179,11 @@ class RequestDriver:
                     in_periods.update(hop.call_kwargs)
                 stream = self.hops[t.hop].options(**POOL_CALL).generate.remote(req, handoff, t.export_after,
                                                                                **in_periods)
-                bound = (HOP_START_BOUND_S if generated else
-                         NEW_HOP_START_BOUND_S if t.hop.startswith("cpu_decode") else None)
-                if t.stall_moved:  # moved once: no bound on the GPU pools, whose Serve queue is bounded (a
-                    # full one is a clear 503); the longer one on the CPU pool, which may be a pool whose
-                    # replicas keep dying (alive between deaths to the monitor), where Serve's queue waits
-                    # for a replacement without end: requests waited there past their clients' timeouts
-                    # (the kill soak's lost requests); and a pinned request back on its own pool
-                    bound = (NEW_HOP_START_BOUND_S if bound is not None and
-                             (t.pinned_route is not None or t.hop.startswith("cpu_decode")) else None)
-                if bound is not None:
-                    waiting["timer"] = asyncio.get_running_loop().call_later(bound, _stalled, stream, waiting)
+                # Every hop has a bound: a pool whose replicas keep dying looks alive to the monitor
+                # between deaths, and Serve's queue for it waits for a replacement without end
+                # (requests waited there past their clients' timeouts in the kill soak)
+                bound = HOP_START_BOUND_S if generated and not t.stall_moved else NEW_HOP_START_BOUND_S
+                waiting["timer"] = asyncio.get_running_loop().call_later(bound, _stalled, stream, waiting)
                 async for items in (stream if hop is None else hop.attach(stream)):
                     if waiting["timer"] is not None:  # anything from the hop (its HopAccepted, or its
                         waiting["timer"].cancel()     # tokens when they overtake that): it took it

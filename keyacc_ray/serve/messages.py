@@ -162,6 +162,7 @@ class Ticket:
     recoveries: int = 0
     backpressured: bool = False
     stall_moved: bool = False  # moved once because its pool did not take the stream in time
+    stalls: int = 0  # hops of it not taken in time (past MAX_STALLS: a 503, not a wait without end)
     error: ErrorItem | None = None  # set: answer with this and stop
     # where its prompt's head is cached (the router's guesses, prefix_affinity.PoolPrefixes): the keys
     # of its heads at a few depths (prefix_affinity.anchors, PREFIX_BLOCK tokens a block, deepest

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from keyacc_ray.policies import LoadView, PoolLoad, RequestView, make_policy
 from keyacc_ray.policies.base import HOLD, OutputLengths
 from keyacc_ray.serve.aio import wait_at_most
-from keyacc_ray.serve.driver import FAILOVER, MAX_RECOVERIES, error_item as _err
+from keyacc_ray.serve.driver import FAILOVER, MAX_RECOVERIES, MAX_STALLS, error_item as _err
 from keyacc_ray.serve.heap import freeze_startup_heap
 from keyacc_ray.serve.messages import HopEnd, Ticket
 from keyacc_ray.serve.monitor import MONITOR_NAME, MONITOR_NAMESPACE, LoadMonitor, mean_measured
@@ -284,6 +284,18 @@ class Router:
         deps = snap.deployments
         return self.deployment_of["gpu_decode"] in deps and not any(self.deployment_of[k] in deps for k in self.cpu_keys)
 
+    def _gpu_gone(self, hop: str = "gpu_decode") -> bool:
+        """`_cpu_gone`'s twin: the fresh snapshot shows a CPU decode deployment but no live replica
+        of the GPU deployment of `hop` (killed, its replacement starting)."""
+        snap = self.snapshot
+        if snap is None or self.snapshot_age_s > STALE_SNAPSHOT_S:
+            return False
+        deps = snap.deployments
+        return self.deployment_of[hop] not in deps and any(self.deployment_of[k] in deps for k in self.cpu_keys)
+
+    def _first_gpu_hop(self) -> str:
+        return "gpu_decode" if self.colocated else "gpu_prefill"
+
     def _collect_policy_counters(self) -> None:
         now = dict(self.policy.counters)
         for attr in ("gpu", "cpu", "decode", "prefill"):
@@ -390,6 +402,9 @@ class Router:
         if route == "cpu" and self._cpu_gone():
             self._count("requests_rerouted_total|reason=cpu_unavailable")
             return "gpu"
+        if route in ("gpu", "stage") and self._gpu_gone(self._first_gpu_hop()):  # and the other way round
+            self._count("requests_rerouted_total|reason=gpu_unavailable")
+            return "cpu"
         return route
 
     def _start(self, t: Ticket, why: str) -> Ticket:
@@ -478,34 +493,39 @@ class Router:
                 return self._enter(t, "cpu_decode", self._cpu_period(t))
             return self._stop(t, _err(503, f"the {kind} pool is overloaded; retry later", "overloaded_error"))
         if end.outcome == "stalled":
-            # a stream under way that its pool did not take within the driver's bound (the replica
-            # is dead and being replaced, or full): the other pool, once; pinned, the same pool again
+            # a hop its pool did not take within the driver's bound (the replica is dead and being
+            # replaced, or full): the other pool; pinned, the same pool once more first
             self._count(f"stalled_starts_total|hop={kind}")
             self.prefixes.forget(t.hop)  # (its replica may be dead: a replacement caches nothing)
             again, t.stall_moved = t.stall_moved, True
+            t.stalls += 1
+            if t.stalls > MAX_STALLS:  # neither pool takes it: a clear 503, not a wait without end
+                return self._stop(t, _err(503, f"no pool took the request within {t.stalls} tries; retry later",
+                                          "unavailable"))
+            on_gpu = kind != "cpu_decode"
             if not end.num_output_tokens and not end.has_handoff and t.pinned_route is None:
-                # a new request the CPU pool did not take within the (longer) bound for new ones
-                # (the only pool with that bound) starts on the GPU pools, whose queue is bounded
-                # (a clear 503 when full). The stall is fresher news than the monitor's snapshot:
-                # a pool killed again and again looks alive between its deaths, and a request
-                # routed back to it waited without a bound (the kill soak's last lost requests).
-                if t.route == "cpu":
-                    self._count("moves_total|from=cpu,to=gpu,reason=stalled")
-                t.route = "gpu"
+                # a new request: the other pool's first hop, unless the monitor shows no live
+                # replica there (a pool killed again and again looks alive between its deaths: the
+                # stall is fresher news than the snapshot, which is why it moves at all)
+                gone = self._cpu_gone() if on_gpu else self._gpu_gone(self._first_gpu_hop())
+                route = ("gpu" if on_gpu else "cpu") if gone else ("cpu" if on_gpu else "gpu")
+                if (route == "cpu") == on_gpu:
+                    self._count(f"moves_total|from={'gpu' if on_gpu else 'cpu'},to={route},reason=stalled")
+                t.route = route
                 return self._enter_first_hop(t)
-            other = "gpu_decode" if kind == "cpu_decode" else "cpu_decode"
             if (t.pinned_route is not None or kind not in ("gpu_decode", "cpu_decode")) and not again:
                 return self._enter(t, t.hop, t.export_after)  # pinned: the same pool again, up to the longer bound
             # (a pinned stream not taken there twice: its pool is gone for now, a node removed or
             # replicas that cannot be placed; it goes on on the other pool too, not without end)
-            if other == "cpu_decode" and t.pinned_route is None and self._cpu_gone():
-                # no live CPU replica (killed, its replacement starting): Serve's queue there would
-                # hold it until one starts; it waits its turn on the GPU pool instead
-                self._count("moves_kept_total|reason=cpu_unavailable")
-                other = "gpu_decode"
+            other = "cpu_decode" if on_gpu else "gpu_decode"
+            if t.pinned_route is None and (self._cpu_gone() if other == "cpu_decode" else self._gpu_gone()):
+                # no live replica there (killed, its replacement starting): Serve's queue would
+                # hold it until one starts; it waits its turn where it is instead
+                self._count(f"moves_kept_total|reason={'cpu' if other == 'cpu_decode' else 'gpu'}_unavailable")
+                other = "cpu_decode" if other == "gpu_decode" else "gpu_decode"
             else:
-                src, dst = ("cpu", "gpu") if other == "gpu_decode" else ("gpu", "cpu")
-                self._count(f"moves_total|from={src},to={dst},reason=stalled")
+                self._count(f"moves_total|from={'gpu' if on_gpu else 'cpu'},to={'cpu' if on_gpu else 'gpu'},"
+                            "reason=stalled")
             if other == "gpu_decode":
                 self._pending_blocks[other] += self.load_view().gpu_decode.blocks_for(self._view(t, end.num_output_tokens).total_tokens)
                 return self._enter(t, other, None)

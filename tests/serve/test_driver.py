@@ -464,16 +464,17 @@ def test_pinning_refused_when_turned_off():
     assert settled(router)
 
 
+class DeadRouter:
+    async def begin(self, t):
+        raise ConnectionError("router down")
+
+    advance = begin
+
+    async def finish(self, t, end):
+        raise ConnectionError("router down")
+
+
 def test_router_unreachable_the_driver_decides_alone():
-    class DeadRouter:
-        async def begin(self, t):
-            raise ConnectionError("router down")
-
-        advance = begin
-
-        async def finish(self, t, end):
-            raise ConnectionError("router down")
-
     driver, _, pools = make(router=DeadRouter())
     tokens, errors, trace = asyncio.run(collect(driver, request(5)))
     assert tokens == [100 + i for i in range(5)] and not errors
@@ -1254,6 +1255,89 @@ def test_a_stalled_gpu_decode_stays_on_the_gpu_while_no_cpu_replica_lives(cpu_al
         t = await r.advance(t, HopEnd("stalled", 1.0, 12, True))
         assert t.hop == ("cpu_decode/0" if cpu_alive else "gpu_decode") and t.stall_moved
         assert r._counters.get("moves_kept_total|reason=cpu_unavailable", 0) == (0 if cpu_alive else 1)
+        await r.finish(t, HopEnd("done", 0.5, 96, finished=True))
+        assert settled(r)
+    asyncio.run(run())
+
+
+def _never_taken(pool):
+    """Every call to `pool` waits in Serve's queue (a deployment whose replicas keep dying)."""
+    real = pool._run
+
+    async def run(req, handoff, export_after):
+        await asyncio.sleep(60)
+        async for items in real(req, handoff, export_after):
+            yield items
+    pool._run = run
+
+
+def test_a_new_request_the_gpu_pool_never_takes_goes_on_on_the_cpu_pool(monkeypatch):
+    """A new request waits for the GPU pool's replica to take it at most NEW_HOP_START_BOUND_S
+    (its replica killed while starting, again and again: the GPU kill soak's client timed out
+    after 120 s there), then starts on the CPU pool: generate()'s tokens, nothing counted after."""
+    from keyacc_ray.serve import driver as driver_mod
+
+    monkeypatch.setattr(driver_mod, "NEW_HOP_START_BOUND_S", 0.1)
+    driver, router, pools = make("gpu_only", colocated=True)
+    _never_taken(pools["gpu_decode"])
+    tokens, errors, trace = asyncio.run(asyncio.wait_for(collect(driver, request(6)), 4))
+    assert not errors and tokens == [100 + i for i in range(6)]
+    assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == [("cpu", 6)]
+    assert router._counters["stalled_starts_total|hop=gpu_decode"] == 1
+    assert router._counters["moves_total|from=gpu,to=cpu,reason=stalled"] == 1
+    assert settled(router)
+
+
+def test_a_request_no_pool_takes_gets_a_503_not_a_wait_without_end(monkeypatch):
+    """Neither pool takes the request (both keep dying): after MAX_STALLS hops not taken in time
+    the client gets a clear 503, never a wait past its timeout; nothing counted after. The same
+    when the router cannot be reached (the driver decides alone)."""
+    from keyacc_ray.serve import driver as driver_mod
+
+    monkeypatch.setattr(driver_mod, "NEW_HOP_START_BOUND_S", 0.05)
+    for dead_router in (False, True):
+        driver, router, pools = make("gpu_only", colocated=True, router=DeadRouter() if dead_router else None)
+        for hop in ("gpu_decode", "cpu_decode/0"):
+            _never_taken(pools[hop])
+        tokens, errors, _ = asyncio.run(asyncio.wait_for(collect(driver, request(6)), 4))
+        assert tokens == [] and len(errors) == 1 and errors[0].status_code == 503
+        assert len(pools["gpu_decode"].calls) + len(pools["cpu_decode/0"].calls) == driver_mod.MAX_STALLS + 1
+        if not dead_router:
+            assert router._counters["stalled_starts_total|hop=gpu_decode"] + \
+                router._counters["stalled_starts_total|hop=cpu_decode"] == driver_mod.MAX_STALLS + 1
+            assert settled(router)
+
+
+def _monitor_seeing_gpu(alive: bool) -> "FakeMonitor":
+    """A monitor whose snapshot shows all three pools, or (not alive) no GPU replica."""
+    from keyacc_ray.serve.monitor import Snapshot
+
+    async def answer(since):
+        snap = three_pools_snapshot()
+        if not alive:
+            snap = Snapshot(0.0, {k: v for k, v in snap.deployments.items() if not k.startswith("Gpu")}, version=1)
+        return snap
+    return FakeMonitor(answer)
+
+
+@pytest.mark.parametrize("gpu_alive", [True, False])
+def test_while_no_gpu_replica_lives_new_requests_start_and_stalled_streams_stay_on_the_cpu_pool(gpu_alive):
+    """`_cpu_gone`'s twin: a new request the policy sends to the GPU pool starts on the CPU pool
+    while the monitor shows no live GPU replica, and a CPU stream not taken in time stays on the
+    CPU pool instead of moving into Serve's queue for the dead GPU deployment."""
+    r = Router(["CpuDecode"], "gpu_only", {}, monitor=_monitor_seeing_gpu(gpu_alive), colocated_gpu=True)
+
+    async def run():
+        await r.snapshot_dict()
+        t = await r.begin(Ticket("a", 64, 96))
+        assert t.hop == ("gpu_decode" if gpu_alive else "cpu_decode/0")
+        assert r._counters.get("requests_rerouted_total|reason=gpu_unavailable", 0) == (0 if gpu_alive else 1)
+        await r.finish(t, HopEnd("done", 0.5, 96, finished=True))
+        t = Ticket("b", 64, 96, hop="cpu_decode/0")
+        r._enter(t, "cpu_decode", None)
+        t = await r.advance(t, HopEnd("stalled", 1.0, 12, True))
+        assert t.hop == ("gpu_decode" if gpu_alive else "cpu_decode/0") and t.stall_moved
+        assert r._counters.get("moves_kept_total|reason=gpu_unavailable", 0) == (0 if gpu_alive else 1)
         await r.finish(t, HopEnd("done", 0.5, 96, finished=True))
         assert settled(r)
     asyncio.run(run())
