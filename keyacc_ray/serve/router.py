@@ -402,7 +402,9 @@ class Router:
         if route == "cpu" and self._cpu_gone():
             self._count("requests_rerouted_total|reason=cpu_unavailable")
             return "gpu"
-        if route in ("gpu", "stage") and self._gpu_gone(self._first_gpu_hop()):  # and the other way round
+        # and the other way round, for the policies that use the CPU pool at all (`gpu_only` is the
+        # baseline: a stall still moves its requests, 20 s on, but no snapshot does)
+        if route in ("gpu", "stage") and self.policy.name != "gpu_only" and self._gpu_gone(self._first_gpu_hop()):
             self._count("requests_rerouted_total|reason=gpu_unavailable")
             return "cpu"
         return route

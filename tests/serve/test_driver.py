@@ -1324,10 +1324,15 @@ def _monitor_seeing_gpu(alive: bool) -> "FakeMonitor":
 def test_while_no_gpu_replica_lives_new_requests_start_and_stalled_streams_stay_on_the_cpu_pool(gpu_alive):
     """`_cpu_gone`'s twin: a new request the policy sends to the GPU pool starts on the CPU pool
     while the monitor shows no live GPU replica, and a CPU stream not taken in time stays on the
-    CPU pool instead of moving into Serve's queue for the dead GPU deployment."""
-    r = Router(["CpuDecode"], "gpu_only", {}, monitor=_monitor_seeing_gpu(gpu_alive), colocated_gpu=True)
+    CPU pool instead of moving into Serve's queue for the dead GPU deployment. (`gpu_only`, the
+    baseline, routes by no snapshot.)"""
+    base = Router(["CpuDecode"], "gpu_only", {}, monitor=_monitor_seeing_gpu(gpu_alive), colocated_gpu=True)
+    r = Router(["CpuDecode"], "full_offload", {}, monitor=_monitor_seeing_gpu(gpu_alive), colocated_gpu=True)
+    r.policy.route = lambda *a: "gpu"
 
     async def run():
+        await base.snapshot_dict()
+        assert (await base.begin(Ticket("z", 64, 96))).hop == "gpu_decode"
         await r.snapshot_dict()
         t = await r.begin(Ticket("a", 64, 96))
         assert t.hop == ("gpu_decode" if gpu_alive else "cpu_decode/0")
