@@ -52,8 +52,8 @@ COOLDOWN_S = 30.0
 # A hop whose call ended waits this long for its last runs, then fails; while the token stream that
 # carries them is still open, up to LATE_LIMIT_S: they are late (an ingress replica too loaded to read
 # its streams at their pace fell more than 10 s behind in the kill soak), not lost: a hop failed then
-# was computed again elsewhere, its stream stalled for a minute. A stream that ended has sent all it
-# held (a broken one fails its hops at once): runs still missing then are lost.
+# was computed again elsewhere, its stream stalled for a minute. Once that stream has ended (a broken
+# one fails its hops at once) or where it is not known, LOST_AFTER_S after the call's end as before.
 LOST_AFTER_S = 10.0
 LATE_LIMIT_S = 120.0
 RESUBSCRIBE_AFTER_S = 2.0  # an ingress waits this long before subscribing again to a replica that refused
@@ -332,7 +332,7 @@ class Inbox:
                 self._ended_at = time.monotonic()
             waited = time.monotonic() - self._ended_at
             open_ = self.source_open is not None and self.source_open()
-            left = (LATE_LIMIT_S if open_ else LOST_AFTER_S if self.source_open is None else 0.0) - waited
+            left = (LATE_LIMIT_S if open_ else LOST_AFTER_S) - waited
             try:
                 if left <= 0:
                     raise asyncio.TimeoutError
@@ -367,8 +367,8 @@ class MuxHop:
             async for items in stream:
                 for it in items:
                     if type(it) is MuxRun:
-                        if not inbox.muxed:
-                            inbox.muxed = True
+                        inbox.muxed = True
+                        if inbox.source is None:  # (its HopAccepted may come in a run of its own first)
                             start = next((x for x in it.items if type(x) is SegmentStart), None)
                             if start is not None:
                                 inbox.source = (self.hop, start.replica)

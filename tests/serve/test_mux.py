@@ -72,8 +72,7 @@ def test_inbox_raises_the_calls_error_after_what_came_before_and_fails_a_hop_who
 def test_runs_late_on_a_stream_still_open_are_waited_for_and_lost_once_it_ends(monkeypatch):
     """A hop whose call ended waits for its last runs past LOST_AFTER_S while the token stream
     that carries them is still open (an ingress too loaded to read it at its pace: they are late,
-    not lost), up to LATE_LIMIT_S; once that stream has ended (it sends all it holds first), runs
-    still missing are lost at once."""
+    not lost), up to LATE_LIMIT_S; once that stream has ended, LOST_AFTER_S after the call's end."""
     monkeypatch.setattr(mux_mod, "LOST_AFTER_S", 0.05)
     monkeypatch.setattr(mux_mod, "LATE_LIMIT_S", 0.5)
 
@@ -107,11 +106,11 @@ def test_runs_late_on_a_stream_still_open_are_waited_for_and_lost_once_it_ends(m
         def stream_ends():
             state["open"] = False
             box._wake.set()  # as MuxClient does when the subscription ends
-        asyncio.get_running_loop().call_later(0.02, stream_ends)
+        asyncio.get_running_loop().call_later(0.1, stream_ends)  # past LOST_AFTER_S: lost as it ends
         t0 = time.monotonic()
         with pytest.raises(ConnectionError):
             await asyncio.wait_for(box.get(), 2)
-        assert time.monotonic() - t0 < 0.3
+        assert 0.05 <= time.monotonic() - t0 < 0.4
 
     asyncio.run(go())
 
@@ -411,6 +410,36 @@ def test_a_hops_token_stream_is_open_until_it_ends_and_a_later_one_is_another():
         await asyncio.sleep(0.01)
         assert ("gpu_decode", "r") in client._subs and not is_open()
         assert client.is_open(("gpu_decode", "r"))()
+        client.close()
+
+    asyncio.run(go())
+
+
+def test_a_hop_knows_its_token_stream_when_its_acceptance_comes_in_a_run_of_its_own():
+    """The pool yields HopAccepted, then SegmentStart, in runs of their own: the hop still learns
+    which subscription carries its tokens (the replica of its SegmentStart), and whether it is open."""
+    from keyacc_ray.serve.messages import HopAccepted
+    from keyacc_ray.serve.mux import MuxEnd, MuxRun
+
+    async def go():
+        async def subscribe(hop, sub):
+            yield pickle.dumps((time.time(), 1, []))
+            await asyncio.sleep(10)
+
+        client = MuxClient("i", subscribe)
+        client.want("gpu_decode", "r0")
+        await asyncio.sleep(0.01)
+
+        async def call():
+            yield [MuxRun(0, [HopAccepted()])]
+            yield [MuxRun(1, [SegmentStart("gpu", "whole", "r0", "GpuDecode")])]
+            yield [MuxEnd(2)]
+
+        hop = client.open("gpu_decode").attach(call())
+        got = [x async for items in hop for x in items]
+        assert [type(x) for x in got] == [HopAccepted, SegmentStart]
+        assert hop.inbox.source == ("gpu_decode", "r0") and hop.inbox.source_open()
+        hop.close()
         client.close()
 
     asyncio.run(go())
