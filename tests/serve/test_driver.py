@@ -1067,6 +1067,17 @@ def test_a_stalled_decode_start_moves_once_and_a_pinned_one_waits_where_it_was_p
     assert settled(router)
 
 
+def _never_taken(pool):
+    """Every call to `pool` waits in Serve's queue (a deployment whose replicas keep dying)."""
+    real = pool._run
+
+    async def run(req, handoff, export_after):
+        await asyncio.sleep(60)
+        async for items in real(req, handoff, export_after):
+            yield items
+    pool._run = run
+
+
 def test_a_pinned_stream_its_pool_never_takes_goes_on_elsewhere(monkeypatch):
     """A pinned stream whose pool does not take it (a node removed: its replicas cannot be placed)
     waits on that pool again up to NEW_HOP_START_BOUND_S, then goes on on the other pool as after
@@ -1077,14 +1088,7 @@ def test_a_pinned_stream_its_pool_never_takes_goes_on_elsewhere(monkeypatch):
     monkeypatch.setattr(driver_mod, "NEW_HOP_START_BOUND_S", 0.2)
     driver, router, pools = make("stage_offload", {"decode_period_tokens": 100})
     cpu = pools["cpu_decode/0"]
-    real = cpu._run
-
-    async def never_taken(req, handoff, export_after):  # every call waits in Serve's queue
-        await asyncio.sleep(60)
-        async for items in real(req, handoff, export_after):
-            yield items
-
-    cpu._run = never_taken
+    _never_taken(cpu)
     tokens, errors, trace = asyncio.run(asyncio.wait_for(collect(driver, request(10, route="stage")), 4))
     assert not errors and tokens == [100 + i for i in range(10)]
     assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == [("gpu", 1), ("gpu", 9)]
@@ -1222,14 +1226,7 @@ def test_a_stream_moved_by_a_stall_to_a_cpu_pool_that_never_takes_it_goes_back_t
     router.policy.after_prefill = lambda req, load: "gpu"
     gpu, cpu = pools["gpu_decode"], pools["cpu_decode/0"]
     gpu.start_delay = 0.3  # the first call waits in a full GPU pool's queue
-    real = cpu._run
-
-    async def never_taken(req, handoff, export_after):
-        await asyncio.sleep(60)
-        async for items in real(req, handoff, export_after):
-            yield items
-
-    cpu._run = never_taken
+    _never_taken(cpu)
     tokens, errors, trace = asyncio.run(asyncio.wait_for(collect(driver, request(10)), 4))
     assert not errors and tokens == [100 + i for i in range(10)]
     assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == [("gpu", 1), ("gpu", 9)]
@@ -1258,17 +1255,6 @@ def test_a_stalled_gpu_decode_stays_on_the_gpu_while_no_cpu_replica_lives(cpu_al
         await r.finish(t, HopEnd("done", 0.5, 96, finished=True))
         assert settled(r)
     asyncio.run(run())
-
-
-def _never_taken(pool):
-    """Every call to `pool` waits in Serve's queue (a deployment whose replicas keep dying)."""
-    real = pool._run
-
-    async def run(req, handoff, export_after):
-        await asyncio.sleep(60)
-        async for items in real(req, handoff, export_after):
-            yield items
-    pool._run = run
 
 
 def test_a_new_request_the_gpu_pool_never_takes_goes_on_on_the_cpu_pool(monkeypatch):
