@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from keyacc_ray.policies import LoadView, PoolLoad, RequestView, make_policy
 from keyacc_ray.policies.base import HOLD, OutputLengths
+from keyacc_ray.policies.hysteresis import cpu_full, cpu_place_for_new
 from keyacc_ray.serve.aio import wait_at_most
 from keyacc_ray.serve.driver import FAILOVER, MAX_RECOVERIES, MAX_STALLS, error_item as _err
 from keyacc_ray.serve.heap import freeze_startup_heap
@@ -403,8 +404,12 @@ class Router:
             self._count("requests_rerouted_total|reason=cpu_unavailable")
             return "gpu"
         # and the other way round, for the policies that use the CPU pool at all (`gpu_only` is the
-        # baseline: a stall still moves its requests, 20 s on, but no snapshot does)
-        if route in ("gpu", "stage") and self.policy.name != "gpu_only" and self._gpu_gone(self._first_gpu_hop()):
+        # baseline: a stall still moves its requests, 20 s on, but no snapshot does), while the CPU
+        # pool has a free place: the GPU's streams under way go on there first, and new requests
+        # admitted past its places took them (the every-pool kill soak: gaps over 2 s 507 -> 2906);
+        # the others queue for the GPU pool's replacement, bounded (20 s, then as stalled; a 503 when full)
+        if (route in ("gpu", "stage") and self.policy.name != "gpu_only" and self._gpu_gone(self._first_gpu_hop())
+                and not cpu_full(load := self.load_view()) and cpu_place_for_new(self.policy, load)):
             self._count("requests_rerouted_total|reason=gpu_unavailable")
             return "cpu"
         return route

@@ -1309,7 +1309,7 @@ def _monitor_seeing_gpu(alive: bool) -> "FakeMonitor":
 @pytest.mark.parametrize("gpu_alive", [True, False])
 def test_while_no_gpu_replica_lives_new_requests_start_and_stalled_streams_stay_on_the_cpu_pool(gpu_alive):
     """`_cpu_gone`'s twin: a new request the policy sends to the GPU pool starts on the CPU pool
-    while the monitor shows no live GPU replica, and a CPU stream not taken in time stays on the
+    while the monitor shows no live GPU replica and the CPU pool has a free place, and a CPU stream not taken in time stays on the
     CPU pool instead of moving into Serve's queue for the dead GPU deployment. (`gpu_only`, the
     baseline, routes by no snapshot.)"""
     base = Router(["CpuDecode"], "gpu_only", {}, monitor=_monitor_seeing_gpu(gpu_alive), colocated_gpu=True)
@@ -1324,6 +1324,10 @@ def test_while_no_gpu_replica_lives_new_requests_start_and_stalled_streams_stay_
         assert t.hop == ("gpu_decode" if gpu_alive else "cpu_decode/0")
         assert r._counters.get("requests_rerouted_total|reason=gpu_unavailable", 0) == (0 if gpu_alive else 1)
         await r.finish(t, HopEnd("done", 0.5, 96, finished=True))
+        r.inflight["cpu_decode/0"] += 32  # the CPU pool full (the GPU's streams under way went there):
+        assert (await r.begin(Ticket("full", 64, 96))).hop == "gpu_decode"  # a new one waits for the GPU pool
+        r._leave(Ticket("full", 64, 96), HopEnd("done", 0.0, 0))
+        r.inflight["cpu_decode/0"] -= 32
         t = Ticket("b", 64, 96, hop="cpu_decode/0")
         r._enter(t, "cpu_decode", None)
         t = await r.advance(t, HopEnd("stalled", 1.0, 12, True))
