@@ -106,8 +106,9 @@ def parse(data: dict, kind: str, *, tokenizer, served_names: set[str], max_model
           tool_parser: str | None = "hermes", request_id: str | None = None) -> ParsedRequest:
     """`request_id`: the client's own id for the request (vLLM's `X-Request-Id` header): the
     response's id is `cmpl-<it>` (`chatcmpl-<it>`); inside the graph each choice's id also carries a
-    random part (two clients may send the same one) and so do the server's logs. `vocab_size`: len(tokenizer), which the caller should compute once (transformers rebuilds
-    the whole vocabulary to answer it: about a millisecond per call). `defaults`: sampling
+    random part (two clients may send the same one). `vocab_size`: len(tokenizer), which the
+    caller should compute once (transformers rebuilds the whole vocabulary to answer it: about a
+    millisecond per call). `defaults`: sampling
     parameters for the fields a request leaves out or sends as null (`generation_defaults`).
     `tool_parser`: how `tool_choice: auto` reads calls from the output (tools.PARSERS; None: off)."""
     defaults = defaults or {}
