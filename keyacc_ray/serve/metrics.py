@@ -266,6 +266,10 @@ class SnapshotCollector:
             [], min(age, 1e9))
         fam(GaugeMetricFamily, "keyacc_requests_held", "new requests waiting at the router for a place on either "
             "pool").add_metric([], info.get("held", 0))
+        oldest = fam(GaugeMetricFamily, "keyacc_oldest_request_age_seconds", "per hop (and `held` at the router): "
+                     "how long its oldest request has been there (one stuck shows as an age that only grows)", ["hop"])
+        for hop, age in sorted((info.get("oldest_s") or {}).items()):
+            oldest.add_metric([hop], age)
         self._pools(fam, snap)
         self._replicas(fam, snap)
         gpu = snap.get("gpu") or {}

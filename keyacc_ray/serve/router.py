@@ -655,7 +655,15 @@ class Router:
         snap = self.snapshot
         return {"snapshot": snap.to_dict() if snap is not None else None,
                 "snapshot_age_s": self.snapshot_age_s, "policy": self.policy.name,
-                "inflight": dict(self.inflight), "held": len(self._held)}
+                "inflight": dict(self.inflight), "held": len(self._held), "oldest_s": self._oldest()}
+
+    def _oldest(self) -> dict[str, float]:
+        """Per hop (and `held`), how long its oldest request has been there: a request stuck
+        somewhere shows as an age that only grows (/metrics `keyacc_oldest_request_age_seconds`)."""
+        out: dict[str, float] = {}
+        for row in self.requests_in_flight(limit=len(self._active) + len(self._held)):
+            out.setdefault(row["hop"], row["seconds"])
+        return out
 
     def requests_in_flight(self, limit: int = 50) -> list[dict]:
         """The oldest requests this replica counts on a hop or holds (for an operator, and the

@@ -312,6 +312,7 @@ def test_requests_with_no_place_anywhere_wait_at_the_router_and_take_the_first_o
         seen = held_reaches(5)
         assert seen[-1] == 5, f"the request was not held with the others: {seen}"
         assert metric(app_url, "keyacc_requests_held ") >= 4
+        assert metric(app_url, 'keyacc_oldest_request_age_seconds{hop="held"} ') > 0  # the oldest held one's wait
         with pytest.raises(httpx.TimeoutException):
             gone.result()
         # (whether the hung-up request leaves the line now or runs once admitted depends on

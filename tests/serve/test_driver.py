@@ -831,6 +831,9 @@ def test_requests_with_no_place_on_either_pool_wait_at_the_router_in_order():
                          **{f"h{i}": "held" for i in range(3)}}
         ages = [x["seconds"] for x in r.requests_in_flight(limit=3)]
         assert len(ages) == 3 and ages == sorted(ages, reverse=True)
+        oldest = (await r.snapshot_dict())["oldest_s"]  # /metrics' keyacc_oldest_request_age_seconds
+        assert set(oldest) == {"gpu_prefill", "cpu_decode/0", "held"}
+        assert oldest["gpu_prefill"] >= oldest["held"] >= 0
         held[1].cancel()  # its client went away: it leaves the line, nothing counted anywhere
         await asyncio.sleep(0)
         await r.finish(first[9], HopEnd("done", 1.0, 96, finished=True))  # a CPU place frees

@@ -52,7 +52,7 @@ def snapshot():
                          "cpu_numa": [{"node": 0, "util_pct": 55.0}],
                          "counters": {"moves_total|from=gpu,to=cpu,reason=offload": 7,
                                       "policy_foo_total": 3}},
-            "snapshot_age_s": 0.2, "held": 2}
+            "snapshot_age_s": 0.2, "held": 2, "oldest_s": {"held": 0.5, "gpu_decode": 3.25}}
 
 
 def test_every_series_exists_from_start_up():
@@ -84,6 +84,8 @@ def test_snapshot_per_pool_and_replica_and_kept_while_the_router_is_down():
     assert value(s, "keyacc_queue_depth", deployment="GpuDecode", replica="a") == 3
     assert value(s, "keyacc_http_requests_total", kind="errors_400") == 2
     assert value(s, "keyacc_requests_held") == 2 and value(s, "keyacc_cpu_utilization_percent") == 55
+    assert value(s, "keyacc_oldest_request_age_seconds", hop="gpu_decode") == 3.25
+    assert value(s, "keyacc_oldest_request_age_seconds", hop="held") == 0.5
     down = samples(m.render(None))  # the router did not answer: the last snapshot, router_up 0
     assert value(down, "keyacc_router_up") == 0
     assert value(down, "vllm:num_requests_running", pool="cpu") == 6
