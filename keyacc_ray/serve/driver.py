@@ -100,7 +100,7 @@ def fallback(t: Ticket, end: HopEnd | None, colocated: bool = False) -> Ticket:
         t.export_after = None
     elif end.outcome == "stalled" and t.stalls < MAX_STALLS:  # its pool did not take it in time: the other
         t.hop = "gpu_decode" if kind == "cpu_decode" else "cpu_decode/0"
-        t.export_after, t.stall_moved, t.stalls = None, True, t.stalls + 1
+        t.export_after, t.stalls = None, t.stalls + 1
     elif end.outcome == "withdrawn":  # recalled unstarted: start over on the GPU pools
         t.hop, t.export_after = gpu_start
     elif end.outcome == "failed" and t.recoveries < MAX_RECOVERIES:

@@ -161,7 +161,6 @@ class Ticket:
     last_cpu: str | None = None  # the CPU deployment of the last CPU period (stay there if possible)
     recoveries: int = 0
     backpressured: bool = False
-    stall_moved: bool = False  # moved once because its pool did not take the stream in time
     stalls: int = 0  # hops of it not taken in time (past MAX_STALLS: a 503, not a wait without end)
     error: ErrorItem | None = None  # set: answer with this and stop
     # where its prompt's head is cached (the router's guesses, prefix_affinity.PoolPrefixes): the keys
@@ -172,6 +171,11 @@ class Ticket:
     prefix_keys: tuple = ()
     kv_skip_tokens: int = 0
     export_skip_tokens: int = 0
+
+    @property
+    def stall_moved(self) -> bool:
+        """Moved at least once because its pool did not take the stream in time."""
+        return self.stalls > 0
 
     @classmethod
     def of(cls, req: GenerateRequest) -> "Ticket":

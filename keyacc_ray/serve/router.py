@@ -504,7 +504,7 @@ class Router:
             # replaced, or full): the other pool; pinned, the same pool once more first
             self._count(f"stalled_starts_total|hop={kind}")
             self.prefixes.forget(t.hop)  # (its replica may be dead: a replacement caches nothing)
-            again, t.stall_moved = t.stall_moved, True
+            again = t.stall_moved
             t.stalls += 1
             if t.stalls > MAX_STALLS:  # neither pool takes it: a clear 503, not a wait without end
                 return self._stop(t, _err(503, f"no pool took the request within {t.stalls} tries; retry later",
