@@ -660,9 +660,11 @@ class Router:
     def _oldest(self) -> dict[str, float]:
         """Per hop (and `held`), how long its oldest request has been there: a request stuck
         somewhere shows as an age that only grows (/metrics `keyacc_oldest_request_age_seconds`)."""
-        out: dict[str, float] = {}
-        for row in self.requests_in_flight(limit=len(self._active) + len(self._held)):
-            out.setdefault(row["hop"], row["seconds"])
+        now, out = self.clock(), {}
+        for hop, since, _ in self._active.values():
+            out[hop] = max(out.get(hop, 0.0), round(now - since, 3))
+        if self._held:  # (oldest first)
+            out["held"] = round(now - self._held[0].since, 3)
         return out
 
     def requests_in_flight(self, limit: int = 50) -> list[dict]:
