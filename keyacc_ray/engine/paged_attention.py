@@ -70,13 +70,16 @@ class PagedKVCache:
     is_compileable = False
 
     def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, block_size: int, k_dim: int, v_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, zeros=None):
+        """`zeros(shape, dtype)`: how a CPU pool's layers are allocated (the CPU kernels'
+        `zeros_huge`, on 2 MB pages: decode attention streams them); torch.zeros by default."""
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.k = [torch.zeros((num_blocks, kv_heads, block_size, k_dim), dtype=dtype, device=device)
-                  for _ in range(num_layers)]
-        self.v = [torch.zeros((num_blocks, kv_heads, block_size, v_dim), dtype=dtype, device=device)
-                  for _ in range(num_layers)]
+        if zeros is None or device.type != "cpu":
+            def zeros(shape, dt):
+                return torch.zeros(shape, dtype=dt, device=device)
+        self.k = [zeros([num_blocks, kv_heads, block_size, k_dim], dtype) for _ in range(num_layers)]
+        self.v = [zeros([num_blocks, kv_heads, block_size, v_dim], dtype) for _ in range(num_layers)]
         self.batch: StepBatch | None = None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):

@@ -181,7 +181,7 @@ class ModelRunner:
         # a fixed-size decode step write their keys (engine/decode_graphs.py)
         self.pad_block = self.num_blocks
         self.cache = PagedKVCache(s.num_layers, self.num_blocks + 1, s.num_kv_heads, block_size, s.head_dim,
-                                  s.v_dim, self.dtype, self.device)
+                                  s.v_dim, self.dtype, self.device, zeros=self._cpu_zeros(cpu_kernels))
         self.windows = [self._window(i) for i in range(s.num_layers)]
         if self.device.type == "cpu" and cpu_kernels != "off":
             self._enable_cpu_kernels(required=cpu_kernels == "on",
@@ -351,6 +351,15 @@ class ModelRunner:
                                  param="model")
 
     # ---- CPU fast path -----------------------------------------------------------------
+    def _cpu_zeros(self, cpu_kernels: str):
+        """The CPU kernels' allocator on 2 MB pages for a CPU pool (None: torch.zeros)."""
+        if self.device.type != "cpu" or cpu_kernels == "off":
+            return None
+        from keyacc_ray import kernels
+
+        mod = kernels.load()
+        return getattr(mod, "zeros_huge", None)
+
     def _enable_cpu_kernels(self, required: bool, quant: str | None) -> None:
         from keyacc_ray import kernels
 

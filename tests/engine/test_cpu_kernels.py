@@ -53,6 +53,65 @@ def test_linear_bf16_strided_input(K):
     torch.testing.assert_close(y.float(), x.float() @ w.float().T, rtol=2 ** -7, atol=1e-2)
 
 
+def _huge_kb(t: torch.Tensor) -> int:
+    """AnonHugePages (kB) of the mapping holding t's data, from /proc/self/smaps."""
+    addr, kb, inside = t.data_ptr(), 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "AnonHugePages:":
+                kb = int(line.split()[1])
+    return kb
+
+
+def _thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "none"
+    return text[text.index("[") + 1:text.index("]")]
+
+
+def test_zeros_huge_gives_zeroed_tensors_on_huge_pages_and_returns_them(K):
+    import psutil
+
+    small = K.zeros_huge([3, 5], torch.float32)  # under 2 MB: a plain torch tensor
+    assert small.shape == (3, 5) and small.dtype == torch.float32 and not small.any()
+    t = K.zeros_huge([64, 1024, 512], BF16)  # 64 MB
+    assert t.shape == (64, 1024, 512) and t.dtype == BF16 and not t.any()
+    t[-1, -1, -1] = 3.0  # writable to its last element
+    assert t.float().sum().item() == 3.0
+    if os.environ.get("KEYACC_CPU_HUGE_PAGES") != "0":
+        assert t.data_ptr() % (2 << 20) == 0
+        if _thp_mode() in ("always", "madvise"):
+            assert _huge_kb(t) >= 2048, "no 2 MB page in a 64 MB allocation that asked for them"
+    del t
+    rss = psutil.Process().memory_info().rss
+    for _ in range(20):  # each freed with its tensor: 1.3 GB allocated in all, RSS stays put
+        x = K.zeros_huge([64, 1024, 512], BF16)
+        del x
+    assert psutil.Process().memory_info().rss < rss + (200 << 20)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 13])
+def test_linear_over_weights_on_huge_pages(K, m):
+    """A weight of 2 MB or more is packed into a huge-page allocation (zeros_huge): the same
+    products, the padding rows still zero."""
+    g = gen(m)
+    n, k = 1000, 1030  # 1,024 packed rows x 1,030: over 2 MB, 24 padding rows
+    w = (torch.randn(n, k, generator=g) * 0.05).to(BF16)
+    packed = K.pack_bf16(w)
+    assert packed.numel() * 2 >= 2 << 20
+    assert os.environ.get("KEYACC_CPU_HUGE_PAGES") == "0" or packed.data_ptr() % (2 << 20) == 0
+    x = torch.randn(m, k, generator=g).to(BF16)
+    y = K.linear_bf16(x, packed, n, None)
+    torch.testing.assert_close(y.float(), x.float() @ w.float().T, rtol=2 ** -7, atol=1e-3 * k ** 0.5)
+    assert not packed[-1, :, -1, -8:].any()  # the group's last 8 rows (1,016..1,023) are padding
+
+
 @pytest.mark.parametrize("m", [1, 9])
 def test_linear_int8_matches_dequantised_reference(K, m):
     g = gen(m)
