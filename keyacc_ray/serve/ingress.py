@@ -237,6 +237,30 @@ class Ingress:
         self._ensure_pusher()
         return PlainTextResponse(self.prom.render(snap), media_type=prom.CONTENT_TYPE)
 
+    @app.get("/keyacc/requests")
+    async def requests_in_flight(self, request: Request):
+        """For operators: the oldest requests the router counts, with where each is (a hop, or
+        `held` at the router) and for how long: which one a growing
+        `keyacc_oldest_request_age_seconds` is. An operator key where operator keys are set."""
+        if (err := self._auth_error(request)) is not None:
+            return err
+        if self.operator_keys and not self._known(self._key(request), self.operator_keys):
+            self._count("errors_403")
+            return error_response(403, {"error": {"message": "this endpoint needs an operator key",
+                                                  "type": "permission_error", "param": None, "code": None}})
+        raw = request.query_params.get("limit", "50")
+        if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+            self._count("errors_400")
+            return error_response(400, InvalidRequest(f"'limit' must be an integer in [1, 1000], got {raw!r}",
+                                                      param="limit").to_dict())
+        try:
+            rows = await wait_at_most(self.router.requests_in_flight.remote(int(raw)), METRICS_ROUTER_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - the router down or slow
+            return error_response(503, {"error": {"message": f"the router did not answer: {e.__class__.__name__}",
+                                                  "type": "unavailable", "param": None, "code": None}},
+                                  {"Retry-After": "1"})
+        return {"object": "list", "data": rows}
+
     @app.post("/v1/completions")
     async def completions(self, request: Request):
         return await self._handle(request, "completion")

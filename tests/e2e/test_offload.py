@@ -313,6 +313,15 @@ def test_requests_with_no_place_anywhere_wait_at_the_router_and_take_the_first_o
         assert seen[-1] == 5, f"the request was not held with the others: {seen}"
         assert metric(app_url, "keyacc_requests_held ") >= 4
         assert metric(app_url, 'keyacc_oldest_request_age_seconds{hop="held"} ') > 0  # the oldest held one's wait
+        # the operator's list of them (GET /keyacc/requests): every stream on its hop, the held
+        # ones at the router, oldest first
+        rows = httpx.get(f"{app_url}/keyacc/requests", params={"limit": 200}, timeout=10).json()["data"]
+        hops = [r["hop"] for r in rows]
+        assert hops.count("held") >= 4 and len(rows) >= 48, hops
+        assert {h.split("/")[0] for h in hops} <= {"held", "gpu_decode", "gpu_prefill", "cpu_decode"}, hops
+        ages = [r["seconds"] for r in rows]
+        assert ages == sorted(ages, reverse=True) and all(isinstance(r["request_id"], str) for r in rows)
+        assert len(httpx.get(f"{app_url}/keyacc/requests", params={"limit": 3}, timeout=10).json()["data"]) == 3
         with pytest.raises(httpx.TimeoutException):
             gone.result()
         # (whether the hung-up request leaves the line now or runs once admitted depends on

@@ -56,6 +56,22 @@ def test_route_pinning_only_for_operators(app_url, keys):
     assert [s["pool"] for s in r.json()["keyacc"]["segments"]] == ["cpu"]
 
 
+def test_the_requests_list_is_for_operators(app_url, keys):
+    """GET /keyacc/requests (which requests the router counts, where, for how long): no key 401,
+    a client's key 403, an operator's 200; a bad limit 400."""
+    client_key, operator_key = keys
+    url = f"{app_url}/keyacc/requests"
+    assert httpx.get(url, timeout=10).status_code == 401
+    r = httpx.get(url, headers={"Authorization": f"Bearer {client_key}"}, timeout=10)
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+    op = {"Authorization": f"Bearer {operator_key}"}
+    r = httpx.get(url, headers=op, timeout=10)
+    assert r.status_code == 200 and r.json()["object"] == "list" and isinstance(r.json()["data"], list)
+    for bad in ("0", "-3", "x", "1001", "2.5"):
+        r = httpx.get(url, params={"limit": bad}, headers=op, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "limit", bad
+
+
 def test_keys_never_logged(keys):
     client_key, operator_key = keys
     logs = glob.glob("/tmp/ray/session_latest/logs/**/*", recursive=True)
