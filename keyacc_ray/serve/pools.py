@@ -159,17 +159,22 @@ class EnginePool:
             # handed off after its first token: a prefill; else it started here from the prompt
             phase = "prefill" if export_after == 1 and ticket is None else "whole"
         self._report_wake.set()
-        yield [HopAccepted()]  # taken out of Serve's queue (the driver bounds the wait for this, not the import)
+        # Taken out of Serve's queue: the driver bounds the wait for this, not the import, so a
+        # hand-off says so before it reads its KV; a hop with nothing to read says it with its start.
+        accepted = [HopAccepted()]
+        if handoff is not None:
+            yield accepted
+            accepted = []
         try:
             params = SamplingParams(**req.params)
             package = await self._receive(handoff) if handoff is not None else None
         except KeyaccError as e:
-            yield [SegmentStart(self.pool, phase, self.replica, self.deployment, self.node_id),
+            yield [*accepted, SegmentStart(self.pool, phase, self.replica, self.deployment, self.node_id),
                    ErrorItem(e.status_code, e.to_dict())]
             return
         # with a hand-off: did its KV arrive, or is the sequence prefilled again here?
         kv = "" if package is None else ("received" if package.meta.num_kv_tokens > 0 else "recomputed")
-        yield [SegmentStart(self.pool, phase, self.replica, self.deployment, self.node_id, kv)]
+        yield [*accepted, SegmentStart(self.pool, phase, self.replica, self.deployment, self.node_id, kv)]
         # A fresh engine-level id per call: a late abort from an earlier hop of the same request
         # (the same request comes back here for its next decode period) can never hit this one.
         self._calls += 1

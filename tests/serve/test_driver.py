@@ -168,12 +168,16 @@ class FakePool:
         if self.start_delay:
             delay, self.start_delay = self.start_delay, 0.0
             await asyncio.sleep(delay)
-        yield [HopAccepted()]
-        if self.receive_delay:
-            delay, self.receive_delay = self.receive_delay, 0.0
-            await asyncio.sleep(delay)
         phase = "decode" if handoff is not None else self.phase
-        yield [SegmentStart(self.pool, phase, self.name + "-r0", self.name)]
+        start = SegmentStart(self.pool, phase, self.name + "-r0", self.name)
+        if handoff is None:  # as EnginePool: a new request's acceptance comes with its start
+            yield [HopAccepted(), start]
+        else:  # a hand-off's first, then its KV import
+            yield [HopAccepted()]
+            if self.receive_delay:
+                delay, self.receive_delay = self.receive_delay, 0.0
+                await asyncio.sleep(delay)
+            yield [start]
         done = len(handoff.token_ids) - len(req.prompt_token_ids) if handoff else 0
         max_tokens = req.params["max_tokens"]
         here = 0
@@ -738,7 +742,7 @@ class QueuingCpuPool(FakePool):
             yield [Withdrawn()]
             return
         async for items in FakePool._run(self, req, handoff, export_after):
-            if not isinstance(items[0], SegmentStart):
+            if items := [i for i in items if not isinstance(i, SegmentStart)]:  # (said above)
                 yield items
 
     def withdraw(self, rid):

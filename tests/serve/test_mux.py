@@ -415,9 +415,11 @@ def test_a_hops_token_stream_is_open_until_it_ends_and_a_later_one_is_another():
     asyncio.run(go())
 
 
-def test_a_hop_knows_its_token_stream_when_its_acceptance_comes_in_a_run_of_its_own():
-    """The pool yields HopAccepted, then SegmentStart, in runs of their own: the hop still learns
-    which subscription carries its tokens (the replica of its SegmentStart), and whether it is open."""
+@pytest.mark.parametrize("together", [False, True])
+def test_a_hop_knows_its_token_stream_whether_its_acceptance_comes_alone_or_with_its_start(together):
+    """A hand-off's hop yields HopAccepted, then SegmentStart, in runs of their own (its KV read in
+    between); a new request's hop yields both in one run: either way the hop learns which
+    subscription carries its tokens (the replica of its SegmentStart), and whether it is open."""
     from keyacc_ray.serve.messages import HopAccepted
     from keyacc_ray.serve.mux import MuxEnd, MuxRun
 
@@ -431,8 +433,13 @@ def test_a_hop_knows_its_token_stream_when_its_acceptance_comes_in_a_run_of_its_
         await asyncio.sleep(0.01)
 
         async def call():
+            start = SegmentStart("gpu", "whole", "r0", "GpuDecode")
+            if together:
+                yield [MuxRun(0, [HopAccepted(), start])]
+                yield [MuxEnd(1)]
+                return
             yield [MuxRun(0, [HopAccepted()])]
-            yield [MuxRun(1, [SegmentStart("gpu", "whole", "r0", "GpuDecode")])]
+            yield [MuxRun(1, [start])]
             yield [MuxEnd(2)]
 
         hop = client.open("gpu_decode").attach(call())
