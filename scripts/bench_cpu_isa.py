@@ -65,7 +65,7 @@ def measure(model: str, threads: int, steps: int, context: int = 128, kernel_tim
 
     torch.set_num_threads(threads)
     eng = LLMEngine(EngineConfig(model=model, dtype="bfloat16", max_num_seqs=32,
-                                 max_model_len=max(768, context + steps + 8),
+                                 max_model_len=max(768, context + 3 * steps + 8),
                                  num_threads=threads, cpu_kernels="on"))
     rng = random.Random(0)
     vocab = eng.runner.vocab_size
