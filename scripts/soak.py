@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Soak test (not part of `make test`): N minutes at twice the measured capacity, mixed good
-and bad requests, random replica kills. Prints requests sent, completed with correct tokens,
+"""Soak test (not part of `make test`): N minutes at twice the measured capacity (`--load`), mixed
+good and bad requests, random replica kills. Prints requests sent, completed with correct tokens,
 rejected with a clear error, and lost (must be 0), plus memory per Ray process over the run.
 A completion whose tokens differ from transformers' generate() (`completed_wrong`, must be 0) is
 kept in `wrong_examples` (its prompt, where the tokens part, and the request's path); one that
@@ -68,7 +68,7 @@ async def where(request_id: str) -> list[dict]:
     return [r for r in rows if r["request_id"].startswith(f"cmpl-{request_id}-")]
 
 
-async def good(client, rng, ref, stats, stream: bool, tiers: bool = False):
+async def good(client, rng, checks, stats, stream: bool, tiers: bool = False):
     rid = f"soak-{stats['sent']}"
     prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 20)))
     if tiers and rng.random() < 0.8:
@@ -113,10 +113,24 @@ async def good(client, rng, ref, stats, stream: bool, tiers: bool = False):
             body = r.json()
             ids = body["choices"][0]["token_ids"]
             trace = body.get("keyacc")
+        checks.append((prompt, n, stream, ids, trace))  # against generate() once the soak is over
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+        # (what the client had: a stream cut or stalled after some tokens, or a request never answered)
+        stats["lost"] += 1
+        stats["lost_examples"].append({"error": repr(e)[:80], "stream": stream, "tokens": len(ids), "max_tokens": n,
+                                       "after_s": round(time.monotonic() - t0, 1), "request_id": rid,
+                                       "router_has_it": await where(rid)})
+
+
+def verify(checks, ref, stats) -> None:
+    """Each completion's tokens against generate()'s, after the soak: computed during it, in this
+    client's event loop, each generate() held up every stream's reading for its duration (the
+    client's own stalls counted as the server's gaps) and took the server's cores."""
+    for prompt, n, stream, ids, trace in checks:
         want = ref(prompt, n)
         if ids == want:
             stats["completed_correct"] += 1
-            return
+            continue
         # kept for a look: where the tokens part from generate()'s, and the request's path
         at = next((i for i, (a, b) in enumerate(zip(ids, want)) if a != b), min(len(ids), len(want)))
         example = {"prompt": prompt, "max_tokens": n, "stream": stream, "first_difference_at": at,
@@ -128,12 +142,6 @@ async def good(client, rng, ref, stats, stream: bool, tiers: bool = False):
         else:
             stats["completed_wrong"] += 1
             stats["wrong_examples"] = stats["wrong_examples"][-4:] + [example]
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
-        # (what the client had: a stream cut or stalled after some tokens, or a request never answered)
-        stats["lost"] += 1
-        stats["lost_examples"].append({"error": repr(e)[:80], "stream": stream, "tokens": len(ids), "max_tokens": n,
-                                       "after_s": round(time.monotonic() - t0, 1), "request_id": rid,
-                                       "router_has_it": await where(rid)})
 
 
 def record_reject(stats, status, content):
@@ -201,7 +209,7 @@ async def main_async(args, url):
     wl = Workload(prompt_tokens=200 if args.tiers else 16, output_tokens=36)
     res, wall = await closed_loop(url, "tiny-qwen3", 8, 10, wl)
     capacity = sum(r.ok for r in res) / wall
-    rate = 2 * capacity
+    rate = args.load * capacity
     print(f"measured capacity {capacity:.1f} req/s; soaking at {rate:.1f} req/s for {args.minutes} min", flush=True)
     stats = {"sent": 0, "completed_correct": 0, "completed_near_tie": 0, "near_tie_examples": [],
              "completed_wrong": 0, "rejected_clear_error": 0, "lost": 0,
@@ -211,6 +219,7 @@ async def main_async(args, url):
     rng = random.Random(args.seed)
     mem: dict[str, list[int]] = {}
     tasks = set()
+    checks: list[tuple] = []  # completions, checked against generate() at the end
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=512)) as client:
         end = time.monotonic() + args.minutes * 60
         next_kill = time.monotonic() + args.kill_every_s
@@ -220,21 +229,25 @@ async def main_async(args, url):
             if rng.random() < 0.2:
                 coro = bad(client, rng, stats)
             else:
-                coro = good(client, rng, ref, stats, stream=rng.random() < 0.5, tiers=args.tiers)
+                coro = good(client, rng, checks, stats, stream=rng.random() < 0.5, tiers=args.tiers)
             t = asyncio.create_task(coro)
             tasks.add(t)
             t.add_done_callback(tasks.discard)
+            # (blocking calls off the event loop: it reads every stream and times their gaps)
             if time.monotonic() > next_kill:
-                kill_random_replica(rng, args.kill_only or ("CpuDecode", "GpuDecode", "GpuPrefill"))
+                await asyncio.to_thread(kill_random_replica, rng,
+                                        args.kill_only or ("CpuDecode", "GpuDecode", "GpuPrefill"))
                 stats["kills"] += 1
                 next_kill += args.kill_every_s
             if time.monotonic() > next_mem:
-                for k, v in ray_processes_rss().items():
+                for k, v in (await asyncio.to_thread(ray_processes_rss)).items():
                     mem.setdefault(k, []).append(v)
                 next_mem += 10
             await asyncio.sleep(rng.expovariate(rate))
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 300)
         stats["blocks_in_use_at_idle"] = await blocks_in_use(client)
+    print(f"checking {len(checks)} completions against generate()", flush=True)
+    verify(checks, ref, stats)
     return stats, mem
 
 
@@ -272,6 +285,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=3)
     ap.add_argument("--kill-every-s", type=float, default=40)
+    ap.add_argument("--load", type=float, default=2.0, help="offered requests/s as a multiple of the measured capacity")
     ap.add_argument("--policy", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=8041)
