@@ -104,7 +104,7 @@ async def good(client, rng, checks, stats, stream: bool, tiers: bool = False):
                     segs = [f"{g.get('pool')}/{g.get('phase')}:{g.get('tokens')}"
                             + "".join(f",{k}" for k in ("kv", "failed", "withdrawn") if g.get(k))
                             for g in (trace or {}).get("segments", [])]
-                    stats["worst_gaps"].append((round(worst[0], 2), worst[1], segs))
+                    stats["worst_gaps"].append((round(worst[0], 2), worst[1], segs, rid))  # (rid: its X-Request-Id)
                     stats["worst_gaps"] = sorted(stats["worst_gaps"], reverse=True)[:8]
         else:
             r = await client.post("/v1/completions", json=body, headers={"X-Request-Id": rid})
