@@ -157,8 +157,8 @@ constexpr int GB = 4;  // blocks per group
 // "madvise" mode; elsewhere plain pages, the same tensor). A decode step streams every weight once,
 // and on 4 KB pages that is a TLB miss every 4 KB, each a page walk (two-level under a VM's nested
 // paging) that the software prefetch ahead of the tile waits on. Measured on the 2-core Zen 3 VM
-// (`bench_linear.py --stream --isa avx2`, alternated): a batch-1 step's products 31.1 / 31.4 ms on
-// 4 KB pages, 27.6 / 28.5 ms on 2 MB pages (755 MB: from 24.2 to 27 GB/s, this VM's read roofline).
+// (`bench_linear.py --stream --isa avx2`, off/on alternated seven times): a batch-1 step's products
+// (755 MB) median 30.9 ms on 4 KB pages, 26.6 ms on 2 MB pages (28 GB/s: this VM's plain read).
 // The pages must be asked for before they are first touched, so this allocates and zeroes itself.
 // KEYACC_CPU_HUGE_PAGES=0 turns it off (plain torch allocations).
 bool huge_pages_on() {
