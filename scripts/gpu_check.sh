@@ -21,7 +21,8 @@
 #      then its engine check -> engine_check.json, when time allows
 #   5. bench/: the side-by-side policy run on the GPU + the CPU cores (report.json, written after
 #      every run, + PNG plots), on the step-2 model
-# Files that come back: log.txt, env.json, decode_*.json, engine_check.json, bench/ (5).
+# Files that come back (8 at most): log.txt, env.json, decode_*.json, engine_check.json, bench/report.json,
+# plots.tar (5's PNG plots).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-$PWD/gpu_check_out}}
@@ -166,5 +167,8 @@ if [ "$BENCH_RC" != 0 ]; then   # what went wrong, for the log that comes back
   done 2>/dev/null | tail -80 | tee -a "$OUT_DIR/log.txt"
 fi
 log "bench exit status $BENCH_RC; total $(( $(date +%s) - START )) s"
+# the device tool brings back at most 8 files: the plots travel as one tarball
+ls "$OUT_DIR"/bench/*.png >/dev/null 2>&1 && tar -cf "$OUT_DIR/plots.tar" -C "$OUT_DIR/bench" $(cd "$OUT_DIR/bench" && ls *.png) \
+  && rm -f "$OUT_DIR"/bench/*.png
 rm -rf "$WORK"
 [ "$SMALL_RC" = 0 ] && [ "$LARGE_RC" != 1 ] && [ "$BENCH_RC" = 0 ] && [ "$DECODE_RC" = 0 ]
