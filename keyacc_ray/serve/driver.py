@@ -37,8 +37,8 @@ HOP_START_BOUND_S = 1.0
 # end: a hop whose replica has not taken it by then (Serve's queue for a pool whose replicas died
 # and are being replaced, again and again under the kill soak, kept requests past their clients'
 # timeouts: on the CPU pool, and on the GPU pool when its replica was killed) starts over on the
-# other pool. A stream moved once by a stall, and a pinned request stalled once on its own pool,
-# wait this long too. (A live pool's full queue is bounded: Serve refuses past it, a clear 503.)
+# other pool. The hop right after a stall (a stream moved by it, a pinned request stalled once on
+# its own pool) waits this long too. (A live pool's full queue is bounded: Serve refuses past it, a clear 503.)
 NEW_HOP_START_BOUND_S = 20.0
 MAX_STALLS = 4  # hops of one request not taken in time: past it a 503, never a wait without end
 # Pool streams and router calls use Serve's gRPC transport (`_by_reference=False`): per streamed
@@ -95,6 +95,7 @@ def fallback(t: Ticket, end: HopEnd | None, colocated: bool = False) -> Ticket:
         t.hop, t.export_after = ("cpu_decode/0", None) if t.route == "cpu" else gpu_start
         return t
     kind = t.hop.split("/")[0]
+    t.stall_moved = end.outcome == "stalled"
     if end.outcome == "handoff":  # finish where the request is
         t.hop = t.hop if kind == "cpu_decode" else "gpu_decode"
         t.export_after = None

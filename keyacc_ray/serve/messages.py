@@ -162,6 +162,9 @@ class Ticket:
     recoveries: int = 0
     backpressured: bool = False
     stalls: int = 0  # hops of it not taken in time (past MAX_STALLS: a 503, not a wait without end)
+    # its last hop was not taken in time: this one waits for its pool up to NEW_HOP_START_BOUND_S
+    # (the hops after it, HOP_START_BOUND_S again: a stream under way)
+    stall_moved: bool = False
     error: ErrorItem | None = None  # set: answer with this and stop
     # where its prompt's head is cached (the router's guesses, prefix_affinity.PoolPrefixes): the keys
     # of its heads at a few depths (prefix_affinity.anchors, PREFIX_BLOCK tokens a block, deepest
@@ -171,11 +174,6 @@ class Ticket:
     prefix_keys: tuple = ()
     kv_skip_tokens: int = 0
     export_skip_tokens: int = 0
-
-    @property
-    def stall_moved(self) -> bool:
-        """Moved at least once because its pool did not take the stream in time."""
-        return self.stalls > 0
 
     @classmethod
     def of(cls, req: GenerateRequest) -> "Ticket":

@@ -45,6 +45,12 @@ FINISHED_KEEP_S = 120.0  # how long a finished request's id is kept, to recognis
 # its next hop (a few ms), so that new arrivals do not take the same places; if it never comes
 # (it started on the CPU before it could leave), the count lapses after this long.
 RECALL_HOLD_S = 2.0
+# A hop its pool did not take within the driver's bound is fresher news than the monitor's
+# snapshot, which shows a killed replica alive for STALE_AFTER_S: that hop's deployment counts as
+# gone for every move there (a policy's too) until a hop ends there after running (it takes calls
+# again), the snapshot shows a replica of it not seen at the stall (its replacement), or this long
+# passed. (The kill soak: a policy move to a CPU pool whose replica had just died waited 17 s.)
+STALL_MEMORY_S = 30.0
 
 
 @dataclass
@@ -101,6 +107,7 @@ class Router:
         self.prefixes = PoolPrefixes(clock=self.clock)  # which hops likely cache a prompt's head
         self.kv_handoff_skip = kv_handoff_skip
         self._replicas_seen: dict[str, set] = {}  # deployment -> its replicas in the last snapshot
+        self._stalled: dict[str, tuple[float, frozenset]] = {}  # hop -> (when a hop there stalled, its replicas then)
         self._cpu_loads: list[PoolLoad] = [PoolLoad() for _ in self.cpu_keys]
         self.snapshot = None
         self.snapshot_age_s = float("inf")
@@ -191,6 +198,9 @@ class Router:
         for hop, dep in self.deployment_of.items():
             if self._replicas_seen.get(dep, set()) - now.get(dep, set()):
                 self.prefixes.forget(hop)
+        for hop, (_, seen) in list(self._stalled.items()):
+            if now.get(self.deployment_of[hop], set()) - seen:  # a replica that was not there: the replacement
+                del self._stalled[hop]
         self._replicas_seen = now
 
     def reconfigure(self, user_config: dict) -> None:
@@ -259,7 +269,7 @@ class Router:
         self.load_view()
         pools = dict(zip(self.cpu_keys, self._cpu_loads))
         load = {k: max(c.running + c.queue, self.inflight[k]) for k, c in pools.items()}
-        live = {k for k, c in pools.items() if c.known}
+        live = {k for k, c in pools.items() if c.known and not self._stalled_lately(k)}
         if prefer in pools and pools[prefer].queue == 0 and (prefer in live or not live):
             return prefer
         # a deployment the monitor has no live replica of last (its requests would wait in Serve's
@@ -275,10 +285,33 @@ class Router:
         n, key = max((self.prefixes.cached_tokens(t.prefix_keys, t.num_prompt_tokens, k), k) for k in self.cpu_keys)
         return key if n > 0 else None
 
+    def _stall_seen(self, hop: str) -> None:
+        """A hop there was not taken in time (STALL_MEMORY_S)."""
+        self._stalled[hop] = (self.clock(), frozenset(self._replicas_seen.get(self.deployment_of[hop], ())))
+
+    def _hop_ended(self, t: Ticket, end: HopEnd) -> None:
+        """The hop's pool took the call and answered (ran it, handed it off, checked in, refused it
+        as full, withdrew it): it is not gone, whatever an earlier stall there said."""
+        if t.hop in self._stalled and (end.outcome in ("handoff", "withdrawn", "backpressure") or end.finished):
+            del self._stalled[t.hop]
+
+    def _stalled_lately(self, hop: str) -> bool:
+        """A hop there stalled, and nothing since shows its deployment alive (STALL_MEMORY_S)."""
+        s = self._stalled.get(hop)
+        if s is not None and self.clock() - s[0] > STALL_MEMORY_S:
+            del self._stalled[hop]
+            s = None
+        return s is not None
+
     def _cpu_gone(self) -> bool:
         """The monitor's fresh snapshot shows the GPU pool but no live replica of any CPU decode
         deployment (killed, restarting: a replica silent for STALE_AFTER_S is dropped): a stream
-        sent there now would wait in Serve's queue for a replacement (about 30 s in the soak)."""
+        sent there now would wait in Serve's queue for a replacement (about 30 s in the soak).
+        Or, sooner than the snapshot says so, a hop of every CPU decode deployment stalled lately
+        and none of the GPU's (both stalled: neither is known to be better)."""
+        if all(self._stalled_lately(k) for k in self.cpu_keys) and \
+                not any(self._stalled_lately(h) for h in ("gpu_prefill", "gpu_decode")):
+            return True
         snap = self.snapshot
         if snap is None or self.snapshot_age_s > STALE_SNAPSHOT_S:
             return False
@@ -287,7 +320,10 @@ class Router:
 
     def _gpu_gone(self, hop: str = "gpu_decode") -> bool:
         """`_cpu_gone`'s twin: the fresh snapshot shows a CPU decode deployment but no live replica
-        of the GPU deployment of `hop` (killed, its replacement starting)."""
+        of the GPU deployment of `hop` (killed, its replacement starting), or a hop there stalled
+        lately and not one of every CPU decode deployment."""
+        if self._stalled_lately(hop) and not all(self._stalled_lately(k) for k in self.cpu_keys):
+            return True
         snap = self.snapshot
         if snap is None or self.snapshot_age_s > STALE_SNAPSHOT_S:
             return False
@@ -482,8 +518,11 @@ class Router:
 
     async def _advance(self, t: Ticket, end: HopEnd) -> Ticket:
         self._ran(t, end)
+        self._hop_ended(t, end)
         self._leave(t, end)
         kind = t.hop.split("/")[0]
+        # (the next hop waits NEW_HOP_START_BOUND_S for its pool only right after a stall)
+        again, t.stall_moved = t.stall_moved, end.outcome == "stalled"
         # After a colocated GPU engine's prefill the decision is its pool's check, in place (or, pinned
         # to `stage`, the export after the first token). A hand-off the driver reports while the
         # ticket still says `prefill_check` ended the hop before the check's answer (a move comes as
@@ -493,7 +532,8 @@ class Router:
         t.prefill_check = False
         if end.outcome == "backpressure":  # the pool's bounded queue is full: not a fault
             self._count(f"rejected_total|hop={kind}")
-            if kind == "gpu_decode" and t.pinned_route is None and end.has_handoff and not t.backpressured:
+            if (kind == "gpu_decode" and t.pinned_route is None and end.has_handoff and not t.backpressured
+                    and not self._cpu_gone()):
                 # prefilled, but the GPU decode pool is full: decode on the CPU pool instead
                 t.backpressured, t.last_cpu = True, None
                 self._count("moves_total|from=gpu,to=cpu,reason=backpressure")
@@ -504,7 +544,7 @@ class Router:
             # replaced, or full): the other pool; pinned, the same pool once more first
             self._count(f"stalled_starts_total|hop={kind}")
             self.prefixes.forget(t.hop)  # (its replica may be dead: a replacement caches nothing)
-            again = t.stall_moved
+            self._stall_seen(t.hop)
             t.stalls += 1
             if t.stalls > MAX_STALLS:  # neither pool takes it: a clear 503, not a wait without end
                 return self._stop(t, _err(503, f"no pool took the request within {t.stalls} tries; retry later",
@@ -595,6 +635,7 @@ class Router:
             held.admitted.cancel()
             self._held.remove(held)
         self._ran(t, end)
+        self._hop_ended(t, end)
         self._leave(t, end)
         now = self.clock()
         self._finished[t.request_id] = now
@@ -639,7 +680,9 @@ class Router:
             if t.pinned_route is not None:  # pinned: migrate_back_after moves it back once
                 return "gpu_decode", None
             if self.policy.after_period(view, self.load_view()) == "gpu":
-                return "gpu_decode", None
+                if not self._gpu_gone():
+                    return "gpu_decode", None
+                self._count("moves_kept_total|reason=gpu_unavailable")  # decodes on where it is
             return "cpu_decode", self.policy.decode_period_tokens()
         raise AssertionError(f"no hop after {prev}")
 

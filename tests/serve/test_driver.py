@@ -1264,6 +1264,122 @@ def test_a_stalled_gpu_decode_stays_on_the_gpu_while_no_cpu_replica_lives(cpu_al
     asyncio.run(run())
 
 
+def _monitor_with_replicas(replicas: list) -> "FakeMonitor":
+    """A monitor whose snapshot shows all three pools alive, with `replicas` (read at each call)."""
+    async def answer(since):
+        snap = three_pools_snapshot()
+        snap.replicas = [{"deployment": d, "replica": x} for d, x in replicas]
+        return snap
+    return FakeMonitor(answer)
+
+
+def test_a_pool_whose_hop_stalled_is_gone_for_every_move_until_it_shows_it_takes_calls(monkeypatch):
+    """A CPU hop not taken in time (its replica just died, while the monitor still shows it for
+    STALE_AFTER_S) is fresher news than the snapshot: the policy's moves there (new requests, a
+    preempted GPU decode) stay on the GPU until a hop ends there after running, the snapshot shows
+    a replica not seen at the stall (the replacement), or STALL_MEMORY_S passed (the kill soak: a
+    policy move to a CPU pool whose replica had died waited 17 s in Serve's queue). Only the hop
+    right after a stall waits for its pool up to NEW_HOP_START_BOUND_S."""
+    from keyacc_ray.serve import router as router_mod
+
+    now = [100.0]
+    replicas = [("CpuDecode", "c1"), ("GpuDecode", "g1")]
+    r = Router(["CpuDecode"], "full_offload", {}, monitor=_monitor_with_replicas(replicas), colocated_gpu=True,
+               clock=lambda: now[0])
+    r.policy.route = lambda *a: "cpu"
+
+    async def stall_a_cpu_stream(rid):
+        t = Ticket(rid, 64, 96)
+        r._enter(t, "cpu_decode", 8)
+        t = await r.advance(t, HopEnd("stalled", 1.0, 12, True))
+        assert t.hop == "gpu_decode" and t.stall_moved  # this hop: the longer bound
+        return t
+
+    async def new_hop(rid):
+        t = await r.begin(Ticket(rid, 64, 96))
+        r._leave(t, HopEnd("done", 0.0, 0))
+        return t.hop
+
+    async def run():
+        await r.snapshot_dict()
+        assert await new_hop("before") == "cpu_decode/0"
+        t = await stall_a_cpu_stream("a")
+        assert await new_hop("b") == "gpu_decode"
+        assert r._counters["requests_rerouted_total|reason=cpu_unavailable"] == 1
+        # the stream moved by the stall checks in on the GPU pool: its next hop has the short bound
+        t = await r.advance(t, HopEnd("handoff", 0.5, 20, True))  # preempted there: kept on the GPU
+        assert t.hop == "gpu_decode" and not t.stall_moved
+        assert r._counters["moves_kept_total|reason=cpu_unavailable"] == 1
+        await r.finish(t, HopEnd("done", 0.5, 96, finished=True))
+        # a CPU hop that ends after running (a request already there): the pool takes calls
+        c = Ticket("c", 64, 96)
+        r._enter(c, "cpu_decode", None)
+        await r.finish(c, HopEnd("done", 2.0, 96, finished=True))
+        assert await new_hop("d") == "cpu_decode/0"
+        # the replacement in the snapshot
+        await r.finish(await stall_a_cpu_stream("e"), HopEnd("done", 0.5, 96, finished=True))
+        assert await new_hop("f") == "gpu_decode"
+        await r.snapshot_dict()  # the same replica: still gone
+        assert await new_hop("g") == "gpu_decode"
+        replicas[0] = ("CpuDecode", "c2")
+        await r.snapshot_dict()
+        assert await new_hop("h") == "cpu_decode/0"
+        # or the memory's end
+        await r.finish(await stall_a_cpu_stream("i"), HopEnd("done", 0.5, 96, finished=True))
+        now[0] += router_mod.STALL_MEMORY_S - 1
+        assert await new_hop("j") == "gpu_decode"
+        now[0] += 2
+        assert await new_hop("k") == "cpu_decode/0"
+        assert settled(r)
+    asyncio.run(run())
+
+
+def test_a_stall_on_one_cpu_deployment_sends_moves_to_another_not_to_the_gpu():
+    """With a CPU decode deployment per NUMA node, one whose hop stalled is passed over while
+    another is live; the CPU pool as a whole is not gone."""
+    from keyacc_ray.serve.monitor import Snapshot
+
+    async def answer(since):
+        snap = three_pools_snapshot()
+        cpu = snap.deployments.pop("CpuDecode")
+        return Snapshot(0.0, {**snap.deployments, "CpuDecode0": cpu, "CpuDecode1": cpu}, version=1)
+    r = Router(["CpuDecode0", "CpuDecode1"], "full_offload", {}, monitor=FakeMonitor(answer), colocated_gpu=True)
+    r.policy.route = lambda *a: "cpu"
+
+    async def run():
+        await r.snapshot_dict()
+        t = Ticket("a", 64, 96)
+        r._enter(t, "cpu_decode", 8)
+        stalled_on = t.hop
+        t = await r.advance(t, HopEnd("stalled", 1.0, 12, True))
+        for i in range(3):  # (the other would be the less loaded one anyway after the first)
+            n = await r.begin(Ticket(f"n{i}", 64, 96))
+            assert n.hop.startswith("cpu_decode/") and n.hop != stalled_on
+        assert not r._counters.get("requests_rerouted_total|reason=cpu_unavailable")
+    asyncio.run(run())
+
+
+def test_a_stream_moved_off_a_stalled_gpu_pool_is_not_sent_back_there_by_the_policy(monkeypatch):
+    """A stream whose GPU decode hop stalled decodes on the CPU pool; at the end of its CPU period
+    the policy would move it back to the GPU (the monitor still shows the GPU replica), but no GPU
+    decode hop ran since the stall: it decodes on where it is instead of waiting for a dead
+    replica's queue again."""
+    from keyacc_ray.serve import driver as driver_mod
+
+    monkeypatch.setattr(driver_mod, "HOP_START_BOUND_S", 0.05)
+    driver, router, pools = make("stage_offload", {"decode_period_tokens": 4})
+    router.policy.after_prefill = lambda req, load: "gpu"
+    router.policy.after_period = lambda req, load: "gpu"
+    gpu = pools["gpu_decode"]
+    _never_taken(gpu)
+    tokens, errors, trace = asyncio.run(asyncio.wait_for(collect(driver, request(14)), 4))
+    assert not errors and tokens == [100 + i for i in range(14)]
+    assert [s["pool"] for s in trace["segments"]] == ["gpu", "cpu"] and len(gpu.calls) == 1
+    assert router._counters["stalled_starts_total|hop=gpu_decode"] == 1
+    assert router._counters["moves_kept_total|reason=gpu_unavailable"] >= 2
+    assert settled(router)
+
+
 def test_a_new_request_the_gpu_pool_never_takes_goes_on_on_the_cpu_pool(monkeypatch):
     """A new request waits for the GPU pool's replica to take it at most NEW_HOP_START_BOUND_S
     (its replica killed while starting, again and again: the GPU kill soak's client timed out
