@@ -14,13 +14,15 @@
 #   2b. the engine's decode speed on it (issue #21: scripts/bench_gpu_decode.py, CUDA graphs, the Triton
 #      decode attention): tokens/s at batch 1, 16, 64, 256 of 1k-token sequences, each step against the
 #      HBM roofline, prefill tokens/s, host CPU per step -> decode_<size>.json
-#   2c. the same at batch 64 and 256 with asynchronous scheduling -> decode_<size>_async.json
 #   3. the engine check on it: GPU prefill -> CPU decode continuation (and back), tokens compared
+#   then, each while the time left allows it besides the side-by-side's reserve, in this order:
+#   4. Qwen3-14B's shape (KEYACC_CHECK_SIZE): its decode speed at batch 1, 16, 64 (decode_<size>.json)
+#   2c. the step-2 model at batch 64 and 256 with asynchronous scheduling -> decode_<size>_async.json
 #   3b. where the host CPU has AMX: the CPU fast path with and without AMX tiles (a JSON line in log.txt)
-#   4. Qwen3-14B's shape (KEYACC_CHECK_SIZE): its decode speed at batch 1, 16, 64 (decode_<size>.json),
-#      then its engine check -> engine_check.json, when time allows
-#   5. bench/: the side-by-side policy run on the GPU + the CPU cores (report.json, written after
-#      every run, + PNG plots), on the step-2 model
+#   4b. the engine check on the 14B shape -> engine_check.json
+#   5. bench/: the side-by-side on the GPU + the CPU cores (report.json, written after every run,
+#      + PNG plots), on the step-2 model: gpu_only and auto at 64 clients (KEYACC_CHECK_POLICIES,
+#      KEYACC_CHECK_LEVELS), the CPU pool alone, one low-load round
 # Files that come back (8 at most): log.txt, env.json, decode_*.json, engine_check.json, bench/report.json,
 # plots.tar (5's PNG plots).
 set -uo pipefail
@@ -119,40 +121,51 @@ make_model "$BENCH_SIZE" "$WORK/m-$BENCH_SIZE" "$(cap 90)" || { log "model creat
 log "2b decode speed on $BENCH_SIZE ($CONTEXT-token sequences)"
 decode_bench "$WORK/m-$BENCH_SIZE" "$BENCH_SIZE" "$(cap 120)" 1 16 64 256
 DECODE_RC=$?
-log "2c the same with asynchronous scheduling (step n+1 launched before step n's ids are read) at batch 64 and 256"
-DECODE_FLAGS=--async-scheduling decode_bench "$WORK/m-$BENCH_SIZE" "${BENCH_SIZE}_async" "$(cap 60)" 64 256 || DECODE_RC=1
 log "3/5 engine on $BENCH_SIZE: GPU prefill -> CPU decode and back, tokens compared"
 engine_check "$WORK/m-$BENCH_SIZE" "$WORK/engine_check_$BENCH_SIZE.json" "$(cap 90)"
 SMALL_RC=$?
 log "engine check ($BENCH_SIZE) exit status $SMALL_RC"
 
-BENCH_RESERVE=${KEYACC_BENCH_RESERVE:-250}   # seconds kept for the side-by-side (about 240 on the H200 host: 8 runs, CPU alone, low load)
-if grep -q amx_bf16 /proc/cpuinfo && [ "$(left)" -gt $(( BENCH_RESERVE + 240 )) ]; then
-  # the CPU pool's kernels with and without AMX tiles (issue #26), one JSON line into log.txt
-  log "3b CPU fast path on $BENCH_SIZE, AMX vs AVX-512 alone ($(nproc) threads)"
-  timeout "$(cap 90 $(( BENCH_RESERVE + 150 )))" $PY scripts/bench_cpu_isa.py --model "$WORK/m-$BENCH_SIZE" \
-    --threads "$(nproc)" --steps 8 --isa amx avx512 2>&1 | tail -1 | tee -a "$OUT_DIR/log.txt"
-fi
+# The side-by-side keeps its reserve; what runs before it goes by priority, each step only when
+# the time left allows it: the large shape's decode speed (#21's targets), the asynchronous-
+# scheduling A/B, the CPU pool with and without AMX (#26), then the large shape's engine check.
+BENCH_RESERVE=${KEYACC_BENCH_RESERVE:-170}   # seconds kept for the side-by-side (2 runs at 64 clients, CPU alone, low load)
 LARGE_RC=skipped
-if [ "$SIZE" != "$BENCH_SIZE" ] && [ "$(left)" -gt $(( BENCH_RESERVE + 60 )) ]; then
-  log "4/5 model $SIZE on $DEVICE and its engine check ($(left) s left)"
-  if make_model "$SIZE" "$WORK/m-$SIZE" "$(cap 150 $(( BENCH_RESERVE + 30 )))"; then
+LARGE_MADE=""
+if [ "$SIZE" != "$BENCH_SIZE" ] && [ "$(left)" -gt $(( BENCH_RESERVE + 120 )) ]; then
+  log "4/5 model $SIZE on $DEVICE and its decode speed ($(left) s left)"
+  if make_model "$SIZE" "$WORK/m-$SIZE" "$(cap 150 $(( BENCH_RESERVE + 60 )))"; then
+    LARGE_MADE=1
     log "4 decode speed on $SIZE ($(left) s left)"
-    decode_bench "$WORK/m-$SIZE" "$SIZE" "$(cap 150 $(( BENCH_RESERVE + 20 )))" 1 16 64 || DECODE_RC=1
-    engine_check "$WORK/m-$SIZE" "$OUT_DIR/engine_check.json" "$(cap 150 "$BENCH_RESERVE")"
-    LARGE_RC=$?
-    rm -rf "$WORK/m-$SIZE"   # its page cache and disk back to the side-by-side
+    decode_bench "$WORK/m-$SIZE" "$SIZE" "$(cap 150 $(( BENCH_RESERVE + 10 )))" 1 16 64 || DECODE_RC=1
   else
     log "model $SIZE: not made in time"
   fi
-  log "engine check ($SIZE) exit status $LARGE_RC"
 else
   log "4/5 skipped: $SIZE model ($(left) s left, $BENCH_RESERVE kept for the side-by-side)"
 fi
+if [ "$(left)" -gt $(( BENCH_RESERVE + 40 )) ]; then
+  log "2c $BENCH_SIZE with asynchronous scheduling (step n+1 launched before step n's ids are read) at batch 64 and 256"
+  DECODE_FLAGS=--async-scheduling decode_bench "$WORK/m-$BENCH_SIZE" "${BENCH_SIZE}_async" \
+    "$(cap 60 "$BENCH_RESERVE")" 64 256 || DECODE_RC=1
+fi
+if grep -q amx_bf16 /proc/cpuinfo && [ "$(left)" -gt $(( BENCH_RESERVE + 60 )) ]; then
+  # the CPU pool's kernels with and without AMX tiles (issue #26), one JSON line into log.txt
+  log "3b CPU fast path on $BENCH_SIZE, AMX vs AVX-512 alone ($(nproc) threads)"
+  timeout "$(cap 90 "$BENCH_RESERVE")" $PY scripts/bench_cpu_isa.py --model "$WORK/m-$BENCH_SIZE" \
+    --threads "$(nproc)" --steps 8 --isa amx avx512 2>&1 | tail -1 | tee -a "$OUT_DIR/log.txt"
+fi
+if [ -n "$LARGE_MADE" ] && [ "$(left)" -gt $(( BENCH_RESERVE + 60 )) ]; then
+  log "4 engine check on $SIZE ($(left) s left)"
+  engine_check "$WORK/m-$SIZE" "$OUT_DIR/engine_check.json" "$(cap 150 "$BENCH_RESERVE")"
+  LARGE_RC=$?
+  log "engine check ($SIZE) exit status $LARGE_RC"
+fi
+rm -rf "$WORK/m-$SIZE"   # its page cache and disk back to the side-by-side
 
 log "5/5 side by side on $BENCH_SIZE, GPU + CPU cores ($(left) s left)"
 timeout "$(cap 600)" $PY scripts/bench.py $GPU_FLAG --model-path "$WORK/m-$BENCH_SIZE" \
-  --levels ${KEYACC_CHECK_LEVELS:-16 64} --duration ${KEYACC_CHECK_DURATION:-6} --ramp 2 --low-load-rounds 1 \
+  --policies ${KEYACC_CHECK_POLICIES:-gpu_only auto} --levels ${KEYACC_CHECK_LEVELS:-64} --duration ${KEYACC_CHECK_DURATION:-6} --ramp 2 --low-load-rounds 1 \
   --tpot-slo-ms 200 --ttft-slo-ms 3000 --out-dir "$OUT_DIR/bench" --profile-steps "$WORK/prof:500:40" \
   >"$WORK/bench.log" 2>&1
 BENCH_RC=$?
