@@ -41,6 +41,8 @@ HOP_START_BOUND_S = 1.0
 # its own pool) waits this long too. (A live pool's full queue is bounded: Serve refuses past it, a clear 503.)
 NEW_HOP_START_BOUND_S = 20.0
 MAX_STALLS = 4  # hops of one request not taken in time: past it a 503, never a wait without end
+STALL_LATE_S = 0.05  # a bound's timer run later than this: the bound is extended by its lateness
+STALL_REARMS = 3
 # Pool streams and router calls use Serve's gRPC transport (`_by_reference=False`): per streamed
 # item it costs the ingress about half the CPU of Ray's task streaming (docs/benchmarks.md).
 # Nothing in them may be an ObjectRef (a pickled ref pins its object): hand-offs carry the KV
@@ -79,8 +81,18 @@ class RemoteRouter:
             log.warning("router finish for %s failed (%s)", t.request_id, e.__class__.__name__)
 
 
-def _stalled(stream, waiting: dict) -> None:
-    waiting["stalled"] = True
+def _stalled(stream, waiting: dict, due: float) -> None:
+    """The hop's bound ran out. If the event loop ran this timer late, the replica's first item
+    may be waiting to be read (the loop was busy: an ingress at its limit runs its timers hundreds
+    of ms late, and called hops that were taken stalls): the bound is extended by that lateness,
+    up to STALL_REARMS times, before the call is given up."""
+    loop = asyncio.get_running_loop()
+    late = loop.time() - due
+    if late > STALL_LATE_S and waiting["rearms"] < STALL_REARMS:
+        waiting["rearms"] += 1
+        waiting["timer"] = loop.call_later(late, _stalled, stream, waiting, loop.time() + late)
+        return
+    waiting["stalled"], waiting["late"] = True, late
     stream.cancel()
 
 
@@ -169,7 +181,7 @@ class RequestDriver:
             # The same for the decision after a colocated GPU engine's prefill (`prefill_check`).
             in_periods = ({"ticket": t} if (t.hop.startswith("cpu_decode") or t.prefill_check) and t.export_after
                           and t.pinned_route is None else {})
-            waiting = {"stalled": False, "timer": None}  # for the replica to take a stream under way
+            waiting = {"stalled": False, "timer": None, "rearms": 0}  # for the replica to take a stream under way
             try:
                 if t.move_on_preempt:
                     in_periods["movable"] = True
@@ -184,7 +196,8 @@ class RequestDriver:
                 # between deaths, and Serve's queue for it waits for a replacement without end
                 # (requests waited there past their clients' timeouts in the kill soak)
                 bound = HOP_START_BOUND_S if generated and not t.stall_moved else NEW_HOP_START_BOUND_S
-                waiting["timer"] = asyncio.get_running_loop().call_later(bound, _stalled, stream, waiting)
+                loop = asyncio.get_running_loop()
+                waiting["timer"] = loop.call_later(bound, _stalled, stream, waiting, loop.time() + bound)
                 async for items in (stream if hop is None else hop.attach(stream)):
                     if waiting["timer"] is not None:  # anything from the hop (its HopAccepted, or its
                         waiting["timer"].cancel()     # tokens when they overtake that): it took it
@@ -238,8 +251,9 @@ class RequestDriver:
                 outcome, err_name = ("backpressure" if is_backpressure(e) else "failed"), e.__class__.__name__
                 if waiting["stalled"]:  # cancelled here: its replica did not take it in time
                     outcome = "stalled"
-                    log.warning("hop %s of %s not taken within %.1f s after %d tokens", t.hop, req.request_id,
-                                bound, len(generated))
+                    log.warning("hop %s of %s not taken within %.1f s after %d tokens (its timer extended %d "
+                                "times, last run %.0f ms late)", t.hop, req.request_id, bound, len(generated),
+                                waiting["rearms"], waiting.get("late", 0.0) * 1e3)
                     if segment_started:  # (it had: the cancellation crossed its acceptance)
                         trace.segments[-1]["stalled"] = True
                 elif outcome == "failed":

@@ -38,7 +38,7 @@ from keyacc_ray.serve.heap import freeze_startup_heap
 from keyacc_ray.serve.monitor import MONITOR_NAME, MONITOR_NAMESPACE  # noqa: F401 - also imported from here
 from keyacc_ray.serve.kv_directory import NAME as KV_DIRECTORY, KVDirectory
 from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopAccepted, HopEnd, SegmentStart,
-                                       Ticket, TicketUpdate)
+                                       Ticket, TicketUpdate, TokenChunk)
 from keyacc_ray.serve.monitor import ReplicaReport
 from keyacc_ray.serve.mux import (Channel, HopSender, MuxAck, Subscribe, hop_sender, mux_hop, subscription,
                                   take_ack)
@@ -56,6 +56,32 @@ RECALL_AFTER_S = 0.5
 RECALL_EVERY_S = 0.5
 RECALL_OFF_RECHECK_S = 5.0  # the policy does not recall (recall_queued off): ask again only this seldom
 HEARTBEAT_S = 2.0  # an idle replica's report: this seldom (the monitor drops one silent for STALE_AFTER_S)
+
+
+class _KVLease:
+    """The KV references a hop took from the directory, and whether its sequence has made a token
+    here since (then the KV it took no longer describes where the stream is: nothing is given back)."""
+
+    __slots__ = ("refs", "used")
+
+    def __init__(self):
+        self.refs: list = []
+        self.used = False
+
+    def saw(self, items: list) -> None:
+        if not self.used and any(isinstance(it, TokenChunk) for it in items):
+            self.used = True
+
+    def watch(self, sender):
+        """`sender` whose `token` (the multiplexed stream's sink) marks the lease used first."""
+        lease = self
+
+        class Watched:
+            @staticmethod
+            def token(chunk):
+                lease.used = True
+                return sender.token(chunk)
+        return Watched()
 
 
 def _replica_id() -> str:
@@ -165,13 +191,43 @@ class EnginePool:
         if handoff is not None:
             yield accepted
             accepted = []
+        lease = _KVLease()
         try:
             params = SamplingParams(**req.params)
-            package = await self._receive(handoff) if handoff is not None else None
+            package = await self._receive(handoff, lease) if handoff is not None else None
         except KeyaccError as e:
             yield [*accepted, SegmentStart(self.pool, phase, self.replica, self.deployment, self.node_id),
                    ErrorItem(e.status_code, e.to_dict())]
             return
+        except BaseException:  # cancelled while it read the KV (CancelledError, GeneratorExit)
+            self._give_back(handoff, lease)
+            raise
+        if lease.refs:  # until its first token here, a cancelled hop gives the KV back for the next one
+            try:
+                async for items in self._run_hop(req, phase, accepted, package, export_after, ticket, movable,
+                                                 sender, export_skip, params, lease):
+                    yield items
+            except BaseException:
+                self._give_back(handoff, lease)
+                raise
+            return
+        async for items in self._run_hop(req, phase, accepted, package, export_after, ticket, movable, sender,
+                                         export_skip, params, lease):
+            yield items
+
+    def _give_back(self, h: Handoff, lease: "_KVLease") -> None:
+        """A hop cancelled before its sequence made a token here (its driver gave up waiting for it
+        to be taken: the replica took it just then) puts the KV it took back under its key, where
+        the driver's next hop takes it (`KVDirectory.take` waits for it): not prefilled again."""
+        if lease.refs and not lease.used:
+            refs, lease.refs = lease.refs, []
+            try:
+                self._directory().put.remote(h.kv_key, refs)
+            except Exception as e:  # noqa: BLE001 - directory gone: the next hop prefills again
+                log.warning("KV of %s not given back (%s)", h.request_id, e.__class__.__name__)
+
+    async def _run_hop(self, req, phase, accepted, package, export_after, ticket, movable, sender, export_skip,
+                       params, lease: "_KVLease"):
         # with a hand-off: did its KV arrive, or is the sequence prefilled again here?
         kv = "" if package is None else ("received" if package.meta.num_kv_tokens > 0 else "recomputed")
         yield [*accepted, SegmentStart(self.pool, phase, self.replica, self.deployment, self.node_id, kv)]
@@ -179,14 +235,18 @@ class EnginePool:
         # (the same request comes back here for its next decode period) can never hit this one.
         self._calls += 1
         rid = f"{req.request_id}/{self._calls}"
+        if sender is not None and lease.refs:  # its tokens on the token stream: the first marks the lease used
+            sender = lease.watch(sender)
         if ticket is None or not export_after:
             async for items in self.loop.generate(rid, prompt_ids=req.prompt_token_ids, params=params,
                                                   package=package, export_after=export_after, movable=movable,
                                                   sink=sender.token if sender else None, export_skip=export_skip):
+                lease.saw(items)
                 yield items
             return
         async for items in self._periods(rid, req, params, package, export_after, ticket, movable, sender,
                                          export_skip):
+            lease.saw(items)
             yield items
 
     async def _periods(self, rid, req, params, package, period: int, ticket: Ticket, movable: bool = False,
@@ -281,7 +341,7 @@ class EnginePool:
             self._router_handle = serve.get_deployment_handle(ROUTER_NAME, serve.get_replica_context().app_name)
         return self._router_handle
 
-    async def _receive(self, h: Handoff) -> KVPackage:
+    async def _receive(self, h: Handoff, lease: "_KVLease") -> KVPackage:
         """Fetch the KV arrays (a zero-copy view when on this node). If their owner died before
         we read them, continue from prompt + tokens so far with no KV: a prefill, not a failure."""
         keys = values = None
@@ -297,6 +357,7 @@ class EnginePool:
             if not refs:
                 log.warning("KV of %s not found in the directory; prefilling %d tokens again", h.request_id,
                             len(h.token_ids) - 1)
+            lease.refs = list(refs or [])
         if refs:
             try:
                 keys, values = await wait_at_most(refs[0], KV_FETCH_TIMEOUT_S)

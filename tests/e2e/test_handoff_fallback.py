@@ -62,3 +62,55 @@ def test_kv_owner_died_before_read_prefills_again(app_url, monkeypatch):  # app_
         pool.loop.shutdown()
     assert first + rest == hf_greedy(path, ids, 20)
     assert first + rest_keyed == hf_greedy(path, ids, 20)
+
+
+def test_a_hop_cancelled_before_its_first_token_gives_its_kv_back(app_url, monkeypatch):
+    """A hop its driver gave up on (not taken within the bound: the replica took it just then)
+    took the hand-off's KV from the directory; cancelled before its sequence made a token there,
+    it puts the KV back under its key, and the driver's next hop takes it: decoded on from the
+    KV, not prefilled again (the 2x-overload soak's "KV not found ... prefilling again" after
+    every such stall), with generate()'s tokens."""
+    from keyacc_ray.serve.messages import SegmentStart
+
+    monkeypatch.setattr(pools_mod, "KV_TAKE_TIMEOUT_S", 2.0)
+    path = tiny_model("qwen3")
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    src = LLMEngine(EngineConfig(model=path))
+    ids = src.tokenize(PROMPTS[2])
+    src.add_request("g", ids, params)
+    first = []
+    while len(first) < 5:
+        first += [t for o in src.step() for t in o.new_token_ids]
+    pkg = src.export_request("g")
+    pool = EnginePool(EngineConfig(model=path).__dict__, deployment="TestPool")
+    try:
+        ray.get(pool._directory().put.remote("g/1", [ray.put((pkg.keys, pkg.values))]), timeout=30)
+        handoff = Handoff(pkg.request_id, pkg.meta, [], pkg.token_ids, pkg.num_prompt_tokens, pkg.params,
+                          pkg.rng_state, pkg.emitted_text_chars, pkg.nbytes, kv_key="g/1")
+        req = GenerateRequest("g", ids, params.to_dict())
+
+        async def cancelled():  # the driver's cancellation lands once the hop has its KV, before a token
+            gen = pool.generate(req, handoff)
+            seen = []
+            async for items in gen:
+                seen += items
+                if any(isinstance(i, SegmentStart) for i in items):
+                    break
+            await gen.aclose()
+            return seen
+
+        async def run():
+            out, kv = [], None
+            async for items in pool.generate(req, handoff):
+                out += [t for i in items if isinstance(i, TokenChunk) for t in i.token_ids]
+                kv = next((i.kv for i in items if isinstance(i, SegmentStart)), kv)
+            return out, kv
+
+        seen = asyncio.run(asyncio.wait_for(cancelled(), 60))
+        assert [i.kv for i in seen if isinstance(i, SegmentStart)] == ["received"]
+        assert not any(isinstance(i, TokenChunk) for i in seen)
+        rest, kv = asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        pool.loop.shutdown()
+    assert kv == "received"  # the KV given back, not a prefill of prompt + tokens again
+    assert first + rest == hf_greedy(path, ids, 20)

@@ -1105,6 +1105,35 @@ def test_a_pinned_stream_its_pool_never_takes_goes_on_elsewhere(monkeypatch):
     assert settled(router)
 
 
+def test_a_hop_taken_in_time_is_not_called_stalled_because_the_ingress_loop_ran_late(monkeypatch):
+    """The bound is the pool's, not the ingress's: when the ingress's event loop is busy past the
+    bound (an ingress at its limit runs timers hundreds of ms late), the replica's first item may
+    already be there, unread, when the timer runs; the timer is extended by its lateness instead
+    of cancelling a hop that was taken (2x-overload soak: hundreds of such "stalls", each a move
+    and a gap)."""
+    import time as _time
+
+    from keyacc_ray.serve import driver as driver_mod
+
+    monkeypatch.setattr(driver_mod, "HOP_START_BOUND_S", 0.2)
+    driver, router, pools = make("stage_offload", {"decode_period_tokens": 100})
+    router.policy.after_prefill = lambda req, load: "cpu"
+    cpu = pools["cpu_decode/0"]
+    cpu.start_delay = 0.1  # taken after 0.1 s, well within the bound
+    real_run = cpu._run
+
+    async def run(req, handoff, export_after):  # the ingress's loop blocked from 0.05 to 0.45 s
+        asyncio.get_running_loop().call_later(0.05, _time.sleep, 0.4)
+        async for items in real_run(req, handoff, export_after):
+            yield items
+    cpu._run = run
+    tokens, errors, trace = asyncio.run(asyncio.wait_for(collect(driver, request(10)), 4))
+    assert not errors and tokens == [100 + i for i in range(10)]
+    assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == [("gpu", 1), ("cpu", 9)]
+    assert not any(k.startswith("stalled_starts_total") for k in router._counters)
+    assert settled(router)
+
+
 def test_a_hop_cancelled_as_stalled_after_it_streamed_goes_on_from_what_the_client_has(monkeypatch):
     """The stall bound fires just as the hop's replica takes it, and the cancellation lands after
     the hop has streamed tokens: the next hop must go on from every token the client has, not
