@@ -464,3 +464,42 @@ def test_decode_inputs_are_the_runner_arrays_made_in_one_call(K):
         assert g.dtype == w.dtype and torch.equal(g, w)
     with pytest.raises(RuntimeError, match="out of range"):
         K.decode_inputs(*(torch.from_numpy(a) for a in (ids, pos * 10, rows, ba)), bs)
+
+
+def test_a_kernel_call_lets_the_other_python_threads_run(K):
+    """The kernels run without the GIL, as torch's ops do: while the engine thread is inside a
+    long product (a prefill chunk's), a replica's event loop thread runs Python (its streams,
+    the hops it takes, its heartbeats) instead of waiting out the call."""
+    import threading
+    import time
+
+    g = gen(7)
+    n = k = 2048
+    packed = K.pack_bf16((torch.randn(n, k, generator=g) * 0.05).to(BF16))
+    m = 64
+    while True:  # a call of at least 150 ms on this machine
+        x = torch.randn(m, k, generator=g).to(BF16)
+        t = time.perf_counter()
+        K.linear_bf16(x, packed, n, None)
+        one = time.perf_counter() - t
+        if one >= 0.15 or m >= 8192:
+            break
+        m *= 2
+    assert one >= 0.1
+    done = threading.Event()
+
+    def call():
+        K.linear_bf16(x, packed, n, None)
+        done.set()
+
+    th = threading.Thread(target=call)
+    stamps = [time.perf_counter()]
+    th.start()
+    while not done.is_set():  # pure Python: it runs only while it holds the GIL
+        sum(range(200))
+        stamps.append(time.perf_counter())
+    th.join()
+    longest = max(b - a for a, b in zip(stamps, stamps[1:]))
+    # (held, the loop makes no step for the whole call; released, its longest pause is the OS's
+    # time slice on a busy machine)
+    assert len(stamps) > 10 and longest < 0.75 * one, (len(stamps), longest, one)

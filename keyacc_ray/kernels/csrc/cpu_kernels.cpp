@@ -1999,29 +1999,34 @@ void penalize_at(torch::Tensor x, torch::Tensor idx, double penalty);
 void subtract_at(torch::Tensor x, torch::Tensor idx, torch::Tensor v);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The compute kernels run without the GIL, as torch's own ops do: a replica's event loop (its
+  // streams, the hops it takes, its heartbeats) runs while a step's products and attention do,
+  // instead of waiting out every call (a long prefill's product held it for its whole length).
+  // They touch no Python object: arguments are converted before the call and results after.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("zeros_huge", &zeros_huge_py, "a zeroed CPU tensor on 2 MB pages where Linux gives them (else plain pages)",
         py::arg("sizes"), py::arg("dtype"));
-  m.def("pack_bf16", &pack_bf16, "prepack [N, K] bf16 weights into 16-row k-pair blocks");
-  m.def("linear_bf16", &linear_bf16, "y = x @ W^T (+ b) from prepacked bf16 weights");
-  m.def("pack_int8", &pack_int8, "quantise [N, K] weights to int8 with per-row scales, prepacked");
-  m.def("linear_int8", &linear_int8, "y = x @ (scale * Wq)^T (+ b) from prepacked int8 weights");
-  m.def("decode_attention", &decode_attention, "one-token attention over slot KV buffers, GQA without repeat");
-  m.def("rms_norm", &rms_norm, "Llama-family RMSNorm");
-  m.def("silu_mul", &silu_mul, "SiLU(gate) * up over a fused gate|up tensor");
-  m.def("add_rms_norm", &add_rms_norm, "residual += x; return RMSNorm(residual)");
-  m.def("rope_kv_write", &rope_kv_write, "per-head norm + rotary for q and k, k/v written into the slot cache",
+  m.def("pack_bf16", &pack_bf16, nogil, "prepack [N, K] bf16 weights into 16-row k-pair blocks");
+  m.def("linear_bf16", &linear_bf16, nogil, "y = x @ W^T (+ b) from prepacked bf16 weights");
+  m.def("pack_int8", &pack_int8, nogil, "quantise [N, K] weights to int8 with per-row scales, prepacked");
+  m.def("linear_int8", &linear_int8, nogil, "y = x @ (scale * Wq)^T (+ b) from prepacked int8 weights");
+  m.def("decode_attention", &decode_attention, nogil, "one-token attention over slot KV buffers, GQA without repeat");
+  m.def("rms_norm", &rms_norm, nogil, "Llama-family RMSNorm");
+  m.def("silu_mul", &silu_mul, nogil, "SiLU(gate) * up over a fused gate|up tensor");
+  m.def("add_rms_norm", &add_rms_norm, nogil, "residual += x; return RMSNorm(residual)");
+  m.def("rope_kv_write", &rope_kv_write, nogil, "per-head norm + rotary for q and k, k/v written into the slot cache",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("cos"),
         py::arg("sin"), py::arg("kbuf"), py::arg("vbuf"), py::arg("pos"), py::arg("rows") = py::none());
-  m.def("paged_decode_attention", &paged_decode_attention,
+  m.def("paged_decode_attention", &paged_decode_attention, nogil,
         "one-token attention over a paged KV block pool through block tables, GQA without repeat, mixed lengths");
-  m.def("sample_rows", &sample_rows,
+  m.def("sample_rows", &sample_rows, nogil,
         "top-k / min-p / top-p and the seeded inverse-CDF draw per row (engine/sampling.py's rule)");
-  m.def("argmax_rows", &argmax_rows, "each row's first largest logit (float32 / bfloat16), as torch.argmax");
-  m.def("sample_rows_seeded", &sample_rows_seeded,
+  m.def("argmax_rows", &argmax_rows, nogil, "each row's first largest logit (float32 / bfloat16), as torch.argmax");
+  m.def("sample_rows_seeded", &sample_rows_seeded, nogil,
         "sample_rows with each row's uniform made from its premixed seed and position (sampling.uniforms' rule)");
-  m.def("penalize_at", &penalize_at, "x[i] = x[i] < 0 ? x[i] * p : x[i] / p at flat indices (the repetition penalty)");
-  m.def("subtract_at", &subtract_at, "x[idx[j]] -= v[j] at flat indices (presence and frequency penalties)");
-  m.def("decode_inputs", &decode_inputs,
+  m.def("penalize_at", &penalize_at, nogil, "x[i] = x[i] < 0 ? x[i] * p : x[i] / p at flat indices (the repetition penalty)");
+  m.def("subtract_at", &subtract_at, nogil, "x[idx[j]] -= v[j] at flat indices (presence and frequency penalties)");
+  m.def("decode_inputs", &decode_inputs, nogil,
         "a decode step's ids, positions, blocks, rows in block, block tables (int32) and context lengths");
   m.def("sampling_isa", &sampling_isa, "the variant the sampling kernels run (avx512 | avx2 | portable)");
   m.def("isa", &isa, "the linear kernel variant this CPU runs (amx: AMX tiles for products of 8 rows or more)");
