@@ -22,17 +22,24 @@ class Owner:
         return [ray.put(obj)]  # nested: the caller gets the ref, this actor stays its owner
 
 
-def test_kv_owner_died_before_read_prefills_again(app_url, monkeypatch):  # app_url: a running Ray cluster
+def exported(rid: str, prompt: str, after: int):
+    """A greedy 20-token request on the tiny Qwen3, exported after `after` tokens: (model path,
+    params, prompt ids, the tokens made, the package)."""
     path = tiny_model("qwen3")
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     src = LLMEngine(EngineConfig(model=path))
-    ids = src.tokenize(PROMPTS[4])
-    src.add_request("r", ids, params)
+    ids = src.tokenize(prompt)
+    src.add_request(rid, ids, params)
     first = []
-    while len(first) < 6:
+    while len(first) < after:
         first += [t for o in src.step() for t in o.new_token_ids]
-    pkg = src.export_request("r")
+    pkg = src.export_request(rid)
     assert pkg.meta.num_kv_tokens > 0
+    return path, params, ids, first, pkg
+
+
+def test_kv_owner_died_before_read_prefills_again(app_url, monkeypatch):  # app_url: a running Ray cluster
+    path, params, ids, first, pkg = exported("r", PROMPTS[4], 6)
 
     owner = Owner.remote()
     ref = ray.get(owner.put.remote((pkg.keys, pkg.values)), timeout=30)[0]
@@ -73,15 +80,7 @@ def test_a_hop_cancelled_before_its_first_token_gives_its_kv_back(app_url, monke
     from keyacc_ray.serve.messages import SegmentStart
 
     monkeypatch.setattr(pools_mod, "KV_TAKE_TIMEOUT_S", 2.0)
-    path = tiny_model("qwen3")
-    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    src = LLMEngine(EngineConfig(model=path))
-    ids = src.tokenize(PROMPTS[2])
-    src.add_request("g", ids, params)
-    first = []
-    while len(first) < 5:
-        first += [t for o in src.step() for t in o.new_token_ids]
-    pkg = src.export_request("g")
+    path, params, ids, first, pkg = exported("g", PROMPTS[2], 5)
     pool = EnginePool(EngineConfig(model=path).__dict__, deployment="TestPool")
     try:
         ray.get(pool._directory().put.remote("g/1", [ray.put((pkg.keys, pkg.values))]), timeout=30)
