@@ -18,6 +18,7 @@ import os
 import threading
 import time
 import uuid
+from types import SimpleNamespace
 
 import ray
 import torch
@@ -69,19 +70,15 @@ class _KVLease:
         self.used = False
 
     def saw(self, items: list) -> None:
-        if not self.used and any(isinstance(it, TokenChunk) for it in items):
+        if self.refs and not self.used and any(isinstance(it, TokenChunk) for it in items):
             self.used = True
 
-    def watch(self, sender):
+    def watch(self, sender) -> SimpleNamespace:
         """`sender` whose `token` (the multiplexed stream's sink) marks the lease used first."""
-        lease = self
-
-        class Watched:
-            @staticmethod
-            def token(chunk):
-                lease.used = True
-                return sender.token(chunk)
-        return Watched()
+        def token(chunk):
+            self.used = True
+            return sender.token(chunk)
+        return SimpleNamespace(token=token)
 
 
 def _replica_id() -> str:
@@ -202,18 +199,13 @@ class EnginePool:
         except BaseException:  # cancelled while it read the KV (CancelledError, GeneratorExit)
             self._give_back(handoff, lease)
             raise
-        if lease.refs:  # until its first token here, a cancelled hop gives the KV back for the next one
-            try:
-                async for items in self._run_hop(req, phase, accepted, package, export_after, ticket, movable,
-                                                 sender, export_skip, params, lease):
-                    yield items
-            except BaseException:
-                self._give_back(handoff, lease)
-                raise
-            return
-        async for items in self._run_hop(req, phase, accepted, package, export_after, ticket, movable, sender,
-                                         export_skip, params, lease):
-            yield items
+        try:  # until its first token here, a cancelled hop gives the KV back for the next one
+            async for items in self._run_hop(req, phase, accepted, package, export_after, ticket, movable, sender,
+                                             export_skip, params, lease):
+                yield items
+        except BaseException:
+            self._give_back(handoff, lease)
+            raise
 
     def _give_back(self, h: Handoff, lease: "_KVLease") -> None:
         """A hop cancelled before its sequence made a token here (its driver gave up waiting for it

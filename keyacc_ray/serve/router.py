@@ -309,7 +309,7 @@ class Router:
         sent there now would wait in Serve's queue for a replacement (about 30 s in the soak).
         Or, sooner than the snapshot says so, a hop of every CPU decode deployment stalled lately
         and none of the GPU's (both stalled: neither is known to be better)."""
-        if all(self._stalled_lately(k) for k in self.cpu_keys) and \
+        if self._stalled and all(self._stalled_lately(k) for k in self.cpu_keys) and \
                 not any(self._stalled_lately(h) for h in ("gpu_prefill", "gpu_decode")):
             return True
         snap = self.snapshot
@@ -322,7 +322,7 @@ class Router:
         """`_cpu_gone`'s twin: the fresh snapshot shows a CPU decode deployment but no live replica
         of the GPU deployment of `hop` (killed, its replacement starting), or a hop there stalled
         lately and not one of every CPU decode deployment."""
-        if self._stalled_lately(hop) and not all(self._stalled_lately(k) for k in self.cpu_keys):
+        if self._stalled and self._stalled_lately(hop) and not all(self._stalled_lately(k) for k in self.cpu_keys):
             return True
         snap = self.snapshot
         if snap is None or self.snapshot_age_s > STALE_SNAPSHOT_S:
