@@ -76,6 +76,34 @@ def weight_bytes(model) -> int:
     return total
 
 
+def profile_steps(eng: LLMEngine, dev: torch.device, n: int, top: int = 10) -> dict:
+    """n engine steps under torch.profiler: per step, the device time of all kernels and the `top`
+    kernels (CUDA; their launches from CUDA-graph replays included) or host ops (CPU) by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = dev.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(n):
+            eng.step()
+        sync(dev)
+    from torch.autograd import DeviceType
+
+    rows = []
+    for e in prof.key_averages():
+        if cuda:  # the kernels themselves (device-side events), not the host ops that launched them
+            t = e.self_device_time_total if e.device_type == DeviceType.CUDA else 0
+        else:
+            t = e.self_cpu_time_total
+        if t > 0:
+            rows.append((t, e.count, e.key))
+    rows.sort(reverse=True)
+    total = sum(t for t, _, _ in rows)
+    return {"steps": n, "us_per_step": round(total / n, 1), "by": "device" if cuda else "cpu",
+            "top": [{"us_per_step": round(t / n, 1), "calls_per_step": round(c / n, 1), "name": k[:90]}
+                    for t, c, k in rows[:top]]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -88,11 +116,18 @@ def main() -> None:
     ap.add_argument("--decode-graphs", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--max-prefill-tokens", type=int, default=8192)
     ap.add_argument("--async-scheduling", action="store_true", help="EngineConfig.async_scheduling")
+    ap.add_argument("--headroom", type=int, default=1024, help="tokens each request may generate (prefill "
+                    "steps of the batch + warm-up + timed steps must fit)")
+    ap.add_argument("--profile-steps", type=int, default=0, help="after each batch's timed steps, this many "
+                    "more under torch.profiler: the step's top kernels by device time (CPU: by CPU time)")
     ap.add_argument("--cpu-kernels", default="auto", choices=["auto", "off"], help="on CPU (off: the paged "
                     "model forward a GPU runs, e.g. with --decode-graphs on)")
     args = ap.parse_args()
 
-    new = args.warmup + args.steps
+    # Prompts prefilled in earlier steps decode while later ones prefill (chunked prefill mixes
+    # them), so every request may generate up to HEADROOM tokens: none finishes before the timed
+    # steps, which then run all B rows (counted, not assumed); the rest is aborted after them.
+    new = args.headroom
     cfg = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batches),
                        max_model_len=args.context + new + 8, max_prefill_tokens=args.max_prefill_tokens,
                        enable_prefix_caching=False, decode_graphs=args.decode_graphs, cpu_kernels=args.cpu_kernels, max_waiting=max(args.batches),
@@ -102,6 +137,7 @@ def main() -> None:
     load_s = time.perf_counter() - t0
     r = eng.runner
     dev = r.device
+    new = min(new, r.max_model_len - args.context)  # (a model with fewer positions: less headroom)
     bw = bandwidth(dev)
     wbytes = weight_bytes(r.model)
     kv_tok = r.kv_bytes_per_token()
@@ -145,24 +181,37 @@ def main() -> None:
             r.decode = timed
         fwd.clear()
         ahead = eng.steps_launched_ahead
+        running = list(eng.scheduler.running)
+        ctx0 = sum(q.num_tokens for q in running)
         sync(dev)
         t, c = time.perf_counter(), time.process_time()
+        tokens = 0
         for _ in range(args.steps):
-            eng.step()
+            tokens += sum(len(o.new_token_ids) for o in eng.step())
         sync(dev)
         wall, cpu = time.perf_counter() - t, time.process_time() - c
         r.decode = real
         ahead = eng.steps_launched_ahead - ahead
+        ctx = (ctx0 + sum(q.num_tokens for q in running)) / 2  # keys every row attends over, mid-way
+        prof = profile_steps(eng, dev, args.profile_steps) if args.profile_steps else None
+        finished_early = sum(q.num_output_tokens >= new for q in running)
+        for q in list(eng.scheduler.running) + list(eng.scheduler.waiting):
+            eng.abort(q.request_id)
         while eng.has_unfinished():
             eng.step()
         step_s = wall / args.steps
-        roof_s = (wbytes + b * (args.context + args.warmup + args.steps // 2) * kv_tok) / bw
-        row = {"batch": b, "tokens_per_s": round(b / step_s, 1), "step_ms": round(step_s * 1e3, 3),
+        roof_s = (wbytes + ctx * kv_tok) / bw
+        row = {"batch": b, "rows_per_step": round(tokens / args.steps, 2), "tokens_per_s": round(tokens / wall, 1),
+               "step_ms": round(step_s * 1e3, 3), "mean_context": round(ctx / max(1, len(running)), 1),
                "roofline_ms": round(roof_s * 1e3, 3), "x_roofline": round(step_s / roof_s, 2),
                "forward_ms": round(1e3 * sum(fwd) / len(fwd), 3) if fwd else None, "forward_calls": len(fwd),
                "launched_ahead": ahead,
                "cpu_ms_per_step": round(cpu / args.steps * 1e3, 3),
                "prefill_tokens_per_s": round(b * args.context / prefill_s, 1), "prefill_steps": steps}
+        if finished_early:
+            row["finished_early"] = finished_early  # (raise --headroom: the figures are not B rows')
+        if prof is not None:
+            row["profile"] = prof
         out[f"b{b}"] = row
         print(json.dumps(row), flush=True)
     big = out[f"b{max(args.batches)}"]

@@ -23,6 +23,9 @@
 #   5. bench/: the side-by-side on the GPU + the CPU cores (report.json, written after every run,
 #      + PNG plots), on the step-2 model: gpu_only and auto at 64 clients (KEYACC_CHECK_POLICIES,
 #      KEYACC_CHECK_LEVELS), the CPU pool alone, one low-load round
+# KEYACC_CHECK_QUICK=1: a shorter run (about 4 minutes with the device's start) for a session with
+# little device time left: no CPU kernel build, steps 2, 2b (batches 1, 64, 256, each with a kernel
+# profile), 3 (its CPU engine on the torch path), then 4's decode speed (profiled) and nothing after.
 # Files that come back (8 at most): log.txt, env.json, decode_*.json, engine_check.json, bench/report.json,
 # plots.tar (5's PNG plots).
 set -uo pipefail
@@ -67,8 +70,9 @@ except Exception as e:
 import ray, transformers
 info["ray"], info["transformers"] = ray.__version__, transformers.__version__
 from keyacc_ray import kernels
-m = kernels.load()
-info["kernels"] = m.isa() if m else f"unavailable: {kernels.unavailable_reason()}"
+m = None if os.environ.get("KEYACC_CHECK_QUICK") else kernels.load()
+info["kernels"] = m.isa() if m else (f"unavailable: {kernels.unavailable_reason()}"
+                                     if not os.environ.get("KEYACC_CHECK_QUICK") else "not built (quick run)")
 from keyacc_ray.hw import topology
 info["topology"] = topology.describe()
 json.dump(info, open(sys.argv[1], "w"), indent=1, default=str)
@@ -107,8 +111,9 @@ decode_bench() {  # model name seconds batches...: the engine's decode speed, on
   [ "$rc" = 0 ] || { log "decode bench ($size) exit status $rc"; grep -v Warning "$WORK/decode_$size.log" | tail -15 | tee -a "$OUT_DIR/log.txt"; }
   return "$rc"
 }
+QUICK=${KEYACC_CHECK_QUICK:-}
 engine_check() {  # model out seconds
-  timeout "$3" $PY scripts/gpu_engine_check.py --model "$1" --out "$2" 2>&1 | grep -v Warning | tail -6 \
+  timeout "$3" $PY scripts/gpu_engine_check.py --model "$1" --out "$2" ${QUICK:+--cpu-kernels off} 2>&1 | grep -v Warning | tail -6 \
     | tee -a "$OUT_DIR/log.txt"
   return "${PIPESTATUS[0]}"
 }
@@ -119,12 +124,28 @@ engine_check() {  # model out seconds
 log "2/5 model for the engine check and the side-by-side: $BENCH_SIZE (random weights, made on $DEVICE)"
 make_model "$BENCH_SIZE" "$WORK/m-$BENCH_SIZE" "$(cap 90)" || { log "model creation failed"; exit 3; }
 log "2b decode speed on $BENCH_SIZE ($CONTEXT-token sequences)"
-decode_bench "$WORK/m-$BENCH_SIZE" "$BENCH_SIZE" "$(cap 120)" 1 16 64 256
+if [ -n "$QUICK" ]; then
+  DECODE_FLAGS="--profile-steps 4" decode_bench "$WORK/m-$BENCH_SIZE" "$BENCH_SIZE" "$(cap 90)" 1 64 256
+else
+  decode_bench "$WORK/m-$BENCH_SIZE" "$BENCH_SIZE" "$(cap 120)" 1 16 64 256
+fi
 DECODE_RC=$?
 log "3/5 engine on $BENCH_SIZE: GPU prefill -> CPU decode and back, tokens compared"
 engine_check "$WORK/m-$BENCH_SIZE" "$WORK/engine_check_$BENCH_SIZE.json" "$(cap 90)"
 SMALL_RC=$?
 log "engine check ($BENCH_SIZE) exit status $SMALL_RC"
+if [ -n "$QUICK" ]; then   # the large shape's decode speed, profiled, and nothing after it
+  log "4 (quick) model $SIZE on $DEVICE and its decode speed ($(left) s left)"
+  if make_model "$SIZE" "$WORK/m-$SIZE" "$(cap 90 60)"; then
+    DECODE_FLAGS="--profile-steps 3" decode_bench "$WORK/m-$SIZE" "$SIZE" "$(cap 150 5)" 1 16 64 || DECODE_RC=1
+  else
+    log "model $SIZE: not made in time"; DECODE_RC=1
+  fi
+  log "quick run: total $(( $(date +%s) - START )) s"
+  rm -rf "$WORK"
+  [ "$SMALL_RC" = 0 ] && [ "$DECODE_RC" = 0 ]
+  exit
+fi
 
 # The side-by-side keeps its reserve; what runs before it goes by priority, each step only when
 # the time left allows it: the large shape's decode speed (#21's targets), the asynchronous-

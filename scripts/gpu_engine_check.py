@@ -9,6 +9,7 @@ logit at that point. Writes one JSON file; exits 1 if a comparison fails.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -37,6 +38,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--new", type=int, default=12)
+    ap.add_argument("--cpu-kernels", default="auto", choices=["auto", "off"],
+                    help="the CPU engine's kernels (off: no build; the torch path decodes)")
     ap.add_argument("--moved-after", type=int, default=3, help="tokens decoded on the first device before a move")
     args = ap.parse_args()
 
@@ -58,7 +61,7 @@ def main() -> None:
     res["gpu_paged_attention"] = gpu.runner.paged
     t = time.time()
     cpu = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device="cpu", max_num_seqs=4, max_model_len=2048,
-                                 num_threads=max(1, (os.cpu_count() or 2) - 2)))
+                                 num_threads=max(1, (os.cpu_count() or 2) - 2), cpu_kernels=args.cpu_kernels))
     res["cpu_load_s"] = round(time.time() - t, 1)
     res["cpu_kernels"] = cpu.runner.fast_path.summary() if cpu.runner.fast_path else "off"
     res["cpu_fused_step"] = cpu.runner.fused_step is not None
@@ -118,6 +121,7 @@ def main() -> None:
     refs = {i: gpu.generate([p], [params])[0] for i, p in enumerate(prompts)}
     model = gpu.runner.model
     del gpu, src, dst  # (the block pool: most of the device)
+    gc.collect()  # (a runner and its captured decode graphs refer to each other: freed by the collector)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     blocks = 2 * -(-(args.prompt_len + args.new) // 16)

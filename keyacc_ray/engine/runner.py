@@ -45,6 +45,18 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+PROBE_TOL = {torch.float32: 1e-3, None: 3e-2}  # the paged probe's relative error allowed outright, by dtype
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| (norm-wise; 0 where both are 0)."""
+    return float((a - b).norm()) / max(float(b.norm()), 1e-12)
+
+
+def _fmt(errs: list[float] | None) -> str:
+    return "-" if errs is None else "[" + ", ".join(f"{e:.4f}" for e in errs) + "]"
+
+
 @dataclass(frozen=True)
 class KVShape:
     num_layers: int
@@ -174,6 +186,7 @@ class ModelRunner:
         self.block_array: np.ndarray | None = None
         self._kernels = None
         self.paged = False  # until the probe below shows the paged attention agrees with the model's
+        self.probe_error = None  # the probe's ([relative error per output], [its yardstick] or None)
         self.num_blocks = self._fit_blocks(num_kv_blocks, kv_memory_fraction, gpu_memory_utilization,
                                            max_num_batched_tokens)
         s = self.kv_shape
@@ -321,14 +334,46 @@ class ModelRunner:
             return False
         finally:
             self.fused_step = fused
-        tol = 1e-3 if self.dtype == torch.float32 else 3e-2
-        ok = calls == 3 * self.kv_shape.num_layers and all(
-            float((a - b).norm()) <= tol * float(b.norm()) + 1e-5 for a, b in zip(got, ref))
+        tol = PROBE_TOL.get(self.dtype, PROBE_TOL[None])
+        err = [_rel_err(a, b) for a, b in zip(got, ref)]
+        ok = calls == 3 * self.kv_shape.num_layers and max(err) <= tol
+        floor = None
+        if calls == 3 * self.kv_shape.num_layers and not ok:
+            # A deep model in bf16 amplifies rounding layer by layer (random weights most: the
+            # 14B shape's 40 layers put kernels that differ only in rounding 3-5% apart in its
+            # logits). The yardstick is then how far two of the model's own attention
+            # implementations are apart on the same probe: within twice that, the paged
+            # attention differs from the model's as the model's own kernels differ from each other.
+            floor = self._probe_floor(ref)
+            ok = floor is not None and all(e <= max(tol, 2 * f) for e, f in zip(err, floor)) and max(err) < 0.5
         if not ok:
-            log.warning("paged attention disagrees with %s's own attention (calls %d); using its own over "
-                        "gathered KV", type(self.model).__name__, calls)
+            log.warning("paged attention disagrees with %s's own attention (calls %d, relative error %s, its "
+                        "own implementations apart by %s); using its own over gathered KV",
+                        type(self.model).__name__, calls, _fmt(err), _fmt(floor))
             self._restore_attn()
+        elif floor is not None:
+            log.info("paged attention: relative error %s against %s's own attention, whose own implementations "
+                     "are apart by %s on the same probe", _fmt(err), type(self.model).__name__, _fmt(floor))
+        self.probe_error = (err, floor)
         return ok
+
+    def _probe_floor(self, ref: list[torch.Tensor]) -> list[float] | None:
+        """The probe through another implementation of the model's own attention (eager, or SDPA
+        where eager is its own): each output's relative distance from `ref`; None where the model
+        has no other."""
+        other = "sdpa" if self._own_attn == "eager" else "eager"
+        fused, self.fused_step = self.fused_step, None
+        try:
+            self.model.set_attn_implementation(other)
+            alt = self._run_probe(False)
+        except Exception as e:  # noqa: BLE001 - a model with one implementation only
+            log.info("no %s attention for %s (%s); no yardstick for the paged probe", other,
+                     type(self.model).__name__, e)
+            return None
+        finally:
+            self.fused_step = fused
+            self.model.set_attn_implementation(ATTN_NAME)  # (what the caller probed through)
+        return [_rel_err(a, b) for a, b in zip(alt, ref)]
 
     def _restore_attn(self) -> None:
         self.paged = False

@@ -189,7 +189,9 @@ def test_engine_runs_through_the_triton_kernels_like_generate(interpret, monkeyp
 @pytest.mark.parametrize("asy", [False, True])
 def test_the_gpu_decode_bench_runs_on_cpu(qwen3_path, asy):
     """scripts/bench_gpu_decode.py (what gpu_check.sh runs on the GPU host), here through the static
-    decode step: every timed step is one decode call of the whole batch; its figures are there.
+    decode step: every timed step is one decode call of the whole batch, its rows counted (prompts
+    prefilled in 4-token chunks, so the first decodes for steps while the last prefills: none may
+    finish before the timed steps); its figures are there.
     With --async-scheduling (step 2c) the timed steps are launched ahead, the forward not timed."""
     import json
     import subprocess
@@ -199,7 +201,7 @@ def test_the_gpu_decode_bench_runs_on_cpu(qwen3_path, asy):
 
     script = Path(__file__).resolve().parents[2] / "scripts" / "bench_gpu_decode.py"
     out = subprocess.run([sys.executable, str(script), "--model", qwen3_path, "--batches", "1", "3",
-                          "--context", "20", "--steps", "2", "--dtype", "float32", "--decode-graphs", "on",
+                          "--context", "20", "--steps", "2", "--dtype", "float32", "--max-prefill-tokens", "4", "--decode-graphs", "on",
                           "--cpu-kernels", "off"] + ["--async-scheduling"] * asy, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -209,8 +211,10 @@ def test_the_gpu_decode_bench_runs_on_cpu(qwen3_path, asy):
     for b in (1, 3):
         row = res[f"b{b}"]
         assert row["tokens_per_s"] > 0 and row["x_roofline"] > 0
-        # (asynchronous: the timed steps' last one launches nothing, its rows' tokens being their last)
-        assert (row["forward_calls"], row["launched_ahead"]) == ((0, 1) if asy else (2, 0))
+        # every timed step decodes all b rows (none finished during the batch's prefill steps)
+        assert row["rows_per_step"] == b and "finished_early" not in row and row["mean_context"] > 20
+        # (asynchronous: each timed step launches the next one ahead)
+        assert (row["forward_calls"], row["launched_ahead"]) == ((0, 2) if asy else (2, 0))
     assert res["prefill_tokens_per_s"] > 0 and res["weight_bytes"] > 0
 
 
