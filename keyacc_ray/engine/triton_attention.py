@@ -5,7 +5,10 @@ One program per (sequence, KV head): it loads the query heads of that KV head's 
 query attention without repeating K or V), walks the sequence's keys through its block table in
 tiles of `BLOCK_N` tokens up to the sequence's own length (a batch of mixed lengths: nothing padded
 to the longest, a table wider than the sequence costs nothing), with an online softmax, and writes
-the group's outputs. Sliding windows start the walk at the window. Shapes are the block pool's
+the group's outputs. Sliding windows start the walk at the window. Where rows x KV heads are too
+few programs to fill the device (batch 1-16: latency-bound, 35 µs per layer for 1k keys on an
+H200), each (sequence, KV head)'s keys are split over up to 16 programs, whose partial softmax
+states a second launch combines (flash-decoding; `decode_splits`). Shapes are the block pool's
 (`[blocks, kv_heads, block_size, dim]`, any block size) and the runner's decode rows (`qd` as
 `[rows, heads, 1, dim]`, out `[rows, 1, heads, dim]`), the contract of `reference_decode`.
 
@@ -102,6 +105,71 @@ def _paged_decode(Q, K, V, T, C, O, sq_b, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv
              mask=gm[:, None] & (dv[None, :] < DV))
 
 
+def _paged_decode_split(Q, K, V, T, C, PM, PL, PA, sq_b, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, st_b, scale,
+                       window, S: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                       DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+                       IEEE: tl.constexpr):
+    """One (sequence, KV head, split): the group's query heads over the split's share of the
+    sequence's keys (its length cut into S runs of whole tiles); the partial softmax state (max,
+    sum, weighted values) into PM / PL / PA [rows, kvh, S, GP(, DVP)], combined by `_combine`."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    ctx = tl.load(C + b).to(tl.int32)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, DP)
+    dv = tl.arange(0, DVP)
+    gm = g < G
+    heads = kvh * G + g
+    q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=gm[:, None] & (d[None, :] < D),
+                other=0.0)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DVP], tl.float32)
+    lo = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
+    first = (lo // BN) * BN
+    tiles = (ctx - first + BN - 1) // BN
+    per = (tiles + S - 1) // S  # tiles per split
+    seg_lo = first + sp * per * BN
+    seg_hi = tl.minimum(seg_lo + per * BN, ctx)
+    for start in range(seg_lo, seg_hi, BN):
+        j = start + tl.arange(0, BN)
+        jm = (j >= lo) & (j < seg_hi)
+        m_i, l_i, acc = _attend_tile(q, K, V, T + b * st_b, j, jm, jm[None, :], kvh, sk_n, sk_h, sk_t, sv_n, sv_h,
+                                     sv_t, scale, m_i, l_i, acc, D, DP, DV, DVP, BS, IEEE)
+    part = (b * tl.num_programs(1) + kvh) * S + sp
+    tl.store(PM + part * GP + g, m_i)
+    tl.store(PL + part * GP + g, l_i)
+    tl.store(PA + (part * GP + g)[:, None] * DVP + dv[None, :], acc)
+
+
+def _combine(PM, PL, PA, O, so_b, so_h, S: tl.constexpr, SP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+             DV: tl.constexpr, DVP: tl.constexpr):
+    """One (sequence, KV head): its S partial softmax states merged, the group's outputs written."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    base = (b * tl.num_programs(1) + kvh) * S
+    s = tl.arange(0, SP)
+    g = tl.arange(0, GP)
+    dv = tl.arange(0, DVP)
+    sm = s < S
+    idx = (base + s)[:, None] * GP + g[None, :]  # [SP, GP]
+    m = tl.load(PM + idx, mask=sm[:, None], other=float("-inf"))
+    l = tl.load(PL + idx, mask=sm[:, None], other=0.0)
+    mx = tl.max(m, 0)  # [GP]: every row saw at least one key in some split
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - mx[None, :]))  # [SP, GP]
+    total = tl.sum(l * w, 0)
+    acc = tl.zeros([GP, DVP], tl.float32)
+    for k in range(S):
+        wk = tl.sum(tl.where(s[:, None] == k, w, 0.0), 0)  # [GP]: split k's weight
+        a = tl.load(PA + ((base + k) * GP + g)[:, None] * DVP + dv[None, :])
+        acc += a * wk[:, None]
+    out = acc / total[:, None]
+    heads = kvh * G + g
+    tl.store(O + b * so_b + heads[:, None] * so_h + dv[None, :], out.to(O.dtype.element_ty),
+             mask=(g < G)[:, None] & (dv[None, :] < DV))
+
+
 def _paged_prefill(Q, K, V, T, TC, TM, QS, QL, ST, O, sq_t, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, st_c,
                    so_t, so_h, scale, window, G: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr,
                    D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BS: tl.constexpr,
@@ -157,7 +225,8 @@ def _build():
     tl = triton.language
     global _attend_tile
     _attend_tile = triton.jit(_attend_tile_py)
-    _kernel = (flag, {"decode": triton.jit(_paged_decode), "prefill": triton.jit(_paged_prefill)})
+    _kernel = (flag, {"decode": triton.jit(_paged_decode), "prefill": triton.jit(_paged_prefill),
+                      "decode_split": triton.jit(_paged_decode_split), "combine": triton.jit(_combine)})
     return _kernel[1]
 
 
@@ -213,12 +282,35 @@ def paged_prefill(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, tables: t
                              DV=dv, DVP=_pow2(dv), BS=bs, BN=PREFILL_BN, IEEE=q.dtype == torch.float32)
 
 
+MAX_SPLITS = 16  # key splits per (sequence, KV head) at most
+_sms: dict = {}  # device index -> its multiprocessor count
+
+
+def decode_splits(rows: int, kv_heads: int, device: torch.device) -> int:
+    """How many programs share one (sequence, KV head)'s keys: enough for about two programs per
+    multiprocessor (a batch-1 step of a model with 8 KV heads is 8 programs walking every key
+    alone, latency-bound: 35 µs per layer on an H200 for 1k keys), a power of two, 1 once the
+    batch alone fills the device. Fixed per bucket (a CUDA graph's grid is), whatever the rows'
+    lengths: a split past a row's keys has nothing to do. Under the interpreter: as an 8-SM device."""
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in _sms:
+            _sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+        sms = _sms[idx]
+    else:
+        sms = 8
+    want = -(-2 * sms // max(1, rows * kv_heads))
+    return min(MAX_SPLITS, 1 << (want - 1).bit_length()) if want > 1 else 1
+
+
 def paged_decode(qd: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor,
-                 window: int, scale: float) -> torch.Tensor:
+                 window: int, scale: float, splits: int | None = None) -> torch.Tensor:
     """Decode attention: qd [rows, H, 1, D]; kp / vp the layer's pools [blocks, KVH, block_size, D(v)];
     tables [rows, width] (int32 or int64, entries past a row's length unread); ctx [rows] the keys each
-    row attends over (at least 1). Returns [rows, 1, H, Dv] in qd's dtype. No host sync: capturable."""
-    kernel = _build()["decode"]
+    row attends over (at least 1). Returns [rows, 1, H, Dv] in qd's dtype. No host sync: capturable.
+    `splits`: programs per (row, KV head) (None: `decode_splits`); above 1, each writes a partial
+    softmax state and a second launch combines them (flash-decoding)."""
+    k = _build()
     rows, heads, _, dim = qd.shape
     kvh, bs, dv = kp.shape[1], kp.shape[2], vp.shape[-1]
     group = heads // kvh
@@ -228,18 +320,32 @@ def paged_decode(qd: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, tables: t
     assert kp.stride(-1) == 1 and vp.stride(-1) == 1 and tables.stride(-1) == 1
     out = torch.empty((rows, 1, heads, dv), dtype=qd.dtype, device=qd.device)
     o = out[:, 0]
-    kernel[(rows, kvh)](q, kp, vp, tables, ctx, o, q.stride(0), q.stride(1), kp.stride(0), kp.stride(1),
-                        kp.stride(2), vp.stride(0), vp.stride(1), vp.stride(2), tables.stride(0), o.stride(0),
-                        o.stride(1), float(scale), int(window or 0), G=group, GP=_pow2(group), D=dim,
-                        DP=_pow2(dim), DV=dv, DVP=_pow2(dv), BS=bs, BN=BLOCK_N,
-                        IEEE=qd.dtype == torch.float32)
+    gp, dvp = _pow2(group), _pow2(dv)
+    splits = decode_splits(rows, kvh, qd.device) if splits is None else splits
+    if splits <= 1:
+        k["decode"][(rows, kvh)](q, kp, vp, tables, ctx, o, q.stride(0), q.stride(1), kp.stride(0), kp.stride(1),
+                                 kp.stride(2), vp.stride(0), vp.stride(1), vp.stride(2), tables.stride(0),
+                                 o.stride(0), o.stride(1), float(scale), int(window or 0), G=group, GP=gp, D=dim,
+                                 DP=_pow2(dim), DV=dv, DVP=dvp, BS=bs, BN=BLOCK_N, IEEE=qd.dtype == torch.float32)
+        return out
+    pm = torch.empty((rows, kvh, splits, gp), dtype=torch.float32, device=qd.device)
+    pl = torch.empty_like(pm)
+    pa = torch.empty((rows, kvh, splits, gp, dvp), dtype=torch.float32, device=qd.device)
+    k["decode_split"][(rows, kvh, splits)](q, kp, vp, tables, ctx, pm, pl, pa, q.stride(0), q.stride(1), kp.stride(0),
+                                           kp.stride(1), kp.stride(2), vp.stride(0), vp.stride(1), vp.stride(2),
+                                           tables.stride(0), float(scale), int(window or 0), S=splits, G=group, GP=gp,
+                                           D=dim, DP=_pow2(dim), DV=dv, DVP=dvp, BS=bs, BN=BLOCK_N,
+                                           IEEE=qd.dtype == torch.float32)
+    k["combine"][(rows, kvh)](pm, pl, pa, o, o.stride(0), o.stride(1), S=splits, SP=_pow2(splits, 2), G=group,
+                              GP=gp, DV=dv, DVP=dvp)
     return out
 
 
 def self_check(device: torch.device, dtype: torch.dtype, kv_heads: int, heads: int, dim: int, v_dim: int,
                block_size: int) -> bool:
     """The kernel against the torch reference on random data of a pool's shapes (a batch of mixed
-    lengths, one with a window), on `device`: what the runner checks before choosing it."""
+    lengths, one with a window; one program per row and keys split), on `device`: what the runner
+    checks before choosing it."""
     from keyacc_ray.engine.paged_attention import reference_decode
 
     if heads % kv_heads:
@@ -255,8 +361,9 @@ def self_check(device: torch.device, dtype: torch.dtype, kv_heads: int, heads: i
     scale = dim ** -0.5
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     for window in (0, block_size + 1):
-        got = paged_decode(qd, kp, vp, tables, ctx, window, scale).float()
         ref = reference_decode(qd.float(), kp.float(), vp.float(), tables.long(), ctx, window, scale)
-        if not float((got - ref).abs().max()) <= tol * max(1.0, float(ref.abs().max())):
-            return False
+        for splits in {1, decode_splits(1, kv_heads, device)}:  # one program per row, and the most splits
+            got = paged_decode(qd, kp, vp, tables, ctx, window, scale, splits).float()
+            if not float((got - ref).abs().max()) <= tol * max(1.0, float(ref.abs().max())):
+                return False
     return True

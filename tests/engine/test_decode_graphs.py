@@ -133,12 +133,16 @@ def interpret():
     assert triton_attention.available(torch.device("cpu")), triton_attention.unavailable_reason()
 
 
+@pytest.mark.parametrize("splits", [1, 3, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size,window", [
     (4, 2, 64, 16, 0), (6, 2, 40, 8, 0), (8, 8, 32, 16, 5), (14, 2, 64, 32, 0), (4, 1, 16, 4, 7)])
-def test_triton_paged_decode_matches_the_reference(interpret, dtype, heads, kv_heads, dim, block_size, window):
+def test_triton_paged_decode_matches_the_reference(interpret, dtype, heads, kv_heads, dim, block_size, window,
+                                                   splits):
     """GQA groups of 1-7 heads, head sizes that are not powers of two, several block sizes, windows,
-    rows of mixed lengths through shuffled block tables wider than any row."""
+    rows of mixed lengths through shuffled block tables wider than any row; each (row, KV head)'s
+    keys in one program, or split over 3 or 16 and combined (flash-decoding: more splits than a
+    short row has tiles, so some have nothing to do)."""
     g = torch.Generator().manual_seed(heads * 100 + dim)
     nb, width = 40, 12
     kp = torch.randn((nb, kv_heads, block_size, dim), generator=g).to(dtype)
@@ -146,11 +150,20 @@ def test_triton_paged_decode_matches_the_reference(interpret, dtype, heads, kv_h
     qd = torch.randn((5, heads, 1, dim), generator=g).to(dtype)
     tables = torch.stack([torch.randperm(nb, generator=g)[:width] for _ in range(5)]).to(torch.int32)
     ctx = torch.tensor([1, 17, min(150, width * block_size), 3, block_size * 6])
-    got = triton_attention.paged_decode(qd, kp, vp, tables, ctx, window, dim ** -0.5)
+    got = triton_attention.paged_decode(qd, kp, vp, tables, ctx, window, dim ** -0.5, splits)
     ref = reference_decode(qd.float(), kp.float(), vp.float(), tables.long(), ctx, window, dim ** -0.5)
     assert got.shape == ref.shape and got.dtype == dtype
     tol = 2e-6 if dtype == torch.float32 else 3e-3
     assert float((got.float() - ref).abs().max()) <= tol * max(1.0, float(ref.abs().max()))
+
+
+def test_decode_splits_fill_the_device_and_stop_once_the_batch_does():
+    """Two programs per multiprocessor (the interpreter counts as 8): a power of two, at most
+    MAX_SPLITS, 1 once rows x KV heads alone reach that."""
+    cpu = torch.device("cpu")
+    assert [triton_attention.decode_splits(r, 8, cpu) for r in (1, 2, 3, 16)] == [2, 1, 1, 1]
+    assert [triton_attention.decode_splits(r, 1, cpu) for r in (1, 2, 3, 5, 16)] == [16, 8, 8, 4, 1]
+    assert triton_attention.decode_splits(1, 1, cpu) <= triton_attention.MAX_SPLITS
 
 
 def test_triton_self_check_and_its_refusal(interpret):
