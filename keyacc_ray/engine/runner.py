@@ -201,6 +201,7 @@ class ModelRunner:
                                      quant=None if cpu_weight_quant == "none" else cpu_weight_quant)
         self.attn = PagedAttention(self.cache, self.windows, self._kernels)
         self.attn.kernel = self._choose_attention_kernel()
+        self.fused_norms = self._fuse_norms()  # {"fused": n, "kept": m}, or None where not tried
         self.paged = paged_attention != "off" and self._try_paged()
         self._check_cache_used()
         self.static_decode: StaticDecode | None = None  # decode steps at bucket sizes (CUDA graphs)
@@ -250,6 +251,27 @@ class ModelRunner:
             log.warning("attention over the KV pool: torch reference (triton kernel disagrees with it here)")
             return "torch"
         return "triton"
+
+    def _fuse_norms(self) -> dict | None:
+        """CUDA: the model's RMSNorm modules as one Triton kernel each (engine/triton_norm.py),
+        where triton runs; KEYACC_GPU_NORM=triton|torch forces it or turns it off (triton on CPU
+        runs under TRITON_INTERPRET=1: the tests')."""
+        from keyacc_ray.engine import triton_attention, triton_norm
+
+        forced = os.environ.get("KEYACC_GPU_NORM", "")
+        if forced not in ("", "triton", "torch"):
+            raise ModelLoadError(f"KEYACC_GPU_NORM must be triton or torch, got {forced!r}")
+        if forced == "torch" or (forced != "triton" and self.device.type != "cuda"):
+            return None
+        if not triton_attention.available(self.device):
+            return None
+        try:
+            got = triton_norm.fuse_rms_norms(self.model, self.device, self.dtype)
+        except Exception as e:  # noqa: BLE001 - a kernel that does not build here: the model's own norms
+            log.warning("fused RMSNorm not used (%s: %s)", type(e).__name__, e)
+            return None
+        log.info("RMSNorm: %d modules as one kernel each, %d kept their own forward", got["fused"], got["kept"])
+        return got
 
     def _window(self, layer: int) -> int:
         """The sliding window of a layer (0: it attends over everything), by the same rule the
