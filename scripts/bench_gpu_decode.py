@@ -143,7 +143,7 @@ def main() -> None:
     kv_tok = r.kv_bytes_per_token()
     out = {"device": r.device_label(), "model": args.model, "dtype": args.dtype, "context": args.context,
            "load_s": round(load_s, 1), "attention_kernel": r.attn.kernel, "paged": r.paged,
-           "fused_step": r.fused_step is not None, "fused_norms": r.fused_norms, "graphs_captured": r.graphs_captured,
+           "fused_step": r.fused_step is not None, "fused_ops": r.fused_ops, "graphs_captured": r.graphs_captured,
            "graph_capture_s": round(r.static_decode.capture_s, 2) if r.static_decode else 0.0,
            "graph_failure": r.static_decode.failure if r.static_decode else "",
            "bandwidth_gbs": round(bw / 1e9, 1), "weight_bytes": wbytes, "num_kv_blocks": r.num_blocks,

@@ -10,7 +10,7 @@ rows of its shape (within two rounding steps of its dtype: the two reduce in dif
 the first form that agrees is kept, a module neither matches keeps its own forward.
 
 Under `TRITON_INTERPRET=1` the same kernel runs on CPU tensors (float32, float16), which is how
-the tests check it; the runner asks for it on CUDA, or where `KEYACC_GPU_NORM=triton` forces it.
+the tests check it; the runner asks for it on CUDA, or where `KEYACC_GPU_FUSE=triton` forces it.
 """
 from __future__ import annotations
 
