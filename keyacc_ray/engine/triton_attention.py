@@ -76,42 +76,14 @@ def _attend_tile_py(q, K, V, T, j, jm, ok, kvh, sk_n, sk_h, sk_t, sv_n, sv_h, sv
 _attend_tile = None  # _attend_tile_py jitted (by _build), as the kernels call it
 
 
-def _paged_decode(Q, K, V, T, C, O, sq_b, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, st_b, so_b, so_h,
-                scale, window, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                DV: tl.constexpr, DVP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
-    """One (sequence, KV head): its group's query heads over the sequence's keys (module docstring)."""
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    ctx = tl.load(C + b).to(tl.int32)
-    g = tl.arange(0, GP)
-    d = tl.arange(0, DP)
-    dv = tl.arange(0, DVP)
-    gm = g < G
-    heads = kvh * G + g
-    q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=gm[:, None] & (d[None, :] < D),
-                other=0.0)
-    m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, DVP], tl.float32)
-    lo = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
-    first = (lo // BN) * BN
-    for start in range(first, ctx, BN):
-        j = start + tl.arange(0, BN)
-        jm = (j >= lo) & (j < ctx)
-        m_i, l_i, acc = _attend_tile(q, K, V, T + b * st_b, j, jm, jm[None, :], kvh, sk_n, sk_h, sk_t, sv_n, sv_h,
-                                     sv_t, scale, m_i, l_i, acc, D, DP, DV, DVP, BS, IEEE)
-    out = acc / l_i[:, None]
-    tl.store(O + b * so_b + heads[:, None] * so_h + dv[None, :], out.to(O.dtype.element_ty),
-             mask=gm[:, None] & (dv[None, :] < DV))
-
-
-def _paged_decode_split(Q, K, V, T, C, PM, PL, PA, sq_b, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, st_b, scale,
-                       window, S: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                       DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-                       IEEE: tl.constexpr):
+def _paged_decode(Q, K, V, T, C, O, PM, PL, PA, sq_b, sq_h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, st_b, so_b, so_h,
+                  scale, window, S: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                  DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+                  IEEE: tl.constexpr):
     """One (sequence, KV head, split): the group's query heads over the split's share of the
-    sequence's keys (its length cut into S runs of whole tiles); the partial softmax state (max,
-    sum, weighted values) into PM / PL / PA [rows, kvh, S, GP(, DVP)], combined by `_combine`."""
+    sequence's keys (its length cut into S runs of whole tiles; S = 1: all of them). S = 1 writes
+    the group's outputs into O; above, the partial softmax state (max, sum, weighted values) into
+    PM / PL / PA [rows, kvh, S, GP(, DVP)], which `_combine` merges (module docstring)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -128,8 +100,7 @@ def _paged_decode_split(Q, K, V, T, C, PM, PL, PA, sq_b, sq_h, sk_n, sk_h, sk_t,
     acc = tl.zeros([GP, DVP], tl.float32)
     lo = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
     first = (lo // BN) * BN
-    tiles = (ctx - first + BN - 1) // BN
-    per = (tiles + S - 1) // S  # tiles per split
+    per = ((ctx - first + BN - 1) // BN + S - 1) // S  # tiles per split
     seg_lo = first + sp * per * BN
     seg_hi = tl.minimum(seg_lo + per * BN, ctx)
     for start in range(seg_lo, seg_hi, BN):
@@ -137,10 +108,15 @@ def _paged_decode_split(Q, K, V, T, C, PM, PL, PA, sq_b, sq_h, sk_n, sk_h, sk_t,
         jm = (j >= lo) & (j < seg_hi)
         m_i, l_i, acc = _attend_tile(q, K, V, T + b * st_b, j, jm, jm[None, :], kvh, sk_n, sk_h, sk_t, sv_n, sv_h,
                                      sv_t, scale, m_i, l_i, acc, D, DP, DV, DVP, BS, IEEE)
-    part = (b * tl.num_programs(1) + kvh) * S + sp
-    tl.store(PM + part * GP + g, m_i)
-    tl.store(PL + part * GP + g, l_i)
-    tl.store(PA + (part * GP + g)[:, None] * DVP + dv[None, :], acc)
+    if S == 1:
+        out = acc / l_i[:, None]
+        tl.store(O + b * so_b + heads[:, None] * so_h + dv[None, :], out.to(O.dtype.element_ty),
+                 mask=gm[:, None] & (dv[None, :] < DV))
+    else:
+        part = (b * tl.num_programs(1) + kvh) * S + sp
+        tl.store(PM + part * GP + g, m_i)
+        tl.store(PL + part * GP + g, l_i)
+        tl.store(PA + (part * GP + g)[:, None] * DVP + dv[None, :], acc)
 
 
 def _combine(PM, PL, PA, O, so_b, so_h, S: tl.constexpr, SP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
@@ -226,8 +202,28 @@ def _build():
     global _attend_tile
     _attend_tile = triton.jit(_attend_tile_py)
     _kernel = (flag, {"decode": triton.jit(_paged_decode), "prefill": triton.jit(_paged_prefill),
-                      "decode_split": triton.jit(_paged_decode_split), "combine": triton.jit(_combine)})
+                      "combine": triton.jit(_combine)})
     return _kernel[1]
+
+
+def lazy_jit(fn):
+    """A Triton kernel jitted when first wanted (again if the interpreter flag changed), its
+    module's global `tl` set to triton.language then: `lazy_jit(f)()` is the jitted kernel. (The
+    other GPU kernels' modules use it; a CPU replica never imports triton.)"""
+    cache: dict = {}
+
+    def get():
+        flag = interpreting()
+        if flag not in cache:
+            import triton
+            import triton.language
+
+            fn.__globals__["tl"] = triton.language
+            cache.clear()
+            cache[flag] = triton.jit(fn)
+        return cache[flag]
+
+    return get
 
 
 def available(device: torch.device) -> bool:
@@ -321,23 +317,21 @@ def paged_decode(qd: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, tables: t
     out = torch.empty((rows, 1, heads, dv), dtype=qd.dtype, device=qd.device)
     o = out[:, 0]
     gp, dvp = _pow2(group), _pow2(dv)
-    splits = decode_splits(rows, kvh, qd.device) if splits is None else splits
-    if splits <= 1:
-        k["decode"][(rows, kvh)](q, kp, vp, tables, ctx, o, q.stride(0), q.stride(1), kp.stride(0), kp.stride(1),
-                                 kp.stride(2), vp.stride(0), vp.stride(1), vp.stride(2), tables.stride(0),
-                                 o.stride(0), o.stride(1), float(scale), int(window or 0), G=group, GP=gp, D=dim,
-                                 DP=_pow2(dim), DV=dv, DVP=dvp, BS=bs, BN=BLOCK_N, IEEE=qd.dtype == torch.float32)
-        return out
-    pm = torch.empty((rows, kvh, splits, gp), dtype=torch.float32, device=qd.device)
-    pl = torch.empty_like(pm)
-    pa = torch.empty((rows, kvh, splits, gp, dvp), dtype=torch.float32, device=qd.device)
-    k["decode_split"][(rows, kvh, splits)](q, kp, vp, tables, ctx, pm, pl, pa, q.stride(0), q.stride(1), kp.stride(0),
-                                           kp.stride(1), kp.stride(2), vp.stride(0), vp.stride(1), vp.stride(2),
-                                           tables.stride(0), float(scale), int(window or 0), S=splits, G=group, GP=gp,
-                                           D=dim, DP=_pow2(dim), DV=dv, DVP=dvp, BS=bs, BN=BLOCK_N,
-                                           IEEE=qd.dtype == torch.float32)
-    k["combine"][(rows, kvh)](pm, pl, pa, o, o.stride(0), o.stride(1), S=splits, SP=_pow2(splits, 2), G=group,
-                              GP=gp, DV=dv, DVP=dvp)
+    splits = decode_splits(rows, kvh, qd.device) if splits is None else max(1, splits)
+    if splits > 1:  # the partial states, combined by a second launch
+        pm = torch.empty((rows, kvh, splits, gp), dtype=torch.float32, device=qd.device)
+        pl = torch.empty_like(pm)
+        pa = torch.empty((rows, kvh, splits, gp, dvp), dtype=torch.float32, device=qd.device)
+    else:
+        pm = pl = pa = o  # (unused)
+    k["decode"][(rows, kvh, splits)](q, kp, vp, tables, ctx, o, pm, pl, pa, q.stride(0), q.stride(1), kp.stride(0),
+                                     kp.stride(1), kp.stride(2), vp.stride(0), vp.stride(1), vp.stride(2),
+                                     tables.stride(0), o.stride(0), o.stride(1), float(scale), int(window or 0),
+                                     S=splits, G=group, GP=gp, D=dim, DP=_pow2(dim), DV=dv, DVP=dvp, BS=bs, BN=BLOCK_N,
+                                     IEEE=qd.dtype == torch.float32)
+    if splits > 1:
+        k["combine"][(rows, kvh)](pm, pl, pa, o, o.stride(0), o.stride(1), S=splits, SP=_pow2(splits, 2), G=group,
+                                  GP=gp, DV=dv, DVP=dvp)
     return out
 
 

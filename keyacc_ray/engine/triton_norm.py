@@ -23,8 +23,7 @@ from keyacc_ray.engine import triton_attention
 
 log = logging.getLogger(__name__)
 
-tl = None  # triton.language, imported when first wanted (the kernel's body names it)
-_kernel = None  # (interpret flag, jitted kernel)
+tl = None  # triton.language, set when the kernel is first jitted (its body names it)
 
 
 def _rms_norm_py(X, W, Y, sx, sy, N, eps, BLOCK: tl.constexpr, GEMMA: tl.constexpr):
@@ -41,17 +40,7 @@ def _rms_norm_py(X, W, Y, sx, sy, N, eps, BLOCK: tl.constexpr, GEMMA: tl.constex
     tl.store(Y + row * sy + cols, y.to(Y.dtype.element_ty), mask=m)
 
 
-def _build():
-    global _kernel, tl
-    flag = triton_attention.interpreting()
-    if _kernel is not None and _kernel[0] == flag:
-        return _kernel[1]
-    import triton
-    import triton.language
-
-    tl = triton.language
-    _kernel = (flag, triton.jit(_rms_norm_py))
-    return _kernel[1]
+_kernel = triton_attention.lazy_jit(_rms_norm_py)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
@@ -66,7 +55,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> 
     rows = x2.shape[0]
     if rows:
         block = max(16, 1 << (n - 1).bit_length())
-        _build()[(rows,)](x2, weight, y, x2.stride(0), n, n, float(eps), BLOCK=block, GEMMA=gemma,
+        _kernel()[(rows,)](x2, weight, y, x2.stride(0), n, n, float(eps), BLOCK=block, GEMMA=gemma,
                           num_warps=min(16, max(1, block // 256)))
     return y
 

@@ -21,8 +21,7 @@ from keyacc_ray.engine import triton_attention
 
 log = logging.getLogger(__name__)
 
-tl = None
-_kernel = None  # (interpret flag, jitted kernel)
+tl = None  # triton.language, set when the kernel is first jitted (its body names it)
 
 
 def _rope_py(X, C, S, Y, sxb, sxh, sxt, scb, sct, ssb, sst, syb, syh, syt, T, HALF: tl.constexpr,
@@ -50,17 +49,7 @@ def _rope_py(X, C, S, Y, sxb, sxh, sxt, scb, sct, ssb, sst, syb, syh, syt, T, HA
     tl.store(y + HALF + i, hi.to(dt), mask=m)
 
 
-def _build():
-    global _kernel, tl
-    flag = triton_attention.interpreting()
-    if _kernel is not None and _kernel[0] == flag:
-        return _kernel[1]
-    import triton
-    import triton.language
-
-    tl = triton.language
-    _kernel = (flag, triton.jit(_rope_py))
-    return _kernel[1]
+_kernel = triton_attention.lazy_jit(_rope_py)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -70,7 +59,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(x)
     if x.numel():
         half = d // 2
-        _build()[(bsz * t, heads)](x, cos, sin, y, x.stride(0), x.stride(1), x.stride(2),
+        _kernel()[(bsz * t, heads)](x, cos, sin, y, x.stride(0), x.stride(1), x.stride(2),
                                    cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),
                                    sin.stride(0) if sin.shape[0] > 1 else 0, sin.stride(1),
                                    y.stride(0), y.stride(1), y.stride(2), t, HALF=half,
