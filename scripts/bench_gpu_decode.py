@@ -2,7 +2,9 @@
 """The engine's decode speed on one device, against the memory roofline (issue #21).
 
 For each batch size B: B requests with random prompts of --context tokens (prefilled first, chunked
-as the engine does), then --steps decode steps of all B rows timed through `LLMEngine.step` (the
+as the engine does; those prefilled first decode meanwhile, so each may generate --headroom tokens
+and none finishes before the timed steps), then --steps decode steps of all B rows (counted:
+`rows_per_step`, tokens/s from the tokens the steps returned) timed through `LLMEngine.step` (the
 forward, CUDA-graph replay where captured, sampling and postprocessing: what a replica does per
 step). Reports per batch: tokens/s, ms per step, the step against the roofline (bytes the step must
 read, the weights once and every row's KV, over the device's copy bandwidth measured in the same
@@ -13,6 +15,7 @@ graphs and at which sizes, the decode-attention kernel.
     python scripts/bench_gpu_decode.py --model PATH --batches 1 16 64 256 --context 1024
     python scripts/bench_gpu_decode.py --model models/tiny-qwen3 --batches 1 4 --context 64 --steps 4   # CPU
     python scripts/bench_gpu_decode.py --model PATH --batches 64 256 --async-scheduling   # step n+1 launched before n is read
+    python scripts/bench_gpu_decode.py --model PATH --batches 1 64 --profile-steps 4   # + each batch's top kernels
 
 With --async-scheduling the forward is not timed on its own (a synchronising wrapper would undo the
 overlap): `forward_ms` is null, `launched_ahead` counts the decode steps launched ahead.
