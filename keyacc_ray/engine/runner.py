@@ -201,7 +201,7 @@ class ModelRunner:
                                      quant=None if cpu_weight_quant == "none" else cpu_weight_quant)
         self.attn = PagedAttention(self.cache, self.windows, self._kernels)
         self.attn.kernel = self._choose_attention_kernel()
-        # CUDA: {"rms_norm": {"fused": n, "kept": m}, "rotary": bool}, or None where not tried
+        # CUDA: {"projections": groups, "rms_norm": {"fused": n, "kept": m}, "rotary": bool}, or None
         self.fused_ops = self._fuse_ops()
         self.paged = paged_attention != "off" and self._try_paged()
         self._check_cache_used()
@@ -254,24 +254,25 @@ class ModelRunner:
         return "triton"
 
     def _fuse_ops(self) -> dict | None:
-        """CUDA: the model's RMSNorm modules and its rotary embedding as one Triton kernel each
-        (engine/triton_norm.py, engine/triton_rope.py), where triton runs; KEYACC_GPU_FUSE=triton|torch
-        forces it or turns it off (triton on CPU runs under TRITON_INTERPRET=1: the tests')."""
-        from keyacc_ray.engine import triton_attention, triton_norm, triton_rope
+        """CUDA: the projections that read the same input as one product each (q/k/v, gate/up:
+        engine/fused_linear.py), and, where triton runs, the model's RMSNorm modules and its rotary
+        embedding as one Triton kernel each (engine/triton_norm.py, engine/triton_rope.py).
+        KEYACC_GPU_FUSE=triton|torch forces them or turns them off (triton on CPU runs under
+        TRITON_INTERPRET=1: the tests')."""
+        from keyacc_ray.engine import fused_linear, triton_attention, triton_norm, triton_rope
 
         forced = os.environ.get("KEYACC_GPU_FUSE", "")
         if forced not in ("", "triton", "torch"):
             raise ModelLoadError(f"KEYACC_GPU_FUSE must be triton or torch, got {forced!r}")
         if forced == "torch" or (forced != "triton" and self.device.type != "cuda"):
             return None
-        if not triton_attention.available(self.device):
-            return None
-        got: dict = {"rms_norm": None, "rotary": False}
-        try:
-            got["rms_norm"] = triton_norm.fuse_rms_norms(self.model, self.device, self.dtype)
-            got["rotary"] = triton_rope.fuse_rotary(self.model, self.device, self.dtype)
-        except Exception as e:  # noqa: BLE001 - a kernel that does not build here: the model's own ops
-            log.warning("fused GPU ops not used (%s: %s)", type(e).__name__, e)
+        got: dict = {"projections": fused_linear.fuse_projections(self.model), "rms_norm": None, "rotary": False}
+        if triton_attention.available(self.device):
+            try:
+                got["rms_norm"] = triton_norm.fuse_rms_norms(self.model, self.device, self.dtype)
+                got["rotary"] = triton_rope.fuse_rotary(self.model, self.device, self.dtype)
+            except Exception as e:  # noqa: BLE001 - a kernel that does not build here: the model's own ops
+                log.warning("fused GPU kernels not used (%s: %s)", type(e).__name__, e)
         log.info("fused on %s: %s", self.device, got)
         return got
 

@@ -106,9 +106,9 @@ def test_fuse_rotary_routes_the_usual_layout_and_leaves_the_rest(monkeypatch):
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma"])
 def test_engine_with_fused_ops_decodes_like_generate(monkeypatch, tmp_path, arch):
-    """Every RMSNorm of the model (Qwen3's q and k norms included; Gemma's 1 + w form) and its
-    rotary embedding through the kernels, attention through the Triton kernels, decode steps at
-    bucket sizes: generate()'s tokens."""
+    """Every layer's q/k/v and gate/up projections as one product each, every RMSNorm of the model
+    (Qwen3's q and k norms included; Gemma's 1 + w form) and its rotary embedding through the
+    kernels, attention through the Triton kernels, decode steps at bucket sizes: generate()'s tokens."""
     m = _modeling(arch)
     monkeypatch.setattr(m, "apply_rotary_pos_emb", m.apply_rotary_pos_emb)  # restored after the test
     monkeypatch.setenv("KEYACC_GPU_FUSE", "triton")
@@ -125,7 +125,9 @@ def test_engine_with_fused_ops_decodes_like_generate(monkeypatch, tmp_path, arch
     eng, outs, _ = _generate_with_buckets(path, prompts, max_tokens, kv_block_size=4)
     fused = eng.runner.fused_ops
     n_norms = sum(type(x).__name__.endswith("RMSNorm") for x in eng.runner.model.modules())
-    assert fused == {"rms_norm": {"fused": n_norms, "kept": 0}, "rotary": True} and n_norms >= 3
+    layers = eng.runner.model.config.num_hidden_layers
+    assert fused == {"projections": 2 * layers, "rms_norm": {"fused": n_norms, "kept": 0}, "rotary": True}
+    assert n_norms >= 3
     assert calls  # the steps' rotary went through the kernel
     assert outs == refs
 
