@@ -25,7 +25,8 @@
 #      KEYACC_CHECK_LEVELS), the CPU pool alone, one low-load round
 # KEYACC_CHECK_QUICK=1: a shorter run (about 4 minutes with the device's start) for a session with
 # little device time left: no CPU kernel build, steps 2, 2b (batches 1, 64, 256, each with a kernel
-# profile), 3 (its CPU engine on the torch path), then 4's decode speed (profiled) and nothing after.
+# profile; then batches 1 and 64 with KEYACC_GPU_FUSE=torch, the fused ops' A/B), 3 (its CPU engine
+# on the torch path), then 4's decode speed (profiled) and nothing after.
 # Files that come back (8 at most): log.txt, env.json, decode_*.json, engine_check.json, bench/report.json,
 # plots.tar (5's PNG plots).
 set -uo pipefail
@@ -126,10 +127,15 @@ make_model "$BENCH_SIZE" "$WORK/m-$BENCH_SIZE" "$(cap 90)" || { log "model creat
 log "2b decode speed on $BENCH_SIZE ($CONTEXT-token sequences)"
 if [ -n "$QUICK" ]; then
   DECODE_FLAGS="--profile-steps 4" decode_bench "$WORK/m-$BENCH_SIZE" "$BENCH_SIZE" "$(cap 90)" 1 64 256
+  DECODE_RC=$?
+  if [ "$DEVICE" = cuda ]; then   # the A/B of the fused GPU ops (projections, RMSNorm, rotary): without them
+    KEYACC_GPU_FUSE=torch decode_bench "$WORK/m-$BENCH_SIZE" "${BENCH_SIZE}_unfused" "$(cap 60 150)" 1 64 \
+      || DECODE_RC=1
+  fi
 else
   decode_bench "$WORK/m-$BENCH_SIZE" "$BENCH_SIZE" "$(cap 120)" 1 16 64 256
+  DECODE_RC=$?
 fi
-DECODE_RC=$?
 log "3/5 engine on $BENCH_SIZE: GPU prefill -> CPU decode and back, tokens compared"
 engine_check "$WORK/m-$BENCH_SIZE" "$WORK/engine_check_$BENCH_SIZE.json" "$(cap 90)"
 SMALL_RC=$?
