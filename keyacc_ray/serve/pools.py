@@ -210,11 +210,15 @@ class EnginePool:
     def _give_back(self, h: Handoff, lease: "_KVLease") -> None:
         """A hop cancelled before its sequence made a token here (its driver gave up waiting for it
         to be taken: the replica took it just then) puts the KV it took back under its key, where
-        the driver's next hop takes it (`KVDirectory.take` waits for it): not prefilled again."""
-        if lease.refs and not lease.used:
+        the driver's next hop takes it (`KVDirectory.take` waits for it): not prefilled again. One
+        cancelled after its tokens began cannot (that KV no longer describes where the client's
+        stream is): it leaves an empty entry, so the next hop's take answers at once and it
+        prefills again, instead of waiting KV_TAKE_TIMEOUT_S for a put that never comes (the 2x
+        soak's 9.7 s gap: 5 s of it that wait)."""
+        if lease.refs:
             refs, lease.refs = lease.refs, []
             try:
-                self._directory().put.remote(h.kv_key, refs)
+                self._directory().put.remote(h.kv_key, [] if lease.used else refs)
             except Exception as e:  # noqa: BLE001 - directory gone: the next hop prefills again
                 log.warning("KV of %s not given back (%s)", h.request_id, e.__class__.__name__)
 

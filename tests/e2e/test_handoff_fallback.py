@@ -113,3 +113,48 @@ def test_a_hop_cancelled_before_its_first_token_gives_its_kv_back(app_url, monke
         pool.loop.shutdown()
     assert kv == "received"  # the KV given back, not a prefill of prompt + tokens again
     assert first + rest == hf_greedy(path, ids, 20)
+
+
+def test_a_hop_cancelled_after_its_tokens_began_lets_the_next_hop_prefill_at_once(app_url, monkeypatch):
+    """Cancelled once its sequence made tokens there (the client never got them: the driver had
+    given up on the hop), a hop cannot give its KV back; it leaves an empty entry under the key, so
+    the driver's next hop does not wait out KV_TAKE_TIMEOUT_S for the KV (here 20 s) before it
+    prefills prompt + tokens again: generate()'s tokens, well within that wait."""
+    from keyacc_ray.serve.messages import SegmentStart
+
+    monkeypatch.setattr(pools_mod, "KV_TAKE_TIMEOUT_S", 20.0)
+    path, params, ids, first, pkg = exported("u", PROMPTS[3], 5)
+    pool = EnginePool(EngineConfig(model=path).__dict__, deployment="TestPool")
+    directory = pool._directory()
+    try:
+        ray.get(directory.put.remote("u/1", [ray.put((pkg.keys, pkg.values))]), timeout=30)
+        handoff = Handoff(pkg.request_id, pkg.meta, [], pkg.token_ids, pkg.num_prompt_tokens, pkg.params,
+                          pkg.rng_state, pkg.emitted_text_chars, pkg.nbytes, kv_key="u/1")
+        req = GenerateRequest("u", ids, params.to_dict())
+
+        async def cancelled_after_a_token():
+            gen = pool.generate(req, handoff)
+            async for items in gen:
+                if any(isinstance(i, TokenChunk) for i in items):
+                    break
+            await gen.aclose()
+
+        async def run():
+            out, kv = [], None
+            async for items in pool.generate(req, handoff):
+                out += [t for i in items if isinstance(i, TokenChunk) for t in i.token_ids]
+                kv = next((i.kv for i in items if isinstance(i, SegmentStart)), kv)
+            return out, kv
+
+        asyncio.run(asyncio.wait_for(cancelled_after_a_token(), 60))
+        deadline = time.monotonic() + 10
+        while ray.get(directory.size.remote(), timeout=10) < 1:  # the empty entry (a fire-and-forget put)
+            assert time.monotonic() < deadline, "nothing left under the key"
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        rest, kv = asyncio.run(asyncio.wait_for(run(), 60))
+        took = time.monotonic() - t0
+    finally:
+        pool.loop.shutdown()
+    assert kv == "recomputed" and took < 10.0  # (without the entry: 20 s of waiting first)
+    assert first + rest == hf_greedy(path, ids, 20)
