@@ -9,7 +9,7 @@ import ray
 from keyacc_ray.config import EngineConfig
 from keyacc_ray.engine.llm_engine import LLMEngine
 from keyacc_ray.engine.request import SamplingParams
-from keyacc_ray.serve.messages import GenerateRequest, Handoff, TokenChunk
+from keyacc_ray.serve.messages import GenerateRequest, Handoff, SegmentStart, TokenChunk
 from keyacc_ray.serve import pools as pools_mod
 from keyacc_ray.serve.pools import EnginePool
 from tests.conftest import tiny_model
@@ -71,14 +71,21 @@ def test_kv_owner_died_before_read_prefills_again(app_url, monkeypatch):  # app_
     assert first + rest_keyed == hf_greedy(path, ids, 20)
 
 
+async def _hop(pool, req, handoff):
+    """One hop through the pool: (its tokens, its SegmentStart's kv)."""
+    out, kv = [], None
+    async for items in pool.generate(req, handoff):
+        out += [t for i in items if isinstance(i, TokenChunk) for t in i.token_ids]
+        kv = next((i.kv for i in items if isinstance(i, SegmentStart)), kv)
+    return out, kv
+
+
 def test_a_hop_cancelled_before_its_first_token_gives_its_kv_back(app_url, monkeypatch):
     """A hop its driver gave up on (not taken within the bound: the replica took it just then)
     took the hand-off's KV from the directory; cancelled before its sequence made a token there,
     it puts the KV back under its key, and the driver's next hop takes it: decoded on from the
     KV, not prefilled again (the 2x-overload soak's "KV not found ... prefilling again" after
     every such stall), with generate()'s tokens."""
-    from keyacc_ray.serve.messages import SegmentStart
-
     monkeypatch.setattr(pools_mod, "KV_TAKE_TIMEOUT_S", 2.0)
     path, params, ids, first, pkg = exported("g", PROMPTS[2], 5)
     pool = EnginePool(EngineConfig(model=path).__dict__, deployment="TestPool")
@@ -98,17 +105,10 @@ def test_a_hop_cancelled_before_its_first_token_gives_its_kv_back(app_url, monke
             await gen.aclose()
             return seen
 
-        async def run():
-            out, kv = [], None
-            async for items in pool.generate(req, handoff):
-                out += [t for i in items if isinstance(i, TokenChunk) for t in i.token_ids]
-                kv = next((i.kv for i in items if isinstance(i, SegmentStart)), kv)
-            return out, kv
-
         seen = asyncio.run(asyncio.wait_for(cancelled(), 60))
         assert [i.kv for i in seen if isinstance(i, SegmentStart)] == ["received"]
         assert not any(isinstance(i, TokenChunk) for i in seen)
-        rest, kv = asyncio.run(asyncio.wait_for(run(), 60))
+        rest, kv = asyncio.run(asyncio.wait_for(_hop(pool, req, handoff), 60))
     finally:
         pool.loop.shutdown()
     assert kv == "received"  # the KV given back, not a prefill of prompt + tokens again
@@ -120,8 +120,6 @@ def test_a_hop_cancelled_after_its_tokens_began_lets_the_next_hop_prefill_at_onc
     given up on the hop), a hop cannot give its KV back; it leaves an empty entry under the key, so
     the driver's next hop does not wait out KV_TAKE_TIMEOUT_S for the KV (here 20 s) before it
     prefills prompt + tokens again: generate()'s tokens, well within that wait."""
-    from keyacc_ray.serve.messages import SegmentStart
-
     monkeypatch.setattr(pools_mod, "KV_TAKE_TIMEOUT_S", 20.0)
     path, params, ids, first, pkg = exported("u", PROMPTS[3], 5)
     pool = EnginePool(EngineConfig(model=path).__dict__, deployment="TestPool")
@@ -139,20 +137,13 @@ def test_a_hop_cancelled_after_its_tokens_began_lets_the_next_hop_prefill_at_onc
                     break
             await gen.aclose()
 
-        async def run():
-            out, kv = [], None
-            async for items in pool.generate(req, handoff):
-                out += [t for i in items if isinstance(i, TokenChunk) for t in i.token_ids]
-                kv = next((i.kv for i in items if isinstance(i, SegmentStart)), kv)
-            return out, kv
-
         asyncio.run(asyncio.wait_for(cancelled_after_a_token(), 60))
         deadline = time.monotonic() + 10
         while ray.get(directory.size.remote(), timeout=10) < 1:  # the empty entry (a fire-and-forget put)
             assert time.monotonic() < deadline, "nothing left under the key"
             time.sleep(0.05)
         t0 = time.monotonic()
-        rest, kv = asyncio.run(asyncio.wait_for(run(), 60))
+        rest, kv = asyncio.run(asyncio.wait_for(_hop(pool, req, handoff), 60))
         took = time.monotonic() - t0
     finally:
         pool.loop.shutdown()
