@@ -187,6 +187,10 @@ class ModelRunner:
         self._kernels = None
         self.paged = False  # until the probe below shows the paged attention agrees with the model's
         self.probe_error = None  # the probe's ([relative error per output], [its yardstick] or None)
+        # CUDA: {"projections": groups, "rms_norm": {"fused": n, "kept": m}, "rotary": bool}, or None.
+        # Before the block pool is sized: the fused weights are new tensors (the old ones freed),
+        # and the profiled step that sizes the pool is then the fused model's
+        self.fused_ops = self._fuse_ops()
         self.num_blocks = self._fit_blocks(num_kv_blocks, kv_memory_fraction, gpu_memory_utilization,
                                            max_num_batched_tokens)
         s = self.kv_shape
@@ -201,8 +205,6 @@ class ModelRunner:
                                      quant=None if cpu_weight_quant == "none" else cpu_weight_quant)
         self.attn = PagedAttention(self.cache, self.windows, self._kernels)
         self.attn.kernel = self._choose_attention_kernel()
-        # CUDA: {"projections": groups, "rms_norm": {"fused": n, "kept": m}, "rotary": bool}, or None
-        self.fused_ops = self._fuse_ops()
         self.paged = paged_attention != "off" and self._try_paged()
         self._check_cache_used()
         self.static_decode: StaticDecode | None = None  # decode steps at bucket sizes (CUDA graphs)
@@ -273,6 +275,8 @@ class ModelRunner:
                 got["rotary"] = triton_rope.fuse_rotary(self.model, self.device, self.dtype)
             except Exception as e:  # noqa: BLE001 - a kernel that does not build here: the model's own ops
                 log.warning("fused GPU kernels not used (%s: %s)", type(e).__name__, e)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the separate weights' freed memory, back before the pool is sized
         log.info("fused on %s: %s", self.device, got)
         return got
 
