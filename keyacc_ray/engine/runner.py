@@ -351,6 +351,12 @@ class ModelRunner:
         register()
         fused, self.fused_step = self.fused_step, None  # the model's forward is what is probed
         try:
+            return self._probe_paged()
+        finally:
+            self.fused_step = fused
+
+    def _probe_paged(self) -> bool:
+        try:
             ref = self._run_probe(False)
             self.model.set_attn_implementation(ATTN_NAME)
             self.attn.calls = 0
@@ -361,8 +367,6 @@ class ModelRunner:
                      type(self.model).__name__, type(e).__name__, e)
             self._restore_attn()
             return False
-        finally:
-            self.fused_step = fused
         tol = PROBE_TOL.get(self.dtype, PROBE_TOL[None])
         err = [_rel_err(a, b) for a, b in zip(got, ref)]
         ok = calls == 3 * self.kv_shape.num_layers and max(err) <= tol
@@ -388,10 +392,9 @@ class ModelRunner:
 
     def _probe_floor(self, ref: list[torch.Tensor]) -> list[float] | None:
         """The probe through another implementation of the model's own attention (eager, or SDPA
-        where eager is its own): each output's relative distance from `ref`; None where the model
-        has no other."""
+        where eager is its own; the fused step off, as `_try_paged` holds it): each output's
+        relative distance from `ref`; None where the model has no other."""
         other = "sdpa" if self._own_attn == "eager" else "eager"
-        fused, self.fused_step = self.fused_step, None
         try:
             self.model.set_attn_implementation(other)
             alt = self._run_probe(False)
@@ -400,7 +403,6 @@ class ModelRunner:
                      type(self.model).__name__, e)
             return None
         finally:
-            self.fused_step = fused
             self.model.set_attn_implementation(ATTN_NAME)  # (what the caller probed through)
         return [_rel_err(a, b) for a, b in zip(alt, ref)]
 
