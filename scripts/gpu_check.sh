@@ -25,7 +25,8 @@
 #      KEYACC_CHECK_LEVELS), the CPU pool alone, one low-load round
 # KEYACC_CHECK_QUICK=1: a shorter run (about 4 minutes with the device's start) for a session with
 # little device time left: no CPU kernel build, steps 2, 2b (batches 1, 64, 256, each with a kernel
-# profile; then batches 1 and 64 with KEYACC_GPU_FUSE=torch, the fused ops' A/B), 3 (its CPU engine
+# profile; then batches 64 and 256 with asynchronous scheduling, or with KEYACC_CHECK_AB=unfused
+# batches 1 and 64 with KEYACC_GPU_FUSE=torch, the fused ops' A/B), 3 (its CPU engine
 # on the torch path), then 4's decode speed (profiled) and nothing after.
 # Files that come back (8 at most): log.txt, env.json, decode_*.json, engine_check.json, bench/report.json,
 # plots.tar (5's PNG plots).
@@ -128,8 +129,11 @@ log "2b decode speed on $BENCH_SIZE ($CONTEXT-token sequences)"
 if [ -n "$QUICK" ]; then
   DECODE_FLAGS="--profile-steps 4" decode_bench "$WORK/m-$BENCH_SIZE" "$BENCH_SIZE" "$(cap 90)" 1 64 256
   DECODE_RC=$?
-  if [ "$DEVICE" = cuda ]; then   # the A/B of the fused GPU ops (projections, RMSNorm, rotary): without them
+  if [ "$DEVICE" = cuda ] && [ "${KEYACC_CHECK_AB:-async}" = unfused ]; then   # the fused GPU ops' A/B: without them
     KEYACC_GPU_FUSE=torch decode_bench "$WORK/m-$BENCH_SIZE" "${BENCH_SIZE}_unfused" "$(cap 60 150)" 1 64 \
+      || DECODE_RC=1
+  elif [ "$DEVICE" = cuda ]; then   # asynchronous scheduling: the step's host work behind the device's
+    DECODE_FLAGS=--async-scheduling decode_bench "$WORK/m-$BENCH_SIZE" "${BENCH_SIZE}_async" "$(cap 60 150)" 64 256 \
       || DECODE_RC=1
   fi
 else

@@ -6,8 +6,8 @@ transformers calls them one by one on the same hidden states (`self.q_proj(x)`, 
 the device (the 0.4B shape's products at batch 1 ran at 0.7 TB/s on the H200). Here the weights
 are concatenated once (the originals dropped: no second copy), and each projection module is
 replaced by a part of the fused one: the first part called with an input runs the one product
-and keeps it, the others called with the same tensor object take their slice of it; a part
-called with another input (a model that projects something else) runs the product itself.
+and keeps it until every part took its slice, the others called with the same tensor object
+take their slice of it; a part called with another input (a model that projects something else) runs the product itself.
 Each group is swapped only where the fused product agrees with the separate ones on random rows.
 No Triton: the same on any device (the runner asks for it on CUDA).
 """
@@ -24,11 +24,14 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class _Product:
-    """The fused product last run, and the input it ran on (held: its identity is the key)."""
-    __slots__ = ("x", "y")
+    """The fused product being handed out, and the input it ran on (held while parts are still to
+    take their slices: its identity is the key). Dropped once every part took its slice, so no
+    step's activations outlive it (held, the 14B shape's 8k-token gate/up products were 21 GiB)."""
+    __slots__ = ("x", "y", "taken", "parts")
 
-    def __init__(self):
+    def __init__(self, parts: int):
         self.x = self.y = None
+        self.taken, self.parts = 0, parts
 
 
 class FusedPart(torch.nn.Module):
@@ -45,8 +48,13 @@ class FusedPart(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self._product
         if p.x is not x:
-            p.x, p.y = x, F.linear(x, self.weight, self.bias)
-        return p.y[..., self.lo:self.hi]
+            p.x = p.y = None  # (a product some part never took: freed before the next one)
+            p.x, p.y, p.taken = x, F.linear(x, self.weight, self.bias), 0
+        out = p.y[..., self.lo:self.hi]
+        p.taken += 1
+        if p.taken >= p.parts:
+            p.x = p.y = None
+        return out
 
 
 def _fusable(lins: list) -> bool:
@@ -78,7 +86,7 @@ def fuse_projections(model: torch.nn.Module) -> int:
                 weight = torch.nn.Parameter(torch.cat([m.weight for m in lins]), requires_grad=False)
                 bias = (None if lins[0].bias is None else
                         torch.nn.Parameter(torch.cat([m.bias for m in lins]), requires_grad=False))
-            product, parts, lo = _Product(), [], 0
+            product, parts, lo = _Product(len(lins)), [], 0
             for m in lins:
                 parts.append(FusedPart(weight, bias, lo, lo + m.out_features, product))
                 lo += m.out_features

@@ -81,14 +81,19 @@ class PagedKVCache:
         self.k = [zeros([num_blocks, kv_heads, block_size, k_dim], dtype) for _ in range(num_layers)]
         self.v = [zeros([num_blocks, kv_heads, block_size, v_dim], dtype) for _ in range(num_layers)]
         self.batch: StepBatch | None = None
+        # write(key, value, k_pool, v_pool, blk, off) -> bool: the new keys and values in one kernel
+        # (the runner sets triton_attention.write_kv where the Triton kernels attend); None, or
+        # False back: the torch copies below
+        self.write = None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         b = self.batch
         k, v = self.k[layer_idx], self.v[layer_idx]
-        ks = key_states.transpose(1, 2).reshape(-1, key_states.shape[1], key_states.shape[3])  # [tokens, H, D]
-        vs = value_states.transpose(1, 2).reshape(-1, value_states.shape[1], value_states.shape[3])
-        k[b.blk, :, b.off] = ks
-        v[b.blk, :, b.off] = vs
+        if self.write is None or not self.write(key_states, value_states, k, v, b.blk, b.off):
+            ks = key_states.transpose(1, 2).reshape(-1, key_states.shape[1], key_states.shape[3])  # [tokens, H, D]
+            vs = value_states.transpose(1, 2).reshape(-1, value_states.shape[1], value_states.shape[3])
+            k[b.blk, :, b.off] = ks
+            v[b.blk, :, b.off] = vs
         if not b.gather:
             return key_states, value_states
         return gather(k, b.gather_idx, b.kv_len), gather(v, b.gather_idx, b.kv_len)

@@ -205,6 +205,10 @@ class ModelRunner:
                                      quant=None if cpu_weight_quant == "none" else cpu_weight_quant)
         self.attn = PagedAttention(self.cache, self.windows, self._kernels)
         self.attn.kernel = self._choose_attention_kernel()
+        if self.attn.kernel == "triton":
+            from keyacc_ray.engine import triton_attention
+
+            self.cache.write = triton_attention.write_kv
         self.paged = paged_attention != "off" and self._try_paged()
         self._check_cache_used()
         self.static_decode: StaticDecode | None = None  # decode steps at bucket sizes (CUDA graphs)
@@ -268,7 +272,7 @@ class ModelRunner:
             raise ModelLoadError(f"KEYACC_GPU_FUSE must be triton or torch, got {forced!r}")
         if forced == "torch" or (forced != "triton" and self.device.type != "cuda"):
             return None
-        got: dict = {"projections": fused_linear.fuse_projections(self.model), "rms_norm": None, "rotary": False}
+        got: dict = {"projections": fused_linear.fuse_projections(self.model), "rms_norm": None, "rotary": None}
         if triton_attention.available(self.device):
             try:
                 got["rms_norm"] = triton_norm.fuse_rms_norms(self.model, self.device, self.dtype)
@@ -519,16 +523,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _profile_forward(self, tokens: int) -> torch.Tensor:
-        """A forward of `tokens` prompt tokens (the step budget, at most the context) through a
-        temporary block pool just big enough for it, before the real pool exists; its logits."""
-        tokens = max(2, min(tokens, self.max_model_len))
+        """A forward of `tokens` prompt tokens (the step budget) through a temporary block pool
+        just big enough for it, before the real pool exists; its logits (one row a sequence). A
+        step may pack the budget from several prompts, each at most the context, so the budget
+        goes in as many sequences of at most `max_model_len` tokens as it takes (a budget capped
+        at the context profiled a 2k-token step where the engine ran 8k: issue #21's OOM)."""
+        tokens, bs = max(2, tokens), self.block_size
+        lens = [self.max_model_len] * (tokens // self.max_model_len)
+        if tokens % self.max_model_len:
+            lens.append(tokens % self.max_model_len)
         s = self.kv_shape
-        nb = -(-tokens // self.block_size)
+        tables, nb = [], 0
+        for n in lens:
+            tables.append(list(range(nb, nb + -(-n // bs))))
+            nb += len(tables[-1])
         saved = getattr(self, "cache", None)
-        self.cache = PagedKVCache(s.num_layers, nb, s.num_kv_heads, self.block_size, s.head_dim, s.v_dim,
-                                  self.dtype, self.device)
+        self.cache = PagedKVCache(s.num_layers, nb, s.num_kv_heads, bs, s.head_dim, s.v_dim, self.dtype, self.device)
         try:
-            return self.forward([StepItem([1] * tokens, 0, list(range(nb)))])
+            return self.forward([StepItem([1] * n, 0, t) for n, t in zip(lens, tables)])
         finally:
             self.cache = saved
 

@@ -186,6 +186,40 @@ def _paged_prefill(Q, K, V, T, TC, TM, QS, QL, ST, O, sq_t, sq_h, sk_n, sk_h, sk
              mask=rm[:, None] & (dv[None, :] < DV))
 
 
+def _write_kv(K, V, KP, VP, BLK, OFF, sk_h, sk_t, sv_h, sv_t, skp_n, skp_h, skp_t, svp_n, svp_h, svp_t,
+              D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    blk = tl.load(BLK + t).to(tl.int64)
+    off = tl.load(OFF + t).to(tl.int64)
+    d = tl.arange(0, DP)
+    x = tl.load(K + h * sk_h + t * sk_t + d, mask=d < D)
+    tl.store(KP + blk * skp_n + h * skp_h + off * skp_t + d, x, mask=d < D)
+    dv = tl.arange(0, DVP)
+    y = tl.load(V + h * sv_h + t * sv_t + dv, mask=dv < DV)
+    tl.store(VP + blk * svp_n + h * svp_h + off * svp_t + dv, y, mask=dv < DV)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, blk: torch.Tensor,
+             off: torch.Tensor) -> bool:
+    """A step's new keys and values into the layer's pools in one launch: key / value [1, kv_heads,
+    tokens, dim] (the attention layer's, any strides with the last 1), token i to block blk[i] at
+    offset off[i]. The torch way is a transposed copy and an indexed write for each (four kernels a
+    layer: at batch 1 each is a few microseconds of a step that is mostly launches). False (nothing
+    written) for a layout it does not take."""
+    if (key.dim() != 4 or key.shape[0] != 1 or key.stride(-1) != 1 or value.stride(-1) != 1
+            or kp.stride(-1) != 1 or vp.stride(-1) != 1 or key.dtype != kp.dtype or value.dtype != vp.dtype):
+        return False
+    tokens, heads = key.shape[2], key.shape[1]
+    if tokens:
+        dim, dv = key.shape[-1], value.shape[-1]
+        _build()["write_kv"][(tokens, heads)](key, value, kp, vp, blk, off, key.stride(1), key.stride(2),
+                                               value.stride(1), value.stride(2), kp.stride(0), kp.stride(1),
+                                               kp.stride(2), vp.stride(0), vp.stride(1), vp.stride(2),
+                                               D=dim, DP=_pow2(dim), DV=dv, DVP=_pow2(dv))
+    return True
+
+
 def _build():
     """The jitted kernels {name: kernel}, built on first use (and again if the interpreter flag changed)."""
     global _kernel, _reason, tl
@@ -202,7 +236,7 @@ def _build():
     global _attend_tile
     _attend_tile = triton.jit(_attend_tile_py)
     _kernel = (flag, {"decode": triton.jit(_paged_decode), "prefill": triton.jit(_paged_prefill),
-                      "combine": triton.jit(_combine)})
+                      "combine": triton.jit(_combine), "write_kv": triton.jit(_write_kv)})
     return _kernel[1]
 
 

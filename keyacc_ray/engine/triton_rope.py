@@ -75,16 +75,32 @@ def _usual(q, k, cos, sin, unsqueeze_dim) -> bool:
             and cos.shape[0] in (1, q.shape[0]))
 
 
-def fuse_rotary(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
-    """Route the model's `apply_rotary_pos_emb` through the kernel for tensors on `device`'s kind;
-    True where it is now fused (already, or here after agreeing with the original)."""
+def _agrees(got: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Within a few rounding steps of the two products' magnitudes, element-wise: where q*cos and
+    rotate_half(q)*sin nearly cancel, a step of either is many steps of their sum, so the sum's
+    own magnitude is no yardstick (a kernel that rounds another way, e.g. Triton's interpreter,
+    which truncates to bf16, differs there by more than a step of the result)."""
+    if got.shape != ref.shape or got.dtype != ref.dtype:
+        return False
+    step = {torch.float32: 2.0 ** -20, torch.float16: 2.0 ** -9, torch.bfloat16: 2.0 ** -6}.get(ref.dtype, 2.0 ** -6)
+    xf, c, s = x.float(), cos.float().unsqueeze(1), sin.float().unsqueeze(1)
+    half = xf.shape[-1] // 2
+    rot = torch.cat((-xf[..., half:], xf[..., :half]), -1)
+    scale = (xf * c).abs() + (rot * s).abs()
+    return bool(((got.float() - ref.float()).abs() <= step * scale + 1e-6).all())
+
+
+def fuse_rotary(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
+    """Route the model's `apply_rotary_pos_emb` through the kernel for tensors on `device`'s kind.
+    "fused" where it is now (already, or here after agreeing with the original); otherwise why
+    not ("kept: ..."), which the runner reports in its `fused_ops`."""
     mod = sys.modules.get(type(model).__module__)
     orig = getattr(mod, "apply_rotary_pos_emb", None)
     if orig is None:
-        return False
+        return "kept: the modeling module has no apply_rotary_pos_emb"
     if getattr(orig, "_keyacc_devices", None) is not None:  # another engine of this process did it
         orig._keyacc_devices.add(device.type)
-        return True
+        return "fused"
     devices = {device.type}
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
@@ -108,14 +124,15 @@ def fuse_rotary(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
         with torch.inference_mode():
             ref = orig(q, k, cos, sin)
             got = apply_rotary_pos_emb(q, k, cos, sin)
-        from keyacc_ray.engine.triton_norm import _agrees
-
-        ok = _usual(q, k, cos, sin, 1) and all(_agrees(a, b) for a, b in zip(got, ref))
+        if not _usual(q, k, cos, sin, 1):
+            return "kept: the model's shapes are not the kernel's layout"
+        bad = [n for n, a, b, x in zip("qk", got, ref, (q, k)) if not _agrees(a, b, x, cos, sin)]
     except Exception as e:  # noqa: BLE001 - not this model's rotary (another signature, partial rotary)
         log.info("rotary embedding of %s kept (%s: %s)", type(model).__name__, type(e).__name__, e)
-        return False
-    if not ok:
+        return f"kept: {type(e).__name__}: {e}"[:200]
+    if bad:
+        worst = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, ref))
         log.info("rotary embedding of %s kept: the fused kernel does not reproduce it", type(model).__name__)
-        return False
+        return f"kept: {'/'.join(bad)} off by up to {worst:.3g}"
     mod.apply_rotary_pos_emb = apply_rotary_pos_emb
-    return True
+    return "fused"

@@ -120,6 +120,35 @@ def test_the_memory_profile_forward_runs_before_the_pool_exists(qwen3_path, monk
     assert eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0)) == [hf_greedy(qwen3_path, [5, 6, 7], 4)]
 
 
+def test_the_memory_profile_holds_the_whole_step_budget_when_it_exceeds_the_context(qwen3_path, monkeypatch):
+    """A step packs up to max_prefill_tokens from several prompts, each at most the context: the
+    profiled forward carries the whole budget (300 tokens as 128 + 128 + 44), not one context's
+    worth (the GPU pool sized on 2k tokens of activations ran 8k-token steps out of memory)."""
+    from keyacc_ray.engine import runner as runner_mod
+
+    fed = []
+    real_forward = runner_mod.ModelRunner.forward
+
+    def forward(self, items, *a, **kw):
+        fed.append([len(i.tokens) for i in items])
+        return real_forward(self, items, *a, **kw)
+
+    def fit(self, wanted, fraction, gpu_util, max_batched):
+        monkeypatch.setattr(runner_mod.ModelRunner, "forward", forward)
+        try:
+            shape = self._profile_forward(max_batched).shape
+        finally:
+            monkeypatch.setattr(runner_mod.ModelRunner, "forward", real_forward)
+        assert shape == (3, self.vocab_size)
+        return wanted
+
+    monkeypatch.setattr(runner_mod.ModelRunner, "_fit_blocks", fit)
+    eng = LLMEngine(EngineConfig(model=qwen3_path, dtype="float32", max_prefill_tokens=300, max_model_len=128,
+                                 num_kv_blocks=64))
+    assert fed == [[128, 128, 44]]
+    assert eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0)) == [hf_greedy(qwen3_path, [5, 6, 7], 4)]
+
+
 @pytest.mark.parametrize("kernels", ["auto", "off"])
 def test_a_decode_batch_carries_its_arrays_from_step_to_step(qwen3_path, kernels):
     """While a step of decode rows alone follows another with the same rows, the engine takes the

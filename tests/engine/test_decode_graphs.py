@@ -171,6 +171,28 @@ def test_triton_self_check_and_its_refusal(interpret):
     assert not triton_attention.self_check(torch.device("cpu"), torch.float32, 3, 4, 16, 16, 4)  # 4 heads over 3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_kv_write_is_the_indexed_copy(interpret, dtype):
+    """A step's keys and values (the attention layer's [1, kv_heads, tokens, dim] views: transposed,
+    K and V of different widths) into the pools at (block, offset) per token: exactly what the
+    torch path's transposed copy and indexed write leave, every other slot untouched; a layout
+    it does not take (last dim strided) is left to the torch path."""
+    g = torch.Generator().manual_seed(3)
+    nb, kvh, bs, d, dv, t = 9, 2, 4, 16, 24, 7
+    kp = torch.randn((nb, kvh, bs, d), generator=g).to(dtype)
+    vp = torch.randn((nb, kvh, bs, dv), generator=g).to(dtype)
+    key = torch.randn((1, t, kvh, d), generator=g).to(dtype).transpose(1, 2)
+    value = torch.randn((1, t, kvh, dv), generator=g).to(dtype).transpose(1, 2)
+    slots = torch.randperm(nb * bs, generator=g)[:t]
+    blk, off = slots // bs, slots % bs
+    ek, ev = kp.clone(), vp.clone()
+    ek[blk, :, off] = key[0].transpose(0, 1)
+    ev[blk, :, off] = value[0].transpose(0, 1)
+    assert triton_attention.write_kv(key, value, kp, vp, blk, off)
+    assert torch.equal(kp, ek) and torch.equal(vp, ev)
+    assert not triton_attention.write_kv(key.transpose(2, 3).contiguous().transpose(2, 3), value, kp, vp, blk, off)
+
+
 @pytest.mark.parametrize("chunk,flash", [(6, 1024), (64, 8)])
 def test_engine_runs_through_the_triton_kernels_like_generate(interpret, monkeypatch, tmp_path, chunk, flash):
     """The engine with the Triton kernels as its attention (forced; interpreted): decode rows in the
@@ -185,9 +207,11 @@ def test_engine_runs_through_the_triton_kernels_like_generate(interpret, monkeyp
     monkeypatch.setattr(runner, "FLASH_PROMPT_TOKENS", flash)
     path = _random_model(tmp_path, "Qwen3Config", head_dim=16, layer_types=["sliding_attention", "full_attention"],
                          sliding_window=8, use_sliding_window=True)
-    calls = []
+    calls, writes = [], []
     real = triton_attention.paged_prefill
     monkeypatch.setattr(triton_attention, "paged_prefill", lambda *a: calls.append(a[5]) or real(*a))
+    real_write = triton_attention.write_kv
+    monkeypatch.setattr(triton_attention, "write_kv", lambda *a: writes.append(a[0].shape[2]) and real_write(*a))
     head = list(range(40, 52))
     prompts = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((14, 3, 9))] + [head + [7, 8], head + [9]]
     max_tokens = [5, 9, 12, 6, 4]
@@ -197,6 +221,7 @@ def test_engine_runs_through_the_triton_kernels_like_generate(interpret, monkeyp
         assert out == hf_greedy(path, p, m)
     assert {4, 2, 1} <= set(buckets) and eng.blocks.hits > 0
     assert calls and any(any(st > 0 for st in starts) for starts in calls)  # chunks over cached blocks too
+    assert writes and min(writes) >= 1 and max(writes) > 1  # the pool written by the kernel, steps of all sizes
 
 
 @pytest.mark.parametrize("asy", [False, True])

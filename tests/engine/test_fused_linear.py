@@ -65,3 +65,28 @@ def test_groups_that_cannot_be_fused_are_left_apart():
     model = torch.nn.ModuleDict({"a": Attn(bias=False, k_in=24)})  # k reads another width
     assert fused_linear.fuse_projections(model) == 0
     assert type(model["a"].q_proj) is torch.nn.Linear
+
+
+def test_a_product_is_let_go_once_every_part_took_its_slice():
+    """No step's activations outlive it: after q, k and v took theirs the group holds neither the
+    input nor the product (held, a 14B model's 8k-token products filled the device); the same input
+    projected again runs a new product; a product some part never took is replaced, not kept."""
+    torch.manual_seed(1)
+    model = torch.nn.ModuleDict({"attn": Attn(bias=False), "mlp": MLP()})
+    assert fused_linear.fuse_projections(model) == 2
+    q, k, v = (getattr(model["attn"], n) for n in ("q_proj", "k_proj", "v_proj"))
+    product = q._product
+    x = torch.randn(3, 32)
+    ref = torch.nn.functional.linear(x, q.weight)
+    q(x)
+    assert product.y is not None and product.x is x  # k and v still to take theirs
+    k(x)
+    out = v(x)
+    assert product.x is None and product.y is None
+    assert torch.allclose(out, ref[:, 64:], atol=1e-6)  # the slice outlives the group's hold
+    assert torch.allclose(q(x), ref[:, :48], atol=1e-6)  # again: a new product
+    y = torch.randn(3, 32)
+    assert torch.allclose(k(y), torch.nn.functional.linear(y, q.weight)[:, 48:64], atol=1e-6)
+    assert product.x is y  # the one q ran on x and left untaken is gone
+    model["mlp"](x)
+    assert model["mlp"].gate_proj._product.y is None

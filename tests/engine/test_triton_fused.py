@@ -91,7 +91,7 @@ def test_fuse_rotary_routes_the_usual_layout_and_leaves_the_rest(monkeypatch):
     model = transformers.Qwen3ForCausalLM(cfg)
     calls = []
     monkeypatch.setattr(triton_rope, "rope", lambda x, c, s, _r=triton_rope.rope: calls.append(1) or _r(x, c, s))
-    assert triton_rope.fuse_rotary(model, torch.device("cpu"), torch.float32)
+    assert triton_rope.fuse_rotary(model, torch.device("cpu"), torch.float32) == "fused"
     assert m.apply_rotary_pos_emb is not orig and m.apply_rotary_pos_emb._keyacc_original is orig
     q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
     cos, sin = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
@@ -102,6 +102,28 @@ def test_fuse_rotary_routes_the_usual_layout_and_leaves_the_rest(monkeypatch):
     got = m.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin, unsqueeze_dim=2)
     ref = orig(q.transpose(1, 2), k.transpose(1, 2), cos, sin, unsqueeze_dim=2)
     assert not calls and all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_fuse_rotary_in_bf16_and_the_reason_a_wrong_kernel_is_kept(monkeypatch):
+    """bf16 at a real head size: the kernel is taken though the interpreter rounds to bf16 by
+    truncation (a step of either product, where the two nearly cancel, is many steps of their sum:
+    the check's yardstick is the products' size); a kernel that rotates wrongly is refused and the
+    runner is told why (the H200 run reported only False)."""
+    m = _modeling("qwen3")
+    monkeypatch.setattr(m, "apply_rotary_pos_emb", m.apply_rotary_pos_emb)  # restored after the test
+    import transformers
+
+    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=512, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    model = transformers.Qwen3ForCausalLM(cfg)
+    orig = m.apply_rotary_pos_emb
+    real = triton_rope.rope
+    monkeypatch.setattr(triton_rope, "rope", lambda x, c, s: real(x, c, -s))  # the other direction
+    got = triton_rope.fuse_rotary(model, torch.device("cpu"), torch.bfloat16)
+    assert got.startswith("kept: q/k off by") and m.apply_rotary_pos_emb is orig
+    monkeypatch.setattr(triton_rope, "rope", real)
+    assert triton_rope.fuse_rotary(model, torch.device("cpu"), torch.bfloat16) == "fused"
+    assert m.apply_rotary_pos_emb._keyacc_original is orig
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma"])
@@ -126,7 +148,7 @@ def test_engine_with_fused_ops_decodes_like_generate(monkeypatch, tmp_path, arch
     fused = eng.runner.fused_ops
     n_norms = sum(type(x).__name__.endswith("RMSNorm") for x in eng.runner.model.modules())
     layers = eng.runner.model.config.num_hidden_layers
-    assert fused == {"projections": 2 * layers, "rms_norm": {"fused": n_norms, "kept": 0}, "rotary": True}
+    assert fused == {"projections": 2 * layers, "rms_norm": {"fused": n_norms, "kept": 0}, "rotary": "fused"}
     assert n_norms >= 3
     assert calls  # the steps' rotary went through the kernel
     assert outs == refs
