@@ -137,7 +137,10 @@ class LLMEngine:
         self.preempt_exports: list[KVPackage] = []
         self._prompt_scores: dict[str, list] = {}  # prompt logprobs waiting for the first token's output
         # asynchronous scheduling: where decode steps run over the static buffers (decode_graphs)
-        self.async_scheduling = config.async_scheduling and self.runner.decodes_ahead
+        wanted = config.async_scheduling
+        if wanted is None:  # (the default: where decode steps replay CUDA graphs, as vLLM's)
+            wanted = bool(self.runner.graphs_captured)
+        self.async_scheduling = wanted and self.runner.decodes_ahead
         if config.async_scheduling and not self.async_scheduling:
             log.warning("async_scheduling needs decode steps over static buffers (decode_graphs; on CPU the "
                         "fused step takes precedence): steps are scheduled synchronously")

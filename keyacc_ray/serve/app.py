@@ -139,7 +139,7 @@ class PoolConfig:
     numa: str = "off"  # CPU pool: "auto" = one deployment per NUMA node (from the cluster or this host)
     cpu_kernels: str = "auto"  # engines on CPU: the fast-path kernels (auto / on / off)
     decode_graphs: str = "auto"  # decode steps as CUDA graphs on CUDA (auto / on / off: eager)
-    async_scheduling: bool = False  # launch decode step n+1 before step n's tokens are read (EngineConfig's)
+    async_scheduling: bool | None = None  # decode step n+1 launched before step n's tokens are read (EngineConfig's; null: on with CUDA graphs)
     prefill_delay_factor: float | None = None  # fresh prompts held while decoding (EngineConfig's)
     cpu_weight_quant: str = "none"  # engines on CPU: "int8" = weight-only int8 linears on the fast path
     # A stream's tokens leave a replica at most once per interval (the first at once): each

@@ -21,7 +21,8 @@ def engine(path, asy=True, **cfg):
     """An engine on the static-buffer decode step."""
     eng = LLMEngine(EngineConfig(model=path, dtype="float32", cpu_kernels="off", decode_graphs="on",
                                  async_scheduling=asy, **{"max_num_seqs": 8, "kv_block_size": 4, **cfg}))
-    assert eng.async_scheduling == asy
+    if asy is not None:
+        assert eng.async_scheduling == asy
     return eng
 
 
@@ -144,6 +145,22 @@ def test_async_scheduling_needs_the_static_decode_step(qwen3_path):
     assert not eng.async_scheduling  # (decode_graphs auto: no static buffers on CPU) - synchronous, logged
     with pytest.raises(Exception, match="async_scheduling"):
         EngineConfig(model=qwen3_path, async_scheduling="yes")
+
+
+def test_by_default_on_where_decode_steps_replay_graphs(qwen3_path, monkeypatch):
+    """async_scheduling unset: on where decode steps replay CUDA graphs (vLLM's default), off on
+    the static-buffer step run eagerly (CPU); false turns it off there too."""
+    from keyacc_ray.engine import runner as runner_mod
+
+    assert EngineConfig(model=qwen3_path).async_scheduling is None
+    assert not engine(qwen3_path, asy=None, max_num_seqs=4).async_scheduling  # no graphs on CPU
+    monkeypatch.setattr(runner_mod.ModelRunner, "graphs_captured", property(lambda self: [1, 2, 4]))
+    eng = engine(qwen3_path, asy=None, max_num_seqs=4)  # as if its steps were graphs
+    assert eng.async_scheduling
+    params = [SamplingParams(max_tokens=6, temperature=0)] * 2
+    assert eng.generate(PROMPTS[:2], params) == [hf_greedy(qwen3_path, p, 6) for p in PROMPTS[:2]]
+    assert eng.steps_launched_ahead > 0
+    assert not engine(qwen3_path, asy=False, max_num_seqs=4).async_scheduling
 
 
 def test_staged_buffers_alternate_and_take_token_ids_from_the_previous_step():
