@@ -6,8 +6,8 @@ query attention without repeating K or V), walks the sequence's keys through its
 tiles of `BLOCK_N` tokens up to the sequence's own length (a batch of mixed lengths: nothing padded
 to the longest, a table wider than the sequence costs nothing), with an online softmax, and writes
 the group's outputs. Sliding windows start the walk at the window. Where rows x KV heads are too
-few programs to fill the device (batch 1-16: latency-bound, 35 µs per layer for 1k keys on an
-H200), each (sequence, KV head)'s keys are split over up to 16 programs, whose partial softmax
+few programs to hide the device's memory latency (under 8 a multiprocessor: on an H200 batch 1
+ran at 35 µs per layer for 1k keys, 64 sequences at 2.9 of its 4 TB/s), each (sequence, KV head)'s keys are split over up to 16 programs, whose partial softmax
 states a second launch combines (flash-decoding; `decode_splits`). Shapes are the block pool's
 (`[blocks, kv_heads, block_size, dim]`, any block size) and the runner's decode rows (`qd` as
 `[rows, heads, 1, dim]`, out `[rows, 1, heads, dim]`), the contract of `reference_decode`.
@@ -114,9 +114,9 @@ def _paged_decode(Q, K, V, T, C, O, PM, PL, PA, sq_b, sq_h, sk_n, sk_h, sk_t, sv
                  mask=gm[:, None] & (dv[None, :] < DV))
     else:
         part = (b * tl.num_programs(1) + kvh) * S + sp
-        tl.store(PM + part * GP + g, m_i)
-        tl.store(PL + part * GP + g, l_i)
-        tl.store(PA + (part * GP + g)[:, None] * DVP + dv[None, :], acc)
+        tl.store(PM + part * GP + g, m_i, mask=gm)  # (the group's rows only: GP pads it to 16)
+        tl.store(PL + part * GP + g, l_i, mask=gm)
+        tl.store(PA + (part * GP + g)[:, None] * DVP + dv[None, :], acc, mask=gm[:, None])
 
 
 def _combine(PM, PL, PA, O, so_b, so_h, S: tl.constexpr, SP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
@@ -130,15 +130,18 @@ def _combine(PM, PL, PA, O, so_b, so_h, S: tl.constexpr, SP: tl.constexpr, G: tl
     dv = tl.arange(0, DVP)
     sm = s < S
     idx = (base + s)[:, None] * GP + g[None, :]  # [SP, GP]
-    m = tl.load(PM + idx, mask=sm[:, None], other=float("-inf"))
-    l = tl.load(PL + idx, mask=sm[:, None], other=0.0)
-    mx = tl.max(m, 0)  # [GP]: every row saw at least one key in some split
+    gm = g < G
+    m = tl.load(PM + idx, mask=sm[:, None] & gm[None, :], other=float("-inf"))
+    l = tl.load(PL + idx, mask=sm[:, None] & gm[None, :], other=0.0)
+    mx = tl.max(m, 0)  # [GP]: every row of the group saw at least one key in some split
+    mx = tl.where(gm, mx, 0.0)  # (padding rows: all -inf, kept finite)
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - mx[None, :]))  # [SP, GP]
     total = tl.sum(l * w, 0)
+    total = tl.where(gm, total, 1.0)
     acc = tl.zeros([GP, DVP], tl.float32)
     for k in range(S):
         wk = tl.sum(tl.where(s[:, None] == k, w, 0.0), 0)  # [GP]: split k's weight
-        a = tl.load(PA + ((base + k) * GP + g)[:, None] * DVP + dv[None, :])
+        a = tl.load(PA + ((base + k) * GP + g)[:, None] * DVP + dv[None, :], mask=gm[:, None], other=0.0)
         acc += a * wk[:, None]
     out = acc / total[:, None]
     heads = kvh * G + g
@@ -313,15 +316,18 @@ def paged_prefill(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, tables: t
 
 
 MAX_SPLITS = 16  # key splits per (sequence, KV head) at most
+PROGRAMS_PER_SM = 8  # decode programs a multiprocessor gets at least, where splitting the keys can give them
 _sms: dict = {}  # device index -> its multiprocessor count
 
 
 def decode_splits(rows: int, kv_heads: int, device: torch.device) -> int:
-    """How many programs share one (sequence, KV head)'s keys: enough for about two programs per
-    multiprocessor (a batch-1 step of a model with 8 KV heads is 8 programs walking every key
-    alone, latency-bound: 35 µs per layer on an H200 for 1k keys), a power of two, 1 once the
-    batch alone fills the device. Fixed per bucket (a CUDA graph's grid is), whatever the rows'
-    lengths: a split past a row's keys has nothing to do. Under the interpreter: as an 8-SM device."""
+    """How many programs share one (sequence, KV head)'s keys: enough for PROGRAMS_PER_SM programs
+    per multiprocessor, a power of two, 1 once the batch alone has that many. Too few programs
+    leave the device's memory latency unhidden: on the H200 a batch-1 step of a model with 8 KV
+    heads (8 programs walking every key alone) ran at 35 µs per layer for 1k keys; 512 programs
+    (64 sequences x 8 KV heads, 3.9 per multiprocessor) read the keys at 2.9 TB/s, 2048 (256
+    sequences) at 3.95. Fixed per bucket (a CUDA graph's grid is), whatever the rows' lengths: a
+    split past a row's keys has nothing to do. Under the interpreter: as an 8-SM device."""
     if device.type == "cuda":
         idx = device.index if device.index is not None else torch.cuda.current_device()
         if idx not in _sms:
@@ -329,7 +335,7 @@ def decode_splits(rows: int, kv_heads: int, device: torch.device) -> int:
         sms = _sms[idx]
     else:
         sms = 8
-    want = -(-2 * sms // max(1, rows * kv_heads))
+    want = -(-PROGRAMS_PER_SM * sms // max(1, rows * kv_heads))
     return min(MAX_SPLITS, 1 << (want - 1).bit_length()) if want > 1 else 1
 
 

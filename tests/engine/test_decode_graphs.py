@@ -158,11 +158,12 @@ def test_triton_paged_decode_matches_the_reference(interpret, dtype, heads, kv_h
 
 
 def test_decode_splits_fill_the_device_and_stop_once_the_batch_does():
-    """Two programs per multiprocessor (the interpreter counts as 8): a power of two, at most
-    MAX_SPLITS, 1 once rows x KV heads alone reach that."""
+    """Eight programs per multiprocessor (the interpreter counts as 8: 64 programs): a power of
+    two, at most MAX_SPLITS, 1 once rows x KV heads alone reach that."""
     cpu = torch.device("cpu")
-    assert [triton_attention.decode_splits(r, 8, cpu) for r in (1, 2, 3, 16)] == [2, 1, 1, 1]
-    assert [triton_attention.decode_splits(r, 1, cpu) for r in (1, 2, 3, 5, 16)] == [16, 8, 8, 4, 1]
+    assert triton_attention.PROGRAMS_PER_SM == 8
+    assert [triton_attention.decode_splits(r, 8, cpu) for r in (1, 2, 3, 5, 8, 16)] == [8, 4, 4, 2, 1, 1]
+    assert [triton_attention.decode_splits(r, 1, cpu) for r in (1, 5, 16, 33, 64)] == [16, 16, 4, 2, 1]
     assert triton_attention.decode_splits(1, 1, cpu) <= triton_attention.MAX_SPLITS
 
 
