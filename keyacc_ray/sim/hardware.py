@@ -33,9 +33,12 @@ class Device:
 # GPUs. Efficiencies: vLLM decodes Llama-3-8B (16.1 GB of bf16) at 130-156 tokens/s at batch 1 on an
 # H100 SXM (3.35 TB/s): 0.62-0.75 of the bandwidth roofline; a bf16 8192-cube matmul ran at 770-800 of
 # 989 TFLOP/s on the lent H200 (../shared/NOTES.md), engines' whole steps less: 0.6.
-H200 = Device("H200", 139.8 * GIB, 4.8e12, 989e12, 0.7, 0.6, 0.002,
+# The H200's bandwidth share and step overhead are our own engine's, on the lent host: its Qwen3-14B
+# decode steps at 1, 16 and 64 sequences (sim/measured/h200-host.json) are 0.3 ms + the weights and
+# the rows' KV at 0.7 of 4.8 TB/s, within 6% (tests/sim: test_the_h200_host_entries_reproduce_its_steps).
+H200 = Device("H200", 139.8 * GIB, 4.8e12, 989e12, 0.7, 0.6, 0.0003,
               "NVIDIA H200 SXM datasheet: 141 GB HBM3e (139.8 GiB seen by torch on the lent host), 4.8 TB/s, "
-              "989 TFLOP/s bf16 dense")
+              "989 TFLOP/s bf16 dense; bandwidth share and 0.3 ms a step from our engine's 14B steps there")
 L40S = Device("L40S", 44.5 * GIB, 864e9, 362e12, 0.7, 0.6, 0.002,
               "NVIDIA L40S datasheet: 48 GB GDDR6 (44.5 GiB allocatable), 864 GB/s, 362 TFLOP/s bf16 dense")
 
@@ -46,9 +49,14 @@ L40S = Device("L40S", 44.5 * GIB, 864e9, 362e12, 0.7, 0.6, 0.002,
 # engine's prefill on this box's AMX has not been set against the unit's peak yet.
 SPR_8CH = Device("Xeon SPR 32-core, 8 x DDR5-4800", 256 * GB, 307.2e9, 32 * 2.0e9 * 1024, 0.73, 0.3, 0.002,
                  "Intel Xeon 4th gen (Sapphire Rapids), 32 cores at 2.0 GHz, 8 channels DDR5-4800, 256 GB per socket")
-H200_HOST_CPU = Device("H200 host, 16 cores", 128 * GIB, 160e9, 16 * 2.0e9 * 1024, 0.73, 0.3, 0.002,
-                       "the lent H200 host's 16 Xeon cores (AMX) and 128 GiB; its bandwidth not measured yet: "
-                       "160 GB/s assumed (16 cores of a socket draw about 10 GB/s each)")
+# The lent H200 host's 16 cores, measured (sim/measured/h200-host.json): a 16-thread read of 100 GB/s
+# (taken as the bandwidth), our engine's batch-1 step of the 0.4B shape at 1.11x the weights over that
+# (0.9 of it), and its AMX prefill at 2.84 TFLOP/s, 0.087 of 16 cores x 2.0 GHz x 1024 (the clock is a
+# nominal figure: the ratio is what was measured). Decode steps of 8-32 rows ran 1.6-2.5x longer than
+# this roofline says (AMX's tile setup below 32 rows), so its CPU slots are an upper bound.
+H200_HOST_CPU = Device("H200 host, 16 cores", 128 * GIB, 100e9, 16 * 2.0e9 * 1024, 0.9, 0.087, 0.0005,
+                       "the lent H200 host's 16 Xeon cores (AMX) and 128 GiB, measured: 100 GB/s read with 16 "
+                       "threads, the engine's batch-1 step at 1/0.9 of it, AMX prefill at 0.087 of the nominal peak")
 
 
 @dataclass(frozen=True)

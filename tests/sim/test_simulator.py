@@ -207,3 +207,28 @@ def test_planning_scenarios_and_search():
     c, s, tried = max_clients(one, "gpu_only", W, ttft_slo_s=0.3, tpot_slo_s=1.0, ramp_s=2.0, measure_s=6.0)
     assert meets(s, 0.3, 1.0) and 8 <= c < 32
     assert not meets(dict(tried)[max(k for k, _ in tried if k > c)], 0.3, 1.0)
+
+
+def test_the_h200_host_entries_reproduce_its_steps():
+    """The planning figures of the lent H200 host are our engine's measurements there
+    (keyacc_ray/sim/measured/h200-host.json): the GPU's roofline gives the 14B shape's decode steps
+    at 1, 16 and 64 sequences within 8%, the CPU's the 0.4B shape's batch-1 step and its 512-token
+    prefill within 10%."""
+    import json
+    from pathlib import Path
+
+    from keyacc_ray.sim import hardware as hw
+
+    got = json.loads((Path(hw.__file__).with_name("measured") / "h200-host.json").read_text())
+    gpu = hw.SCENARIOS["h200-host"].steptime(hw.SCENARIOS["h200-host"].gpu)
+    for p in got["gpu_decode"]["points"]:
+        t = gpu.seconds(0, p["batch"], int(p["batch"] * p["mean_context"]))
+        assert abs(t * 1e3 / p["step_ms"] - 1) <= 0.08, (p, t)
+    c = got["cpu"]
+    small = hw.Model("bench", c["params"], 24, 8, 128)
+    d = hw.H200_HOST_CPU
+    assert d.bw_bytes_s == c["read_bw_gbs"] * 1e9
+    st = hw.roofline("cpu", small.weight_bytes(2.0), small.params, d.bw_bytes_s, d.flops, small.kv_bytes_per_token(),
+                     d.bw_eff, d.flop_eff, d.step_fixed_s)
+    assert abs(st.seconds(0, 1, 128) * c["decode_bs1_tokens_per_s_avx512"] - 1) <= 0.10
+    assert abs(st.seconds(512, 0, 0) / (512 / c["prefill_512_tokens_per_s_amx"]) - 1) <= 0.10
