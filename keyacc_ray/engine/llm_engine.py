@@ -127,7 +127,7 @@ class LLMEngine:
         self._batch: DecodeBatch | None = None
         # the last step's positions, block-array rows and row_changes, if it was decode rows alone
         self._last_decode: tuple | None = None
-        self.prefill_rate = PrefillRate()
+        self.prefill_rate = PrefillRate(max_step_tokens=config.max_prefill_tokens)
         # vLLM's queue / prefill / decode / inference times and tokens per step, as this engine sees them
         self.histograms = {name: Histogram(b) for name, (b, _) in ENGINE_HISTOGRAMS.items()}
         # Lazy KV: sequences that leave (exported, KV and all) when preempted instead of being
@@ -441,7 +441,7 @@ class LLMEngine:
         prompt sent whole to this pool takes about its tokens / this rate), and the lower tiers'
         cost model."""
         tokens = sum(n for _, n in prefill)
-        if tokens < PrefillRate.MIN_TOKENS:
+        if tokens < self.prefill_rate.min_tokens:
             return
         if logits is not None and logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)

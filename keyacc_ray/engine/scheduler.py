@@ -239,12 +239,15 @@ class PrefillRate:
     """How fast prompts go through an engine lately: prompt tokens a second of the steps with
     MIN_TOKENS or more of them (decode rows sharing those steps included: what a prompt sent
     there meets), smoothed. 0 until measured. The router's policies read it (LLMEngine and the
-    simulator's SimEngine keep one each)."""
+    simulator's SimEngine keep one each). An engine whose steps take fewer prompt tokens than
+    that (`max_prefill_tokens` below MIN_TOKENS: a slow CPU pool's chunk) measures its full
+    chunks: left at 32, such a pool never had a rate, and the policies, reading "unknown" as "no
+    limit", kept sending it whole requests whose prompts took minutes there."""
 
     MIN_TOKENS = 32
 
-    def __init__(self, min_tokens: int = MIN_TOKENS):
-        self.min_tokens = min_tokens
+    def __init__(self, min_tokens: int = MIN_TOKENS, max_step_tokens: int | None = None):
+        self.min_tokens = min(min_tokens, max_step_tokens) if max_step_tokens else min_tokens
         self.tokens_per_s = 0.0
 
     def observe(self, tokens: int, seconds: float) -> None:

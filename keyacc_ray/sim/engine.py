@@ -39,7 +39,7 @@ class SimEngine:
         self.tokens_generated = 0
         self.busy_s = 0.0
         self.recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps: tokens/s for reports
-        self.prefill_rate = PrefillRate()  # as LLMEngine measures it
+        self.prefill_rate = PrefillRate(max_step_tokens=max_prefill_tokens)  # as LLMEngine measures it
 
     def add(self, rid: str, prompt_len: int, generated: int, max_tokens: int, with_kv: bool,
             movable: bool = False) -> bool:

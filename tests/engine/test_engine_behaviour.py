@@ -289,3 +289,17 @@ def test_the_engine_measures_how_fast_prompts_go_through(qwen3_path):
     r.observe(100, 0.25)
     assert r.tokens_per_s == 0.8 * 200 + 0.2 * 400
 
+
+def test_an_engine_with_small_prompt_chunks_measures_its_prefill_rate(qwen3_path):
+    """max_prefill_tokens below PrefillRate.MIN_TOKENS (a slow CPU pool's chunk): its full chunks
+    are the measure. Before, such a pool never had a rate, and the policies took "unknown" for
+    "no limit" (the H200-host plan sent it whole 14B prompts that took minutes)."""
+    from keyacc_ray.engine.scheduler import PrefillRate
+
+    eng = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=2, max_model_len=256, max_prefill_tokens=16))
+    assert eng.prefill_rate.min_tokens == 16 < PrefillRate.MIN_TOKENS
+    ids = [5 + i % 40 for i in range(40)]
+    assert eng.generate([ids], SamplingParams(max_tokens=2, temperature=0)) == [hf_greedy(qwen3_path, ids, 2)]
+    assert eng.stats().prefill_tokens_per_s > 0
+    assert PrefillRate(max_step_tokens=4096).min_tokens == PrefillRate.MIN_TOKENS
+
