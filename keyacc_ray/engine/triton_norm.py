@@ -68,12 +68,18 @@ def _eps(module) -> float | None:
     return None
 
 
+def rounding_step(dtype: torch.dtype) -> float:
+    """A few of the dtype's rounding steps, relative (float32: a few ulps): how far a kernel that
+    rounds where the torch expression does, or one step elsewhere, may land from it."""
+    return {torch.float32: 2.0 ** -20, torch.float16: 2.0 ** -9, torch.bfloat16: 2.0 ** -6}.get(dtype, 2.0 ** -6)
+
+
 def _agrees(got: torch.Tensor, ref: torch.Tensor) -> bool:
     """Within two rounding steps of the dtype, element-wise (float32: a few ulps): the product
     after the rounded normalised row can carry one step of its own."""
     if got.shape != ref.shape or got.dtype != ref.dtype:
         return False
-    step = {torch.float32: 2.0 ** -20, torch.float16: 2.0 ** -9, torch.bfloat16: 2.0 ** -6}.get(ref.dtype, 2.0 ** -6)
+    step = rounding_step(ref.dtype)
     g, r = got.float(), ref.float()
     return bool(((g - r).abs() <= step * r.abs() + 1e-6).all())
 

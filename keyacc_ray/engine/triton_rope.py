@@ -82,7 +82,9 @@ def _agrees(got: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, cos: torch.Te
     which truncates to bf16, differs there by more than a step of the result)."""
     if got.shape != ref.shape or got.dtype != ref.dtype:
         return False
-    step = {torch.float32: 2.0 ** -20, torch.float16: 2.0 ** -9, torch.bfloat16: 2.0 ** -6}.get(ref.dtype, 2.0 ** -6)
+    from keyacc_ray.engine.triton_norm import rounding_step
+
+    step = rounding_step(ref.dtype)
     xf, c, s = x.float(), cos.float().unsqueeze(1), sin.float().unsqueeze(1)
     half = xf.shape[-1] // 2
     rot = torch.cat((-xf[..., half:], xf[..., :half]), -1)
