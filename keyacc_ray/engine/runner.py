@@ -187,7 +187,8 @@ class ModelRunner:
         self._kernels = None
         self.paged = False  # until the probe below shows the paged attention agrees with the model's
         self.probe_error = None  # the probe's ([relative error per output], [its yardstick] or None)
-        # CUDA: {"projections": groups, "rms_norm": {"fused": n, "kept": m}, "rotary": bool}, or None.
+        # CUDA: {"projections": groups, "rms_norm": {"fused": n, "kept": m}, "rotary": "fused" or
+        # "kept: <why>"}, or None.
         # Before the block pool is sized: the fused weights are new tensors (the old ones freed),
         # and the profiled step that sizes the pool is then the fused model's
         self.fused_ops = self._fuse_ops()

@@ -7,8 +7,9 @@ tiles of `BLOCK_N` tokens up to the sequence's own length (a batch of mixed leng
 to the longest, a table wider than the sequence costs nothing), with an online softmax, and writes
 the group's outputs. Sliding windows start the walk at the window. Where rows x KV heads are too
 few programs to hide the device's memory latency (under 8 a multiprocessor: on an H200 batch 1
-ran at 35 µs per layer for 1k keys, 64 sequences at 2.9 of its 4 TB/s), each (sequence, KV head)'s keys are split over up to 16 programs, whose partial softmax
-states a second launch combines (flash-decoding; `decode_splits`). Shapes are the block pool's
+ran at 35 µs per layer for 1k keys, 64 sequences at 2.9 of its 4 TB/s), each (sequence, KV
+head)'s keys are split over up to 16 programs, whose partial softmax states a second launch
+combines (flash-decoding; `decode_splits`). Shapes are the block pool's
 (`[blocks, kv_heads, block_size, dim]`, any block size) and the runner's decode rows (`qd` as
 `[rows, heads, 1, dim]`, out `[rows, 1, heads, dim]`), the contract of `reference_decode`.
 
