@@ -74,6 +74,13 @@ class EngineConfig:
     kv_host_tier_gb: float = 0.0
     kv_disk_tier_gb: float = 0.0
     kv_disk_tier_dir: str | None = None
+    # The node's shared KV tier (engine/node_tier.py): host memory every engine on the machine with
+    # the same KV format reads and writes (GPU and CPU pools alike). Every full block an engine
+    # computed goes there when its sequence finishes or leaves with a hand-off; a prompt's head
+    # found there is loaded instead of computed, and a hand-off leaves those blocks out of its
+    # package. Its directory defaults to /dev/shm/keyacc-kv (where it has room). 0: none.
+    kv_node_tier_gb: float = 0.0
+    kv_node_tier_dir: str | None = None
 
     def __post_init__(self):
         if not self.model:
@@ -105,7 +112,7 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.cpu_kernels must be auto/on/off, got {self.cpu_kernels!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"EngineConfig.enable_prefix_caching must be true/false, got {self.enable_prefix_caching!r}")
-        for name in ("kv_host_tier_gb", "kv_disk_tier_gb"):
+        for name in ("kv_host_tier_gb", "kv_disk_tier_gb", "kv_node_tier_gb"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1 << 20:
                 raise ConfigError(f"EngineConfig.{name} must be a number of GiB >= 0, got {v!r}")

@@ -1,9 +1,10 @@
 """The bytes of the KV tiers below the device pool (engine/tiers.py plans which blocks go where):
-host buffers (pinned where the pool is on CUDA) and a bounded file on disk, and the copies of a
-step's plan between them and the block pool.
+host buffers (pinned where the pool is on CUDA), a bounded file on disk and the node's shared
+tier (node_tier.py), and the copies of a step's plan between them and the block pool.
 
 A block is, per layer, K [kv_heads, block_size, k_dim] and V [kv_heads, block_size, v_dim], in
-the pool's dtype; on disk one row of bytes per slot (every layer's K, then every layer's V).
+the pool's dtype; on disk and in the node's tier one row of bytes per block (every layer's K,
+then every layer's V).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class KVStore:
             n = tiers.tier("host").num_slots
             pin = self.device.type == "cuda"
             self.host = [torch.empty((n, *s), dtype=self.dtype, pin_memory=pin) for s in self.shapes]
+        self._node_reads, self._node_writes = [], []  # (a step's: LowerTiers.take_node_side)
         self.disk = None
         self.disk_dir = None
         if "disk" in names:
@@ -59,7 +61,10 @@ class KVStore:
         if kind == "host":
             i = torch.tensor(idx)
             return [p[i] for p in self.host]
-        rows = torch.from_numpy(np.ascontiguousarray(self.disk[np.asarray(idx)]))
+        if kind == "node":
+            rows = torch.from_numpy(np.stack([self._node_reads[i] for i in idx]))
+        else:
+            rows = torch.from_numpy(np.ascontiguousarray(self.disk[np.asarray(idx)]))
         out, at = [], 0
         for s, nb in zip(self.shapes, self.part_bytes):
             out.append(rows[:, at:at + nb].contiguous().view(self.dtype).view(len(idx), *s))
@@ -76,11 +81,16 @@ class KVStore:
             for p, x in zip(self.host, parts):
                 p[i] = x.to("cpu")
         else:
-            rows = torch.cat([x.to("cpu").reshape(len(idx), -1).view(torch.uint8) for x in parts], dim=1)
-            self.disk[np.asarray(idx)] = rows.numpy()
+            rows = torch.cat([x.to("cpu").reshape(len(idx), -1).view(torch.uint8) for x in parts], dim=1).numpy()
+            if kind == "node":
+                for i, row in zip(idx, rows):
+                    self.tiers.node.put(self._node_writes[i], row)
+            else:
+                self.disk[np.asarray(idx)] = rows
 
     def run(self, moves: list[Move]) -> None:
         """The step's copies, in order; runs of the same (src, dst) kinds batched."""
+        self._node_reads, self._node_writes = self.tiers.take_node_side()
         i = 0
         while i < len(moves):
             j = i

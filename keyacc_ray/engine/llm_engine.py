@@ -150,20 +150,30 @@ class LLMEngine:
         self.kv_export_skipped_tokens = 0
 
     def _lower_tiers(self, config: EngineConfig):
-        """Host and disk tiers under the block pool, where configured (with prefix caching)."""
+        """Host, node and disk tiers under the block pool, where configured (with prefix caching)."""
         block_bytes = self.runner.kv_bytes_per_token() * config.kv_block_size
         host = int(config.kv_host_tier_gb * 2**30) // block_bytes
         disk = int(config.kv_disk_tier_gb * 2**30) // block_bytes
-        if not config.enable_prefix_caching or not (host or disk):
+        node_bytes = int(config.kv_node_tier_gb * 2**30)
+        if not config.enable_prefix_caching or not (host or disk or node_bytes >= block_bytes):
             return None, None
         from keyacc_ray.engine.kv_store import KVStore
+        from keyacc_ray.engine import node_tier
 
-        tiers = LowerTiers(host, disk, block_bytes, config.kv_block_size)
+        node = None
+        if node_bytes >= block_bytes:
+            s = self.runner.kv_shape
+            space = node_tier.namespace(config.model, s.num_layers, s.num_kv_heads, s.head_dim, s.v_dim,
+                                        dtype_name(s.dtype), config.kv_block_size, config.cpu_weight_quant)
+            node = node_tier.NodeTier(config.kv_node_tier_dir or node_tier.default_root(node_bytes), space,
+                                      block_bytes, node_bytes)
+        tiers = LowerTiers(host, disk, block_bytes, config.kv_block_size, node=node)
         store = KVStore(self.runner.cache, tiers, config.kv_disk_tier_dir)
         self.blocks.on_evict = tiers.evicted
         self.scheduler.lower = tiers
-        log.info("KV tiers under the block pool: %d host blocks, %d disk blocks (%s), %d bytes each",
-                 host, disk, store.disk_dir or "-", block_bytes)
+        log.info("KV tiers under the block pool: %d host blocks, %d node blocks (%s), %d disk blocks (%s), "
+                 "%d bytes each", host, node.slots if node else 0, node.dir if node else "-", disk,
+                 store.disk_dir or "-", block_bytes)
         return tiers, store
 
     # ---- requests ----------------------------------------------------------------------
@@ -561,11 +571,25 @@ class LLMEngine:
             if seq.first_token_at is not None:
                 self.histograms["vllm:request_decode_time_seconds"].observe(now - seq.first_token_at)
         self.move_on_preempt.pop(seq.request_id, None)
+        if status != SeqStatus.FINISHED_EXPORTED:  # (an export published its blocks itself)
+            self._publish(seq, self.blocks.tables.get(seq.request_id, []))
         self.scheduler.finish(seq, status)
         self.seqs.pop(seq.request_id, None)
+        if not self.seqs and self.tiers is not None and self.tiers.moves:  # (no next step to run them)
+            self.kv_store.run(self.tiers.take_moves())
         self.sampler.remove(seq.request_id)
         self.detok.pop(seq.request_id, None)
         self._prompt_scores.pop(seq.request_id, None)
+
+    def _publish(self, seq: Sequence, table: list[int]) -> None:
+        """Plan copies of the sequence's full computed blocks into the node's tier, where there is
+        one: other engines on the node (another pool, a later hand-off) load them from there."""
+        if self.tiers is None or self.tiers.node is None or seq.imported is not None:
+            return
+        bs = self.blocks.block_size
+        n = min(seq.num_cached // bs, len(table))
+        if n > 0:
+            self.tiers.publish(chain_hashes(seq.block_hashes, seq.token_ids, bs)[:n], table[:n])
 
     # ---- hand-off ----------------------------------------------------------------------
     def export_request(self, request_id: str, layout: str | None = None, source: str = "",
@@ -573,7 +597,8 @@ class LLMEngine:
         """Remove a sequence from this engine and return its full state as a KVPackage (`blocks`:
         the table of a sequence preempted this step, whose KV its freed blocks still hold).
         `skip_tokens`: the importer is expected to hold the sequence's head up to there in its
-        prefix cache: the K/V of the whole blocks within it are left out (KVMeta.kv_start)."""
+        prefix cache or in the node's tier: the K/V of the whole blocks within it are left out
+        (KVMeta.kv_start). Its full blocks go into the node's tier, where there is one."""
         seq = self.seqs[request_id]
         layout = layout or self.config.kv_export_layout
         blocks = blocks if blocks is not None else self.blocks.block_table(request_id)
@@ -581,6 +606,9 @@ class LLMEngine:
             n = seq.num_cached if blocks else 0
             bs = self.blocks.block_size
             skip = max(0, min(skip_tokens, n)) // bs * bs
+            self._publish(seq, blocks)
+            if self.tiers is not None and self.tiers.moves:
+                self.kv_store.run(self.tiers.take_moves())
             k, v = self.runner.read_kv(blocks[skip // bs:], n - skip)
             meta = self.kv_meta(layout, n, source or str(self.runner.device), kv_start=skip)
             self.kv_export_skipped_tokens += skip
@@ -659,7 +687,7 @@ class LLMEngine:
             return None
         return {"tiers": {x.name: {"hits": t.hits[x.name], "loaded_blocks": t.loaded[x.name],
                                    "stored_blocks": t.stored[x.name], "blocks": len(x), "slots": x.num_slots,
-                                   "evictions": x.evictions} for x in t.tiers},
+                                   "evictions": x.evictions} for x in t.all_tiers()},
                 "recomputed_blocks": t.recomputed, "block_bytes": t.block_bytes}
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],

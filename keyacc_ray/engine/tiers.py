@@ -3,7 +3,8 @@ lives where, and the ordered list of copies a step must make (engine/kv_store.py
 
 A cached block (blocks.py: full, keyed by the hash of its whole prefix) whose device memory is
 taken for new tokens goes down to the host tier instead of being dropped; a host block pushed out
-goes down to the disk tier; the disk tier's least recently used block is dropped. A new
+goes down to the disk tier; the disk tier's least recently used block is dropped. Beside them,
+the node's shared tier (node_tier.py), which every engine on the machine reads and writes. A new
 sequence whose prefix continues, past the blocks cached on the device, with blocks held in a
 lower tier loads them into new device blocks when that is cheaper than computing them again
 (their bytes over the tier's measured bandwidth against the tokens over the engine's measured
@@ -73,35 +74,67 @@ class LowerTiers:
     """The host and disk tiers of one engine, its copy plan for the step, and the load-vs-recompute
     cost model. `block_bytes`: one block's K and V over every layer."""
 
-    def __init__(self, host_slots: int, disk_slots: int, block_bytes: int, block_size: int):
+    def __init__(self, host_slots: int, disk_slots: int, block_bytes: int, block_size: int, node=None):
+        """`node`: the node's shared tier (node_tier.NodeTier), if any: searched after the host tier,
+        before the disk; it is not in this engine's chain of evictions (other engines' writes push
+        its blocks out), it gets every full block the engine computed (`publish`)."""
         self.tiers = [t for t in (TierIndex("host", host_slots) if host_slots else None,
                                   TierIndex("disk", disk_slots) if disk_slots else None) if t is not None]
+        self.node = node
         self.block_bytes = block_bytes
         self.block_size = block_size
         self.moves: list[Move] = []
+        # the node tier's side of this step's moves: blocks read for loads (read when found, so
+        # that another process's eviction cannot take them before the copy), keys to write
+        self.node_reads: list = []
+        self.node_writes: list[bytes] = []
+        names = [t.name for t in self.tiers] + (["node"] if node is not None else [])
         # cost model: bytes/s per tier (copies into the device, measured), prefill tokens/s (the
         # engine's steps of 64 prompt tokens or more, measured); unknown (None, 0) until measured,
         # and then loading is assumed cheaper
-        self.bandwidth: dict[str, float | None] = {t.name: None for t in self.tiers}
+        self.bandwidth: dict[str, float | None] = {n: None for n in names}
         self.prefill = PrefillRate(min_tokens=64)
         # counters: tokens found per tier, blocks loaded / stored per tier, blocks recomputed by choice
-        self.hits = {t.name: 0 for t in self.tiers}
-        self.loaded = {t.name: 0 for t in self.tiers}
-        self.stored = {t.name: 0 for t in self.tiers}
+        self.hits = {n: 0 for n in names}
+        self.loaded = {n: 0 for n in names}
+        self.stored = {n: 0 for n in names}
         self.recomputed = 0
 
     def reset(self) -> None:
-        """Every tier emptied (nothing planned is lost: called between steps)."""
+        """Every tier emptied, the node's for every engine too (nothing planned is lost: called
+        between steps)."""
         self.tiers = [TierIndex(t.name, t.num_slots) for t in self.tiers]
+        if self.node is not None:
+            self.node.clear()
+
+    def all_tiers(self) -> list:
+        """Every tier, in the order a prompt's head is looked up: host, node, disk."""
+        return [t for t in self.tiers if t.name == "host"] + ([self.node] if self.node is not None else []) + \
+            [t for t in self.tiers if t.name == "disk"]
 
     def tier(self, name: str) -> TierIndex:
         return next(t for t in self.tiers if t.name == name)
 
     # ---- going down ------------------------------------------------------------------------
     def evicted(self, key: bytes, block: int) -> None:
-        """The device block `block`, cached under `key`, is taken for new tokens: keep it a tier down."""
+        """The device block `block`, cached under `key`, is taken for new tokens: keep it a tier down
+        (in the node's tier where this engine has no tier of its own)."""
         if self.tiers:
             self._store(0, key, DEVICE, block)
+        else:
+            self.publish([key], [block])
+
+    def publish(self, keys: list[bytes], blocks: list[int]) -> None:
+        """Plan copies of the device blocks `blocks` (cached under `keys`) into the node's tier, for
+        the other engines on the node, where it does not hold them yet."""
+        node = self.node
+        if node is None:
+            return
+        for key, b in zip(keys, blocks):
+            if key not in node and key not in self.node_writes:
+                self.moves.append(Move(DEVICE, b, "node", len(self.node_writes)))
+                self.node_writes.append(key)
+                self.stored["node"] += 1
 
     def _store(self, level: int, key: bytes, src: str, src_index: int) -> None:
         t = self.tiers[level]
@@ -126,15 +159,23 @@ class LowerTiers:
 
     def find(self, keys: list[bytes]) -> list[tuple[str, bytes]]:
         """The leading `keys` held in a lower tier and worth loading: (tier, key) each, pinned for
-        this step (so that nothing planned after it pushes them out before the copies ran)."""
-        found = []
+        this step (so that nothing planned after it pushes them out before the copies ran); a
+        block of the node's tier is read now."""
+        found, order = [], self.all_tiers()
         for i, key in enumerate(keys):
-            t = next((t for t in self.tiers if key in t), None)
+            t = next((t for t in order if key in t), None)
             if t is None:
                 break
             if not self._worth_loading(t.name):  # this one and the rest held below: computed again
-                self.recomputed += sum(1 for k in keys[i:] if any(k in t for t in self.tiers))
+                self.recomputed += sum(1 for k in keys[i:] if any(k in t for t in order))
                 break
+            if t is self.node:
+                data = t.get(key)
+                if data is None:  # (gone since: another engine's write pushed it out)
+                    break
+                self.node_reads.append(data)
+                found.append(("node", len(self.node_reads) - 1))
+                continue
             t.pinned.add(key)
             t.touch(key)
             found.append((t.name, key))
@@ -143,8 +184,8 @@ class LowerTiers:
     def load(self, found: list[tuple[str, bytes]], blocks: list[int]) -> None:
         """Plan the copies of `found` (from find()) into the device blocks `blocks`."""
         for (name, key), b in zip(found, blocks):
-            t = self.tier(name)
-            self.moves.append(Move(name, t.slot_of[key], DEVICE, b))
+            src = key if name == "node" else self.tier(name).slot_of[key]
+            self.moves.append(Move(name, src, DEVICE, b))
             self.hits[name] += self.block_size
             self.loaded[name] += 1
 
@@ -154,6 +195,13 @@ class LowerTiers:
         for t in self.tiers:
             t.pinned.clear()
         return moves
+
+    def take_node_side(self) -> tuple[list, list[bytes]]:
+        """The node tier's blocks read for this step's moves, and the keys its writes go under
+        (a Move's index into them); emptied."""
+        side = self.node_reads, self.node_writes
+        self.node_reads, self.node_writes = [], []
+        return side
 
     def measured(self, tier: str, nbytes: int, seconds: float) -> None:
         """A copy of `nbytes` from `tier` into the device took `seconds`."""

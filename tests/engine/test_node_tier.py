@@ -1,0 +1,171 @@
+"""The node's shared KV tier: blocks in files every process on the machine reads and writes
+(without a model: bytes, budget, least recently used eviction, several processes at once), then
+engines that share it: a head computed by one is loaded by another, a hand-off leaves it out of
+its package, and every output is generate()'s."""
+import multiprocessing as mp
+import os
+import time
+
+import numpy as np
+import pytest
+
+from keyacc_ray.engine import node_tier
+from keyacc_ray.engine.node_tier import NodeTier
+from keyacc_ray.engine.request import SamplingParams
+from keyacc_ray.engine.tiers import DEVICE, LowerTiers, Move
+from tests.engine.test_prefix_cache import SYSTEM, _engine, _run
+from tests.helpers import hf_greedy
+
+BLOCK = 256
+
+
+def _row(key: bytes) -> np.ndarray:
+    """A block's bytes that say which key they belong to."""
+    return np.frombuffer((key * (BLOCK // len(key) + 1))[:BLOCK], dtype=np.uint8).copy()
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def test_a_block_is_found_by_key_whole_and_the_least_recently_used_go_first(tmp_path):
+    t = NodeTier(str(tmp_path), "fmt", BLOCK, budget_bytes=10 * BLOCK)
+    for i in range(10):
+        assert t.put(_key(i), _row(_key(i)))
+        time.sleep(0.002)  # (distinct modification times)
+    assert _key(0) in t and np.array_equal(t.get(_key(0)), _row(_key(0)))  # a hit: now the newest
+    assert t.get(_key(99)) is None and _key(99) not in t
+    t.put(_key(10), _row(_key(10)))  # past the budget: down to 90% of it, least recently used first
+    assert {i for i in range(11) if _key(i) in t} == {0, 3, 4, 5, 6, 7, 8, 9, 10}
+    assert len(t) == 9 and t.evictions == 2
+    other = NodeTier(str(tmp_path), "fmt", BLOCK, budget_bytes=10 * BLOCK)  # another engine, same format
+    assert np.array_equal(other.get(_key(10)), _row(_key(10))) and len(other) == len(t)
+    assert NodeTier(str(tmp_path), "other-fmt", BLOCK, 10 * BLOCK).get(_key(10)) is None
+    other.clear()
+    assert t.get(_key(10)) is None
+
+
+def test_a_half_written_block_is_never_read_and_a_dead_writers_file_is_swept(tmp_path):
+    t = NodeTier(str(tmp_path), "fmt", BLOCK, budget_bytes=4 * BLOCK)
+    path = os.path.join(t.dir, _key(1).hex())
+    with open(path + ".123.tmp", "wb") as f:  # a writer killed halfway
+        f.write(b"x" * 10)
+    assert t.get(_key(1)) is None
+    old = time.time() - 3600
+    os.utime(path + ".123.tmp", (old, old))
+    with open(path, "wb") as f:  # a short file (not one of ours): a miss, not garbage
+        f.write(b"y" * 10)
+    assert t.get(_key(1)) is None
+    t._scan_and_evict()
+    assert not os.path.exists(path + ".123.tmp")
+
+
+def _worker(root: str, seed: int, n: int, bad: "mp.Value") -> None:
+    t = NodeTier(root, "fmt", BLOCK, budget_bytes=40 * BLOCK)
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        k = _key(int(rng.integers(0, 120)))
+        if rng.random() < 0.5:
+            t.put(k, _row(k))
+        else:
+            got = t.get(k)
+            if got is not None and not np.array_equal(got, _row(k)):
+                with bad.get_lock():
+                    bad.value += 1
+
+
+def test_processes_writing_and_evicting_at_once_never_read_a_wrong_block(tmp_path):
+    ctx = mp.get_context("fork")
+    bad = ctx.Value("i", 0)
+    procs = [ctx.Process(target=_worker, args=(str(tmp_path), s, 600, bad)) for s in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert bad.value == 0
+    t = NodeTier(str(tmp_path), "fmt", BLOCK, budget_bytes=40 * BLOCK)  # (its scan keeps the budget)
+    assert 0 < len(t) <= 40 and not [f for f in os.listdir(t.dir) if f.endswith(".tmp")]
+
+
+def test_the_namespace_changes_with_the_format_and_with_weights_written_again(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"a")
+    a = node_tier.namespace(str(tmp_path), 2, 4, "bfloat16")
+    assert a == node_tier.namespace(str(tmp_path), 2, 4, "bfloat16")
+    assert a != node_tier.namespace(str(tmp_path), 2, 4, "float32")
+    time.sleep(0.01)
+    (tmp_path / "model.safetensors").write_bytes(b"bb")
+    assert a != node_tier.namespace(str(tmp_path), 2, 4, "bfloat16")
+
+
+def test_plan_publishes_what_the_node_lacks_and_loads_what_it_holds(tmp_path):
+    node = NodeTier(str(tmp_path), "fmt", BLOCK, budget_bytes=8 * BLOCK)
+    node.put(b"k0", _row(b"k0"))
+    lt = LowerTiers(0, 0, BLOCK, 4, node=node)
+    lt.publish([b"k0", b"k1", b"k1"], [3, 4, 4])  # k0 held already; k1 once
+    lt.evicted(b"k2", 5)  # no tier of its own: an evicted block goes to the node
+    assert lt.take_moves() == [Move(DEVICE, 4, "node", 0), Move(DEVICE, 5, "node", 1)]
+    reads, writes = lt.take_node_side()
+    assert writes == [b"k1", b"k2"] and reads == []
+    found = lt.find([b"k0", b"k9"])
+    assert found == [("node", 0)]
+    lt.load(found, [7])
+    assert lt.take_moves() == [Move("node", 0, DEVICE, 7)] and lt.hits["node"] == 4
+    reads, _ = lt.take_node_side()
+    assert np.array_equal(reads[0], _row(b"k0"))
+
+
+# ---- engines sharing it -------------------------------------------------------------------------
+def _sharing(path, root, **cfg):
+    eng = _engine(path, kv_node_tier_gb=0.001, kv_node_tier_dir=str(root), **cfg)
+    eng.tiers._worth_loading = lambda tier: True  # (the tiny model computes faster than a copy's fixed cost)
+    return eng
+
+
+def test_a_head_one_engine_computed_is_loaded_by_another(qwen3_path, tmp_path):
+    a, b = _sharing(qwen3_path, tmp_path), _sharing(qwen3_path, tmp_path)
+    first = SYSTEM + [7, 8, 9]  # 26 tokens
+    outs, _ = _run(a, [first])
+    assert a.stats().kv_tiers["tiers"]["node"]["stored_blocks"] == 8  # 33 computed tokens: 8 full blocks
+    turn = first + outs[0] + [42, 43]
+    b.calls.clear()
+    outs2, cached = _run(b, [turn])
+    assert cached == [32] and b.calls[0] == [(4, 32)]  # only what the node did not hold
+    assert outs2[0] == hf_greedy(qwen3_path, turn, 8)
+    assert b.stats().kv_tiers["tiers"]["node"]["loaded_blocks"] == 8
+    # another format (float32 vs bfloat16 KV) shares nothing
+    c = _sharing(qwen3_path, tmp_path, dtype="bfloat16")
+    _, cached = _run(c, [turn])
+    assert cached == [0]
+
+
+def test_a_hand_off_leaves_the_blocks_the_node_holds_out_of_its_package(qwen3_path, tmp_path):
+    a, b = _sharing(qwen3_path, tmp_path), _sharing(qwen3_path, tmp_path)
+    prompt = SYSTEM + [9, 9, 9]  # 26 tokens: 6 full blocks
+    p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    a.add_request("x", prompt, p)
+    got = []
+    while len(got) < 3:
+        got += [t for o in a.step() for t in o.new_token_ids]
+    pkg = a.export_request("x", skip_tokens=10**6)  # the next engine shares this node's tier
+    assert pkg.meta.kv_start == 28 and pkg.meta.num_kv_tokens == 28  # 7 full blocks, all in the node's tier
+    b.import_request(pkg)
+    while b.has_unfinished():
+        got += [t for o in b.step() for t in o.new_token_ids]
+    assert got == hf_greedy(qwen3_path, prompt, 10)
+    assert b.scheduler.import_cached_tokens == 28 and b.scheduler.import_recomputed_tokens == 0
+    assert b.stats().kv_tiers["tiers"]["node"]["loaded_blocks"] == 7  # loaded, nothing recomputed
+    assert a.blocks.num_free_blocks == a.blocks.num_blocks and b.blocks.num_free_blocks == b.blocks.num_blocks
+
+
+def test_an_importer_that_finds_nothing_in_the_node_computes_the_left_out_head(qwen3_path, tmp_path):
+    a = _sharing(qwen3_path, tmp_path / "one")
+    b = _sharing(qwen3_path, tmp_path / "other")  # (another machine's tier)
+    prompt = SYSTEM + [9, 9, 9]
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    a.add_request("x", prompt, p)
+    got = [t for o in a.step() for t in o.new_token_ids]
+    b.import_request(a.export_request("x", skip_tokens=10**6))
+    while b.has_unfinished():
+        got += [t for o in b.step() for t in o.new_token_ids]
+    assert got == hf_greedy(qwen3_path, prompt, 8) and b.scheduler.import_recomputed_tokens > 0
