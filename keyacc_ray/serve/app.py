@@ -114,6 +114,10 @@ class PoolConfig:
     kv_host_tier_gb: float = 0.0
     kv_disk_tier_gb: float = 0.0
     kv_disk_tier_dir: str | None = None
+    # the node's shared KV tier (host memory every engine on the machine reads; EngineConfig's):
+    # a head computed by one pool is loaded by the other, and hand-offs leave it out of their package
+    kv_node_tier_gb: float = 0.0
+    kv_node_tier_dir: str | None = None
     # several replicas: a fresh prompt goes to the replica that last took the longest common head
     # (serve/prefix_affinity.py), unless its queue is `prefix_affinity_imbalance` longer than the shortest
     prefix_affinity: bool = True
@@ -257,7 +261,8 @@ class AppConfig:
                                    kv_block_size=pool.kv_block_size, num_kv_blocks=pool.num_kv_blocks,
                                    kv_allocation=pool.kv_allocation, enable_prefix_caching=pool.enable_prefix_caching,
                                    kv_host_tier_gb=pool.kv_host_tier_gb, kv_disk_tier_gb=pool.kv_disk_tier_gb,
-                                   kv_disk_tier_dir=pool.kv_disk_tier_dir,
+                                   kv_disk_tier_dir=pool.kv_disk_tier_dir, kv_node_tier_gb=pool.kv_node_tier_gb,
+                                   kv_node_tier_dir=pool.kv_node_tier_dir,
                                    max_waiting=pool.max_waiting, max_prefill_tokens=pool.max_prefill_tokens,
                                    batched_prefill=pool.batched_prefill,
                                    num_threads=pool.num_threads,
@@ -377,7 +382,8 @@ def build_app(args: dict | None = None):
         ray_actor_options={"num_cpus": cfg.router_num_cpus, "resources": dict(cfg.control_resources), **env},
         user_config={"policy": cfg.policy, "policy_options": cfg.policy_options},
     ).bind(cpu_deployments=cpu_names, allow_route_pinning=cfg.allow_route_pinning, colocated_gpu=colocated,
-           kv_handoff_skip=cfg.kv_handoff_skip)
+           kv_handoff_skip=cfg.kv_handoff_skip,
+           node_tier_pools=tuple(k for k, p in (("gpu", cfg.gpu), ("cpu", cfg.cpu)) if p.kv_node_tier_gb > 0))
     cpu_list = cpu_decode if isinstance(cpu_decode, list) else [cpu_decode]
     pools = dict(zip(hop_keys(len(cpu_list)), [gpu_prefill, gpu_decode, *cpu_list]))
     if colocated:  # the ingress's drivers never call it (their fallback starts on GpuDecode)

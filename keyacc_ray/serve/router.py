@@ -51,6 +51,7 @@ RECALL_HOLD_S = 2.0
 # again), the snapshot shows a replica of it not seen at the stall (its replacement), or this long
 # passed. (The kill soak: a policy move to a CPU pool whose replica had just died waited 17 s.)
 STALL_MEMORY_S = 30.0
+NODE_TIER = "node_tier"  # PoolPrefixes' name for the node's shared KV tier (not a hop)
 
 
 @dataclass
@@ -80,13 +81,17 @@ def hop_keys(num_cpu_deployments: int) -> list[str]:
 class Router:
     def __init__(self, cpu_deployments: list[str] | None = None, policy: str = "gpu_only",
                  policy_options: dict | None = None, allow_route_pinning: bool = True, monitor=None,
-                 colocated_gpu: bool = False, clock=None, kv_handoff_skip: bool = True):
+                 colocated_gpu: bool = False, clock=None, kv_handoff_skip: bool = True,
+                 node_tier_pools: tuple[str, ...] = ()):
         """cpu_deployments: the CPU decode deployments' names (one per NUMA node where there are
         several): each is separate capacity and the router balances across them. colocated_gpu:
         one GPU engine (GpuDecode) serves both phases of a GPU request, prefill included, and
         GpuPrefill gets nothing (README "One copy of the weights per GPU"). clock: the request
         path's and the policy's time (time.monotonic; the simulator's own time in keyacc_ray.sim).
-        kv_handoff_skip: hand-offs leave out the head their next pool likely caches."""
+        kv_handoff_skip: hand-offs leave out the head their next pool likely caches.
+        node_tier_pools: the pools ("gpu", "cpu") whose engines share the node's KV tier
+        (engine/node_tier.py): a prompt that ran on one of them is taken as cached for all of
+        them (they share the machine; one on another machine finds nothing and computes it)."""
         self.clock = clock or time.monotonic
         self.colocated = colocated_gpu
         cpu_names = cpu_deployments or ["CpuDecode"]
@@ -105,6 +110,7 @@ class Router:
         self._policy_counted: dict[str, int] = {}
         self.output_lengths = OutputLengths()  # what requests really generate: their KV estimate
         self.prefixes = PoolPrefixes(clock=self.clock)  # which hops likely cache a prompt's head
+        self.node_tier_hops = {h for h in self.deployment_of if h.split("_")[0] in node_tier_pools}
         self.kv_handoff_skip = kv_handoff_skip
         self._replicas_seen: dict[str, set] = {}  # deployment -> its replicas in the last snapshot
         self._stalled: dict[str, tuple[float, frozenset]] = {}  # hop -> (when a hop there stalled, its replicas then)
@@ -360,7 +366,7 @@ class Router:
         # the heads the next hops likely cache, for the hand-off to leave out (router guesses): a move
         # to this hop decided by a pool's check in place; the hand-off after `export_after` tokens,
         # where every hop it may go to caches it
-        cached, skip = self.prefixes.cached_tokens, self.kv_handoff_skip and t.prefix_keys
+        cached, skip = self._cached_tokens, self.kv_handoff_skip and t.prefix_keys
         t.kv_skip_tokens = cached(t.prefix_keys, t.num_prompt_tokens, hop) if skip else 0
         t.export_skip_tokens = min((cached(t.prefix_keys, t.num_prompt_tokens, h) for h in self._after(t, hop)),
                                    default=0) if skip and (export_after or t.move_on_preempt) else 0
@@ -389,6 +395,16 @@ class Router:
         out a head another is still bringing would find it missing.)"""
         if t.hop and t.prefix_keys and (end.outcome == "handoff" or end.in_place or end.finished):
             self.prefixes.record(t.prefix_keys, t.hop)
+            if t.hop in self.node_tier_hops:  # (its engine published the blocks to the node's tier)
+                self.prefixes.record(t.prefix_keys, NODE_TIER)
+
+    def _cached_tokens(self, keys, num_prompt_tokens: int, hop: str) -> int:
+        """Prompt tokens at the head that `hop` likely caches: in its engines' own tiers, or in the
+        node's tier where its engines share it."""
+        own = self.prefixes.cached_tokens(keys, num_prompt_tokens, hop)
+        if hop not in self.node_tier_hops:
+            return own
+        return max(own, self.prefixes.cached_tokens(keys, num_prompt_tokens, NODE_TIER))
 
     def _leave(self, t: Ticket, end: HopEnd) -> None:
         """The request left its hop: no longer in flight there (if this replica counted it)."""
@@ -649,7 +665,7 @@ class Router:
         self._release_held()
 
     def _view(self, t: Ticket, num_output_tokens: int, held_s: float = 0.0) -> RequestView:
-        cpu_cached = max((self.prefixes.cached_tokens(t.prefix_keys, t.num_prompt_tokens, k) for k in self.cpu_keys),
+        cpu_cached = max((self._cached_tokens(t.prefix_keys, t.num_prompt_tokens, k) for k in self.cpu_keys),
                          default=0) if t.prefix_keys else 0
         return RequestView(t.num_prompt_tokens, num_output_tokens, t.max_tokens, self.output_lengths.expected(),
                            held_s, cpu_cached)

@@ -1228,6 +1228,24 @@ def test_a_request_goes_to_the_cpu_deployment_that_caches_its_head_unless_it_is_
     assert enter("d", head + [3] * 9).hop == "cpu_decode/0"
 
 
+def test_a_head_that_ran_on_a_pool_sharing_the_node_tier_is_taken_as_cached_by_the_others():
+    """Pools whose engines share the node's KV tier: a prompt that ran on the GPU pool is cached
+    for the CPU pool too (its engines load it from the node's tier): the policy's view and the
+    hand-off's skip say so; without the shared tier, only where it ran."""
+    for pools, want in ((("gpu", "cpu"), 64), ((), 0), (("gpu",), 0)):
+        r = Router(["CpuDecode"], "gpu_only", monitor=_Unreachable(), node_tier_pools=pools)
+        head = list(range(300, 364))
+        t = Ticket.of(GenerateRequest("a", head + [1] * 5, {"max_tokens": 4}, None, None))
+        t.hop = "gpu_decode"
+        r._ran(t, HopEnd("done", 0.0, 4, finished=True))
+        nxt = r._enter(Ticket.of(GenerateRequest("b", head + [2] * 9, {"max_tokens": 4}, None, None)),
+                       "cpu_decode", None)
+        assert nxt.kv_skip_tokens == want and r._view(nxt, 0).cpu_cached_tokens == want, pools
+        nxt = r._enter(Ticket.of(GenerateRequest("c", head + [2] * 9, {"max_tokens": 4}, None, None)),
+                       "gpu_decode", 1)  # (then on to the CPU pool: the export leaves the head out)
+        assert nxt.export_skip_tokens == want
+
+
 def test_a_pool_whose_replica_left_the_snapshot_is_not_guessed_to_cache_anything():
     from keyacc_ray.serve.monitor import Snapshot
 
