@@ -21,6 +21,11 @@ Configurations:
            hand-offs leave out the head the CPU pool caches (kv_handoff_skip)
   stage_full the same with kv_handoff_skip off: every hand-off carries all its K/V
   (stage configurations also report the hand-offs' bytes and time, from /metrics)
+  alternate prefix caching on, ample budgets on both pools, each conversation's turns sent whole
+           to the GPU pool and the CPU pool by turns (`gpu`, `cpu`, `gpu`, ...; the other way round
+           for every second conversation): a turn finds its history only where it ran before
+  alternate_node the same with the node's shared KV tier on both pools (kv_node_tier_gb, holding
+           the working set): a turn loads the history the other pool computed
 
     python scripts/bench_chat.py                       # 32 conversations, 4-8 turns, 1,500-token system prompt
     python scripts/bench_chat.py --conversations 8 --system-tokens 600 --configs off on
@@ -33,8 +38,11 @@ import argparse
 import asyncio
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,6 +77,7 @@ def block_bytes(model: Path) -> int:
 def app_config(args, model: Path, caching: bool, kv_blocks: int, tiers: dict | None = None,
                stage: str | None = None) -> dict:
     cpu_seqs = args.gpu_seqs if stage else 4
+    both = (tiers or {}) if stage and stage.startswith("alternate") else {}  # (the node's tier: both pools)
     return {
         "model": str(model), "max_model_len": args.max_model_len, "policy": "gpu_only",
         "kv_handoff_skip": stage != "stage_full",
@@ -78,7 +87,7 @@ def app_config(args, model: Path, caching: bool, kv_blocks: int, tiers: dict | N
                 **(tiers or {})},
         "cpu": {"device": "cpu", "max_num_seqs": cpu_seqs, "num_threads": 1, "num_cpus": 0.5, "cpu_affinity": [1],
                 "enable_prefix_caching": caching, "num_kv_blocks": kv_blocks if stage else None,
-                "max_waiting": 256, "max_queued_requests": 256},
+                "max_prefill_tokens": args.max_prefill_tokens, "max_waiting": 256, "max_queued_requests": 256, **both},
     }
 
 
@@ -102,13 +111,20 @@ def handoff_figures(url: str) -> dict:
     return out
 
 
+def alternate(conversation: int, turn: int) -> str:
+    """alternate*: each conversation's turns to the GPU pool and the CPU pool by turns."""
+    return "gpu" if (conversation + turn) % 2 == 0 else "cpu"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    configs = ["off", "on", "on_small", "host", "host_disk", "stage", "stage_full"]
+    configs = ["off", "on", "on_small", "host", "host_disk", "stage", "stage_full", "alternate", "alternate_node"]
     ap.add_argument("--configs", nargs="+", default=configs[:5], choices=configs)
     ap.add_argument("--small-fraction", type=float, default=0.25,
                     help="on_small, host, host_disk: the block pool as a share of the working set")
     ap.add_argument("--disk-dir", default=None, help="the disk tier's directory (default: the temp dir)")
+    ap.add_argument("--node-dir", default=None,
+                    help="alternate_node: the node tier's directory (default: a fresh one under /dev/shm or the temp dir)")
     ap.add_argument("--conversations", type=int, default=32)
     ap.add_argument("--system-tokens", type=int, default=1500)
     ap.add_argument("--min-turns", type=int, default=4)
@@ -136,9 +152,13 @@ def main() -> None:
     ample = math.ceil(ws / BLOCK) + running
     small = max(math.ceil(ws * args.small_fraction / BLOCK), math.ceil(longest / BLOCK) + 1)
     gib = block_bytes(model) / 2**30
+    # a fresh node tier for this run (a rerun would otherwise find the last run's blocks there)
+    node_dir = args.node_dir or tempfile.mkdtemp(prefix="keyacc-bench-node-",
+                                                 dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
     tiers = {"host": {"kv_host_tier_gb": ample * gib},
              "host_disk": {"kv_host_tier_gb": math.ceil(ws / 4 / BLOCK) * gib, "kv_disk_tier_gb": ample * gib,
-                           "kv_disk_tier_dir": args.disk_dir}}
+                           "kv_disk_tier_dir": args.disk_dir},
+             "alternate_node": {"kv_node_tier_gb": ample * gib, "kv_node_tier_dir": node_dir}}
     print(json.dumps({"working_set_tokens": ws, "longest_conversation_tokens": longest,
                       "kv_blocks": {"ample": ample, "small": small}, "block_bytes": block_bytes(model)}), flush=True)
 
@@ -155,19 +175,21 @@ def main() -> None:
     results = {}
     try:
         for cfg_name in args.configs:
-            stage = cfg_name if cfg_name.startswith("stage") else None
+            stage = cfg_name if cfg_name.startswith(("stage", "alternate")) else None
             blocks = ample if cfg_name in ("off", "on") or stage else small
             serve.run(build_app(app_config(args, model, cfg_name != "off", blocks, tiers.get(cfg_name), stage)),
                       name="keyacc", route_prefix="/")
-            route = "stage" if stage else None
+            route = "stage" if cfg_name.startswith("stage") else None
+            if cfg_name.startswith("alternate"):
+                route = alternate
             warm = ChatWorkload(2, 64, 1, 1, 16, 4, seed=args.seed + 1000)  # kernels and paths warmed, no shared head
             asyncio.run(run_chat(url, name, warm, route=route))
             time.sleep(1.0)
-            before = handoff_figures(url) if stage else None
+            before = handoff_figures(url) if cfg_name.startswith("stage") else None
             turns, wall = asyncio.run(run_chat(url, name, wl, route=route))
             res = summarize(turns, wall)
             res["kv_blocks"] = blocks
-            if stage:
+            if cfg_name.startswith("stage"):
                 time.sleep(3.0)  # the replicas' last load reports (their counters) reach the monitor
                 after = handoff_figures(url)
                 d = {k: after[k] - before[k] for k in after}
@@ -185,6 +207,8 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
+        if not args.node_dir:
+            shutil.rmtree(node_dir, ignore_errors=True)
     out = {"workload": {"conversations": wl.conversations, "system_tokens": wl.system_tokens,
                         "turns": [wl.min_turns, wl.max_turns], "user_tokens": wl.user_tokens,
                         "output_tokens": wl.output_tokens, "working_set_tokens": ws},
@@ -196,6 +220,11 @@ def main() -> None:
     if "stage" in results and "stage_full" in results and results["stage_full"].get("handoff_mb_per_turn"):
         out["stage_handoff_bytes_ratio"] = round(results["stage"]["handoff_mb_per_turn"]
                                                  / results["stage_full"]["handoff_mb_per_turn"], 3)
+    if "alternate" in results and "alternate_node" in results:
+        a, b = results["alternate"], results["alternate_node"]
+        out["alternate_node_followup_ttft_p50_speedup"] = round(a["ttft_followup_p50_s"] / b["ttft_followup_p50_s"], 2)
+        out["alternate_node_hit_rate"] = b["hit_rate"]
+        out["alternate_hit_rate"] = a["hit_rate"]
     for name in ("on_small", "host", "host_disk"):
         if "on" in results and name in results and results["on"]["hit_rate"]:
             out[f"{name}_hit_rate_vs_ample"] = round(results[name]["hit_rate"] / results["on"]["hit_rate"], 3)

@@ -92,9 +92,10 @@ async def _turn(client: aiohttp.ClientSession, model: str, prompt: list[int], n:
 
 
 async def run_chat(url: str, model: str, wl: ChatWorkload, timeout_s: float = 600,
-                   route: str | None = None) -> tuple[list[Turn], float]:
+                   route=None) -> tuple[list[Turn], float]:
     """Every conversation to its end, all at once; the turns and the wall time (`route`: every
-    turn pinned there, the `keyacc` extension)."""
+    turn pinned there, the `keyacc` extension; or a function of (conversation, turn) that names
+    each turn's route)."""
     system, convs = wl.plan()
     turns: list[Turn] = []
     async with aiohttp.ClientSession(base_url=url.rstrip("/") + "/",
@@ -104,7 +105,8 @@ async def run_chat(url: str, model: str, wl: ChatWorkload, timeout_s: float = 60
             history = list(system)
             for i, user in enumerate(messages):
                 history += user
-                t = await _turn(client, model, list(history), wl.output_tokens, Turn(c, i, len(history)), route)
+                where = route(c, i) if callable(route) else route
+                t = await _turn(client, model, list(history), wl.output_tokens, Turn(c, i, len(history)), where)
                 turns.append(t)
                 if not t.ok:
                     return  # the conversation cannot go on without its reply
