@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 SHM = "/dev/shm"
 KEEP = 0.9  # after an eviction pass, the share of the budget left in use
 STALE_TMP_NS = 60 * 10**9  # a half-written file this old is a dead writer's
+STALE_FORMAT_S = 86_400.0  # another format's directory nobody wrote into for this long is removed
 
 
 def default_root(budget_bytes: int) -> str:
@@ -51,12 +52,38 @@ def namespace(model: str, *format_parts) -> str:
     agrees, and the model's weight files (a local directory's: names, sizes, modification times)
     are the same ones: a model written again at the same path starts a new directory."""
     stamp: list = [model]
-    if os.path.isdir(model):
-        for name in sorted(os.listdir(model)):
+    where = model if os.path.isdir(model) else _hub_snapshot(model)
+    if where:
+        for name in sorted(os.listdir(where)):
             if name.endswith((".safetensors", ".bin", ".pt", ".json")):
-                st = os.stat(os.path.join(model, name))
-                stamp.append((name, st.st_size, st.st_mtime_ns))
+                st = os.stat(os.path.join(where, name))
+                stamp.append((where, name, st.st_size, st.st_mtime_ns))
     return hashlib.blake2b(repr((stamp, format_parts)).encode(), digest_size=8).hexdigest()
+
+
+def _sweep_stale_formats(root: str, keep: str) -> None:
+    """Remove the directories of formats nobody wrote into for STALE_FORMAT_S (a model since
+    written again, or no longer served): each is bounded, but they would add up in memory."""
+    now = time.time()
+    try:
+        with os.scandir(root) as it:
+            old = [e.path for e in it if e.name != keep and e.is_dir(follow_symlinks=False)
+                   and now - e.stat().st_mtime > STALE_FORMAT_S]
+    except OSError:
+        return
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _hub_snapshot(model_id: str) -> str | None:
+    """The local snapshot directory of a hub id (its path names the revision), if cached."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        path = try_to_load_from_cache(model_id, "config.json")
+    except Exception:  # noqa: BLE001 - not a hub id, or no hub library
+        return None
+    return os.path.dirname(path) if isinstance(path, str) else None
 
 
 class NodeTier:
@@ -66,6 +93,7 @@ class NodeTier:
 
     def __init__(self, root: str, space: str, block_bytes: int, budget_bytes: int):
         self.dir = os.path.join(root, space)
+        _sweep_stale_formats(root, keep=space)
         os.makedirs(self.dir, exist_ok=True)
         self.block_bytes = block_bytes
         self.slots = max(1, budget_bytes // block_bytes)

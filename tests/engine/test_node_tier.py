@@ -43,6 +43,12 @@ def test_a_block_is_found_by_key_whole_and_the_least_recently_used_go_first(tmp_
     assert NodeTier(str(tmp_path), "other-fmt", BLOCK, 10 * BLOCK).get(_key(10)) is None
     other.clear()
     assert t.get(_key(10)) is None
+    stale = tmp_path / "old-fmt"
+    stale.mkdir()
+    old = time.time() - 2 * node_tier.STALE_FORMAT_S
+    os.utime(stale, (old, old))
+    NodeTier(str(tmp_path), "fmt", BLOCK, budget_bytes=10 * BLOCK)  # a format nobody wrote into for a day: gone
+    assert not stale.exists() and (tmp_path / "other-fmt").exists()
 
 
 def test_a_half_written_block_is_never_read_and_a_dead_writers_file_is_swept(tmp_path):
