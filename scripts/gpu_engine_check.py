@@ -13,6 +13,8 @@ import gc
 import json
 import os
 import random
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -125,10 +127,11 @@ def main() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     blocks = 2 * -(-(args.prompt_len + args.new) // 16)
+    node_dir = tempfile.mkdtemp(prefix="keyacc-check-node-")  # (the node's shared tier, below: this run's own)
     t = time.time()
     small = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device="auto", max_num_seqs=1,
                                    max_model_len=blocks * 16, num_kv_blocks=blocks, kv_host_tier_gb=0.25,
-                                   kv_disk_tier_gb=0.25))
+                                   kv_disk_tier_gb=0.25, kv_node_tier_gb=0.25, kv_node_tier_dir=node_dir))
     others = [[rng.randrange(10, min(vocab, 30000)) for _ in range(args.prompt_len)] for _ in range(3)]
     for p in prompts[:1] + others:
         small.generate([p], [params])
@@ -147,6 +150,27 @@ def main() -> None:
     print(json.dumps(res["tiers_check"]), flush=True)
     # loaded back, or (the cost model's choice: computing was cheaper) computed again, same tokens
     ok_all &= ok and (loaded > 0 or tiers["recomputed_blocks"] > 0) and cached is not None
+    # The node's shared tier across devices: an engine on the CPU (as a CPU pool's) asked the first
+    # prompt again loads the blocks the device's engine wrote there when it finished, and gives
+    # the device's tokens (tie-aware).
+    t = time.time()
+    host = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device="cpu", max_num_seqs=1,
+                                  max_model_len=blocks * 16, num_kv_blocks=blocks, kv_node_tier_gb=0.25,
+                                  kv_node_tier_dir=node_dir))
+    host.add_request("node", prompts[0], params)
+    got, cached = [], None
+    while host.has_unfinished():
+        for o in host.step():
+            got += o.new_token_ids
+            cached = o.num_cached_tokens if cached is None else cached
+    ok, at, gap = tie_ok(model, prompts[0], refs[0], got, small.runner.device)
+    node = host.stats().kv_tiers["tiers"]["node"]
+    res["node_tier_check"] = {"cached_tokens": cached, "identical": got == refs[0], "tie_aware_ok": ok,
+                              "first_difference_at": at, "loaded_blocks": node["loaded_blocks"],
+                              "s": round(time.time() - t, 2)}
+    print(json.dumps(res["node_tier_check"]), flush=True)
+    ok_all &= ok and (node["loaded_blocks"] > 0 or host.stats().kv_tiers["recomputed_blocks"] > 0)
+    shutil.rmtree(node_dir, ignore_errors=True)
     res["ok"] = ok_all
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
