@@ -21,8 +21,11 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -292,6 +295,8 @@ def main() -> None:
     ap.add_argument("--tiers", action="store_true",
                     help="shared prompt heads, a small emulated GPU block pool, host and disk KV tiers")
     ap.add_argument("--no-prefix-caching", action="store_true", help="with --tiers: the same load, caching off")
+    ap.add_argument("--node-tier", action="store_true",
+                    help="with --tiers: the node's shared KV tier under both pools too (a directory of this run's own)")
     ap.add_argument("--kill-only", nargs="+", metavar="DEPLOYMENT", default=None,
                     help="kill replicas of these deployments only (e.g. CpuDecode)")
     ap.add_argument("--no-mux", action="store_true", help="one Serve stream per hop (stream_mux: false)")
@@ -315,6 +320,10 @@ def main() -> None:
     if args.tiers:  # tiny-qwen3: 8 KiB a block; the GPU pool holds 40 (about 2 prompts with a head)
         tiers = {"kv_host_tier_gb": 64 * 8192 / 2**30, "kv_disk_tier_gb": 4096 * 8192 / 2**30,
                  "enable_prefix_caching": not args.no_prefix_caching}
+        if args.node_tier:
+            node_dir = tempfile.mkdtemp(prefix="keyacc-soak-node-",
+                                        dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+            tiers.update(kv_node_tier_gb=1024 * 8192 / 2**30, kv_node_tier_dir=node_dir)
         cfg["gpu"] = {"device": "auto", "max_num_seqs": 8, "num_kv_blocks": 40, **tiers}
         cfg["cpu"] = {"device": "cpu", "max_num_seqs": 16, "num_kv_blocks": 160, **tiers}
     for pool, extra in (("gpu", args.gpu_engine), ("cpu", args.cpu_engine)):
@@ -335,6 +344,8 @@ def main() -> None:
     print(json.dumps({**stats, "memory": growth}))
     serve.shutdown()
     ray.shutdown()
+    if args.tiers and args.node_tier:
+        shutil.rmtree(cfg["gpu"]["kv_node_tier_dir"], ignore_errors=True)
 
 
 if __name__ == "__main__":
