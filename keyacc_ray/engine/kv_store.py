@@ -62,7 +62,7 @@ class KVStore:
             i = torch.tensor(idx)
             return [p[i] for p in self.host]
         if kind == "node":
-            rows = torch.from_numpy(np.stack([self._node_reads[i] for i in idx]))
+            rows = torch.from_numpy(np.stack([self._node_read(i) for i in idx]))
         else:
             rows = torch.from_numpy(np.ascontiguousarray(self.disk[np.asarray(idx)]))
         out, at = [], 0
@@ -88,9 +88,19 @@ class KVStore:
             else:
                 self.disk[np.asarray(idx)] = rows
 
+    def _node_read(self, i: int) -> np.ndarray:
+        fd, self._node_reads[i] = self._node_reads[i], None
+        return self.tiers.node.read(fd)
+
     def run(self, moves: list[Move]) -> None:
         """The step's copies, in order; runs of the same (src, dst) kinds batched."""
         self._node_reads, self._node_writes = self.tiers.take_node_side()
+        try:
+            self._run(moves)
+        finally:
+            self.tiers.close_node_reads(self._node_reads)  # (opened for admissions that did not happen)
+
+    def _run(self, moves: list[Move]) -> None:
         i = 0
         while i < len(moves):
             j = i

@@ -115,16 +115,43 @@ class NodeTier:
         return self._count
 
     def get(self, key: bytes) -> np.ndarray | None:
-        """The block's bytes (a uint8 array of block_bytes), or None where it is not here (or went
-        while it was read). A hit makes it the most recently used."""
+        """The block's bytes (a uint8 array of block_bytes), or None where it is not here."""
+        fd = self.open(key)
+        return self.read(fd) if fd is not None else None
+
+    def open(self, key: bytes) -> int | None:
+        """An open descriptor of the block's file, or None where it is not here (or is not a
+        whole block). Its bytes stay readable through it even if another process removes the
+        file meanwhile. A hit makes the block the most recently used."""
         path = self._path(key)
         try:
-            with open(path, "rb") as f:
-                data = np.fromfile(f, dtype=np.uint8, count=self.block_bytes)
-            os.utime(path)
+            fd = os.open(path, os.O_RDONLY)
         except OSError:
             return None
-        return data if data.size == self.block_bytes else None
+        try:
+            if os.fstat(fd).st_size != self.block_bytes:
+                os.close(fd)
+                return None
+            os.utime(path)
+        except OSError:
+            pass  # (removed meanwhile: still readable through fd)
+        return fd
+
+    @staticmethod
+    def read(fd: int) -> np.ndarray:
+        """The bytes behind `open`'s descriptor; the descriptor is closed."""
+        try:
+            size = os.fstat(fd).st_size
+            out = bytearray(size)
+            view, at = memoryview(out), 0
+            while at < size:  # (pread may return less than asked)
+                n = os.preadv(fd, [view[at:]], at)
+                if n <= 0:
+                    break
+                at += n
+        finally:
+            os.close(fd)
+        return np.frombuffer(out, dtype=np.uint8)
 
     def put(self, key: bytes, row: np.ndarray) -> bool:
         """Keep `row` (block_bytes of uint8) under `key`; False where it could not be written (a full

@@ -17,6 +17,7 @@ for a load this step are pinned in their tier until the copies ran.
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -84,9 +85,10 @@ class LowerTiers:
         self.block_bytes = block_bytes
         self.block_size = block_size
         self.moves: list[Move] = []
-        # the node tier's side of this step's moves: blocks read for loads (read when found, so
-        # that another process's eviction cannot take them before the copy), keys to write
-        self.node_reads: list = []
+        # the node tier's side of this step's moves: blocks to load, as descriptors opened when
+        # found (so that another process's eviction cannot take their bytes before the copy), and
+        # the keys to write
+        self.node_reads: list[int | None] = []
         self.node_writes: list[bytes] = []
         names = [t.name for t in self.tiers] + (["node"] if node is not None else [])
         # cost model: bytes/s per tier (copies into the device, measured), prefill tokens/s (the
@@ -162,6 +164,8 @@ class LowerTiers:
         this step (so that nothing planned after it pushes them out before the copies ran); a
         block of the node's tier is read now."""
         found, order = [], self.all_tiers()
+        if not self.moves:  # (opened for admissions that did not happen: no copy needs them)
+            self.close_node_reads()
         for i, key in enumerate(keys):
             t = next((t for t in order if key in t), None)
             if t is None:
@@ -170,10 +174,10 @@ class LowerTiers:
                 self.recomputed += sum(1 for k in keys[i:] if any(k in t for t in order))
                 break
             if t is self.node:
-                data = t.get(key)
-                if data is None:  # (gone since: another engine's write pushed it out)
+                fd = t.open(key)
+                if fd is None:  # (gone since: another engine's write pushed it out)
                     break
-                self.node_reads.append(data)
+                self.node_reads.append(fd)
                 found.append(("node", len(self.node_reads) - 1))
                 continue
             t.pinned.add(key)
@@ -197,11 +201,22 @@ class LowerTiers:
         return moves
 
     def take_node_side(self) -> tuple[list, list[bytes]]:
-        """The node tier's blocks read for this step's moves, and the keys its writes go under
-        (a Move's index into them); emptied."""
+        """The node tier's descriptors opened for this step's loads, and the keys its writes go
+        under (a Move's index into them); emptied. The taker reads and closes the descriptors
+        (close_node_reads: those it did not read)."""
         side = self.node_reads, self.node_writes
         self.node_reads, self.node_writes = [], []
         return side
+
+    def close_node_reads(self, reads: list | None = None) -> None:
+        """Close the descriptors not read (None: read) of `reads` (by default, those waiting here)."""
+        reads = self.node_reads if reads is None else reads
+        for i, fd in enumerate(reads):
+            if fd is not None:
+                os.close(fd)
+                reads[i] = None
+        if reads is self.node_reads:
+            self.node_reads = []
 
     def measured(self, tier: str, nbytes: int, seconds: float) -> None:
         """A copy of `nbytes` from `tier` into the device took `seconds`."""

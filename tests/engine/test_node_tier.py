@@ -115,10 +115,19 @@ def test_plan_publishes_what_the_node_lacks_and_loads_what_it_holds(tmp_path):
     assert writes == [b"k1", b"k2"] and reads == []
     found = lt.find([b"k0", b"k9"])
     assert found == [("node", 0)]
+    node.clear()  # another engine's writes push it out after it was found: its bytes are still read
     lt.load(found, [7])
     assert lt.take_moves() == [Move("node", 0, DEVICE, 7)] and lt.hits["node"] == 4
     reads, _ = lt.take_node_side()
-    assert np.array_equal(reads[0], _row(b"k0"))
+    assert np.array_equal(node.read(reads[0]), _row(b"k0"))
+    # found for an admission that did not happen (no copy planned): closed at the next look
+    node.put(b"k0", _row(b"k0"))
+    open_fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        assert lt.find([b"k0"]) == [("node", 0)]
+    assert len(lt.node_reads) == 1 and len(os.listdir("/proc/self/fd")) == open_fds + 1
+    lt.close_node_reads()
+    assert len(os.listdir("/proc/self/fd")) == open_fds
 
 
 # ---- engines sharing it -------------------------------------------------------------------------
