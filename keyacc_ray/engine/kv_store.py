@@ -83,8 +83,8 @@ class KVStore:
         else:
             rows = torch.cat([x.to("cpu").reshape(len(idx), -1).view(torch.uint8) for x in parts], dim=1).numpy()
             if kind == "node":
-                for i, row in zip(idx, rows):
-                    self.tiers.node.put(self._node_writes[i], row)
+                for i, row in zip(idx, rows):  # (written to files by the tier's thread, behind the step)
+                    self.tiers.node.put_async(self._node_writes[i], row)
             else:
                 self.disk[np.asarray(idx)] = rows
 

@@ -609,6 +609,8 @@ class LLMEngine:
             self._publish(seq, blocks)
             if self.tiers is not None and self.tiers.moves:
                 self.kv_store.run(self.tiers.take_moves())
+                if skip and self.tiers.node is not None:
+                    self.tiers.node.flush()  # (written before the importer looks for what was left out)
             k, v = self.runner.read_kv(blocks[skip // bs:], n - skip)
             meta = self.kv_meta(layout, n, source or str(self.runner.device), kv_start=skip)
             self.kv_export_skipped_tokens += skip

@@ -3,12 +3,16 @@ read, whichever pool (GPU or CPU, any NUMA node) computed them. No torch, no Ray
 
 A block is a file named by its key (blocks.chain_hashes: the hash of its whole prefix) under a
 directory of the engines' KV format (model, layer and head sizes, dtype, block size), on a tmpfs
-(/dev/shm where it has room): memory, not disk. A writer writes a file under a name of its own
-and renames it into place, so that a reader finds a whole block or none; a reader that opens a
-file keeps its bytes even if another process evicts it a moment later. The budget is kept by
+(/dev/shm where it has room): memory, not disk. A writer creates the file (the first of two
+writers wins) and writes the block in one call; a reader takes a file shorter than a block as a
+miss (being written, or its writer died: rewritten a minute later), and one that opens a file
+keeps its bytes even if another process evicts it a moment later. The budget is kept by
 whoever writes: past it, the least recently used files (their modification time, which a hit
-refreshes) are removed down to 90% of it. Nothing here is an error to an engine: a block that
-cannot be read or written is a miss, and the engine computes it.
+refreshes) are removed down to KEEP of it. An engine's writes go through a thread of the tier's
+own, off the engine's step (the engine copies the blocks out of its pool; the files are written
+behind it). Nothing here is an error to an engine: a block that cannot be read or written is a
+miss, and the engine computes it. Its cost is system calls: a few per block written or read
+(`python scripts/bench_node_tier.py`).
 
 Engines write every full block they computed into it when a sequence finishes or leaves with a
 hand-off (LLMEngine), and look in it, after their own device and host tiers, for the head of a
@@ -21,8 +25,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import queue
 import shutil
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -30,8 +36,9 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SHM = "/dev/shm"
-KEEP = 0.9  # after an eviction pass, the share of the budget left in use
-STALE_TMP_NS = 60 * 10**9  # a half-written file this old is a dead writer's
+KEEP = 0.75  # after an eviction pass, the share of the budget left in use
+QUEUE_BYTES = 256 << 20  # blocks waiting for the writer thread, at most
+STALE_TMP_NS = 60 * 10**9  # a short file this old is a dead writer's
 STALE_FORMAT_S = 86_400.0  # another format's directory nobody wrote into for this long is removed
 
 
@@ -99,17 +106,20 @@ class NodeTier:
         self.slots = max(1, budget_bytes // block_bytes)
         self.name = "node"
         self.num_slots = self.slots
-        self._tag = f".{os.getpid()}.tmp"
-        self._since_scan = 0
         self._count = self._scan_and_evict()  # (files left by earlier processes count too)
         self.evictions = 0  # files this process removed to keep the budget
         self.write_errors = 0
+        # put_async's queue (at most QUEUE_BYTES of blocks) and the keys in it; the writer thread
+        self._queue: queue.Queue = queue.Queue(maxsize=max(16, QUEUE_BYTES // block_bytes))
+        self._pending: set[bytes] = set()
+        self._writer: threading.Thread | None = None
+        self.dropped = 0  # blocks not queued: the writer was behind
 
     def _path(self, key: bytes) -> str:
         return os.path.join(self.dir, key.hex())
 
     def __contains__(self, key: bytes) -> bool:
-        return os.path.exists(self._path(key))
+        return key in self._pending or os.path.exists(self._path(key))
 
     def __len__(self) -> int:
         return self._count
@@ -153,54 +163,105 @@ class NodeTier:
             os.close(fd)
         return np.frombuffer(out, dtype=np.uint8)
 
-    def put(self, key: bytes, row: np.ndarray) -> bool:
-        """Keep `row` (block_bytes of uint8) under `key`; False where it could not be written (a full
-        tmpfs): the block is then simply not shared."""
-        path = self._path(key)
-        if os.path.exists(path):
-            try:
-                os.utime(path)
-                return True
-            except OSError:
-                pass  # (evicted meanwhile: written again)
-        assert row.nbytes == self.block_bytes, (row.nbytes, self.block_bytes)
-        tmp = path + self._tag
+    def put_async(self, key: bytes, row: np.ndarray) -> bool:
+        """Queue `row` (block_bytes of uint8, not to be changed after) to be kept under `key` by
+        this tier's writer thread, off the engine's step; False where the queue is full (the
+        writer behind: the block is not shared)."""
+        if key in self._pending:
+            return True
+        self._pending.add(key)
         try:
-            with open(tmp, "wb") as f:
-                f.write(memoryview(np.ascontiguousarray(row)).cast("B"))
-            os.replace(tmp, path)
-        except OSError as e:
-            self.write_errors += 1
-            if self.write_errors == 1:
-                log.warning("node KV tier: a block could not be written under %s (%s); blocks that cannot "
-                            "be written are not shared", self.dir, e)
+            self._queue.put_nowait((key, row))
+        except queue.Full:
+            self._pending.discard(key)
+            self.dropped += 1
+            return False
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="keyacc-node-tier", daemon=True)
+            self._writer.start()
+        return True
+
+    def flush(self) -> None:
+        """Until every queued block is written."""
+        self._queue.join()
+
+    def _write_loop(self) -> None:
+        while True:
+            key, row = self._queue.get()
             try:
-                os.unlink(tmp)
+                self.put(key, row)
+            except Exception:  # noqa: BLE001 - a cache: a block not written is a miss, never a dead writer
+                log.exception("node KV tier: writing a block failed")
+            finally:
+                self._pending.discard(key)
+                self._queue.task_done()
+
+    def put(self, key: bytes, row: np.ndarray) -> bool:
+        """Keep `row` (block_bytes of uint8) under `key` now; False where it could not be written
+        (a full tmpfs): the block is then simply not shared. The file is created under its own
+        name and written in one call: a reader that finds it shorter than a block (being written)
+        takes it as a miss, and once it has a block's size every byte is there (a file grows as
+        its bytes are copied in). Three system calls a block: the tier's cost is mostly those."""
+        assert row.nbytes == self.block_bytes, (row.nbytes, self.block_bytes)
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return self._existing(path, key, row)
+        except OSError as e:
+            return self._write_failed(e)
+        try:
+            view = memoryview(np.ascontiguousarray(row)).cast("B")
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError as e:
+            os.close(fd)
+            try:
+                os.unlink(path)
             except OSError:
                 pass
-            return False
+            return self._write_failed(e)
+        os.close(fd)
         self._count += 1
-        self._since_scan += 1
-        # other processes write too: this process's count is a lower bound, so the directory is
-        # listed again once it has written a tenth of the budget since it last looked
-        if self._count > self.slots or self._since_scan * 10 >= self.slots:
+        # the directory is listed (a stat a file) once this process's count passes the budget:
+        # its count is what it saw at its last listing plus its own writes since, so with other
+        # processes writing too the directory holds at most (1 - KEEP) of the budget more per
+        # writing process
+        if self._count > self.slots:
             self._count = self._scan_and_evict()
         return True
+
+    def _existing(self, path: str, key: bytes, row: np.ndarray) -> bool:
+        """Another writer's file is there: refreshed if whole; if a writer died halfway through it
+        (short and old), written again."""
+        try:
+            st = os.stat(path)
+            if st.st_size == self.block_bytes:
+                os.utime(path)
+                return True
+            if time.time_ns() - st.st_mtime_ns > STALE_TMP_NS:
+                os.unlink(path)
+                return self.put(key, row)
+        except OSError:
+            pass
+        return False
+
+    def _write_failed(self, e: OSError) -> bool:
+        self.write_errors += 1
+        if self.write_errors == 1:
+            log.warning("node KV tier: a block could not be written under %s (%s); blocks that cannot "
+                        "be written are not shared", self.dir, e)
+        return False
 
     def _scan_and_evict(self) -> int:
         """List the directory; past the budget, remove the least recently used blocks down to
         KEEP of it. Returns the blocks left."""
-        self._since_scan = 0
         entries = []
         try:
             with os.scandir(self.dir) as it:
                 for e in it:
                     try:
-                        mtime = e.stat().st_mtime_ns
-                        if not e.name.endswith(".tmp"):
-                            entries.append((mtime, e.path))
-                        elif time.time_ns() - mtime > STALE_TMP_NS:  # a writer that died halfway
-                            os.unlink(e.path)
+                        entries.append((e.stat().st_mtime_ns, e.path))
                     except OSError:
                         pass  # (removed meanwhile)
         except OSError:
@@ -219,6 +280,7 @@ class NodeTier:
 
     def clear(self) -> None:
         """Every block of this format gone, for every process (reset_prefix_cache)."""
+        self.flush()
         shutil.rmtree(self.dir, ignore_errors=True)
         os.makedirs(self.dir, exist_ok=True)
         self._count = 0
