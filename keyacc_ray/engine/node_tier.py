@@ -106,9 +106,9 @@ class NodeTier:
         self.slots = max(1, budget_bytes // block_bytes)
         self.name = "node"
         self.num_slots = self.slots
-        self._count = self._scan_and_evict()  # (files left by earlier processes count too)
         self.evictions = 0  # files this process removed to keep the budget
         self.write_errors = 0
+        self._count = self._scan_and_evict()  # (files left by earlier processes count too)
         # put_async's queue (at most QUEUE_BYTES of blocks) and the keys in it; the writer thread
         self._queue: queue.Queue = queue.Queue(maxsize=max(16, QUEUE_BYTES // block_bytes))
         self._pending: set[bytes] = set()
