@@ -690,7 +690,8 @@ class LLMEngine:
         return {"tiers": {x.name: {"hits": t.hits[x.name], "loaded_blocks": t.loaded[x.name],
                                    "stored_blocks": t.stored[x.name], "blocks": len(x), "slots": x.num_slots,
                                    "evictions": x.evictions} for x in t.all_tiers()},
-                "recomputed_blocks": t.recomputed, "block_bytes": t.block_bytes}
+                "recomputed_blocks": t.recomputed, "block_bytes": t.block_bytes,
+                "node_dir": t.node.dir if t.node is not None else None}
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],
                  timeout_s: float = 600.0) -> list[list[int]]:

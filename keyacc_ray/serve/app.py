@@ -382,8 +382,7 @@ def build_app(args: dict | None = None):
         ray_actor_options={"num_cpus": cfg.router_num_cpus, "resources": dict(cfg.control_resources), **env},
         user_config={"policy": cfg.policy, "policy_options": cfg.policy_options},
     ).bind(cpu_deployments=cpu_names, allow_route_pinning=cfg.allow_route_pinning, colocated_gpu=colocated,
-           kv_handoff_skip=cfg.kv_handoff_skip,
-           node_tier_pools=tuple(k for k, p in (("gpu", cfg.gpu), ("cpu", cfg.cpu)) if p.kv_node_tier_gb > 0))
+           kv_handoff_skip=cfg.kv_handoff_skip)
     cpu_list = cpu_decode if isinstance(cpu_decode, list) else [cpu_decode]
     pools = dict(zip(hop_keys(len(cpu_list)), [gpu_prefill, gpu_decode, *cpu_list]))
     if colocated:  # the ingress's drivers never call it (their fallback starts on GpuDecode)

@@ -56,6 +56,9 @@ class ReplicaReport:
     kv_export_skipped_tokens: int = 0
     kv_import_cached_tokens: int = 0
     kv_import_recomputed_tokens: int = 0
+    # the node's shared KV tier its engine reads and writes: "<Ray node id>:<directory>" ("": none);
+    # replicas with the same one share each other's blocks
+    node_tier: str = ""
 
     def content(self) -> tuple:
         """Everything but the arrival time: equal content means nothing to tell anyone."""

@@ -410,7 +410,9 @@ class EnginePool:
                              steps_launched_ahead=s.steps_launched_ahead,
                              kv_export_skipped_tokens=s.kv_export_skipped_tokens,
                              kv_import_cached_tokens=s.kv_import_cached_tokens,
-                             kv_import_recomputed_tokens=s.kv_import_recomputed_tokens)
+                             kv_import_recomputed_tokens=s.kv_import_recomputed_tokens,
+                             node_tier=f"{self.node_id}:{s.kv_tiers['node_dir']}"
+                             if s.kv_tiers and s.kv_tiers.get("node_dir") else "")
 
     def _report_loop(self) -> None:
         """A report every REPORT_EVERY_S while the load changes; an idle replica sends the same

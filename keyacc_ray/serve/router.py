@@ -51,7 +51,7 @@ RECALL_HOLD_S = 2.0
 # again), the snapshot shows a replica of it not seen at the stall (its replacement), or this long
 # passed. (The kill soak: a policy move to a CPU pool whose replica had just died waited 17 s.)
 STALL_MEMORY_S = 30.0
-NODE_TIER = "node_tier"  # PoolPrefixes' name for the node's shared KV tier (not a hop)
+NODE_TIER = "node_tier/"  # PoolPrefixes' names for the nodes' shared KV tiers (not hops), + the tier's id
 
 
 @dataclass
@@ -81,17 +81,13 @@ def hop_keys(num_cpu_deployments: int) -> list[str]:
 class Router:
     def __init__(self, cpu_deployments: list[str] | None = None, policy: str = "gpu_only",
                  policy_options: dict | None = None, allow_route_pinning: bool = True, monitor=None,
-                 colocated_gpu: bool = False, clock=None, kv_handoff_skip: bool = True,
-                 node_tier_pools: tuple[str, ...] = ()):
+                 colocated_gpu: bool = False, clock=None, kv_handoff_skip: bool = True):
         """cpu_deployments: the CPU decode deployments' names (one per NUMA node where there are
         several): each is separate capacity and the router balances across them. colocated_gpu:
         one GPU engine (GpuDecode) serves both phases of a GPU request, prefill included, and
         GpuPrefill gets nothing (README "One copy of the weights per GPU"). clock: the request
         path's and the policy's time (time.monotonic; the simulator's own time in keyacc_ray.sim).
-        kv_handoff_skip: hand-offs leave out the head their next pool likely caches.
-        node_tier_pools: the pools ("gpu", "cpu") whose engines share the node's KV tier
-        (engine/node_tier.py): a prompt that ran on one of them is taken as cached for all of
-        them (they share the machine; one on another machine finds nothing and computes it)."""
+        kv_handoff_skip: hand-offs leave out the head their next pool likely caches."""
         self.clock = clock or time.monotonic
         self.colocated = colocated_gpu
         cpu_names = cpu_deployments or ["CpuDecode"]
@@ -110,7 +106,9 @@ class Router:
         self._policy_counted: dict[str, int] = {}
         self.output_lengths = OutputLengths()  # what requests really generate: their KV estimate
         self.prefixes = PoolPrefixes(clock=self.clock)  # which hops likely cache a prompt's head
-        self.node_tier_hops = {h for h in self.deployment_of if h.split("_")[0] in node_tier_pools}
+        # per hop, the node's shared KV tier (engine/node_tier.py) all of its replicas read and
+        # write, where they report one and the same (the last snapshot's)
+        self._node_tier: dict[str, str] = {}
         self.kv_handoff_skip = kv_handoff_skip
         self._replicas_seen: dict[str, set] = {}  # deployment -> its replicas in the last snapshot
         self._stalled: dict[str, tuple[float, frozenset]] = {}  # hop -> (when a hop there stalled, its replicas then)
@@ -199,8 +197,12 @@ class Router:
         """A replica gone from the snapshot (dead, or silent: its replacement caches nothing): what
         its pool was guessed to cache is forgotten."""
         now: dict[str, set] = {}
+        tiers: dict[str, set] = {}
         for r in snap.replicas or ():
             now.setdefault(r.get("deployment"), set()).add(r.get("replica"))
+            tiers.setdefault(r.get("deployment"), set()).add(r.get("node_tier", ""))
+        self._node_tier = {hop: next(iter(tiers[dep])) for hop, dep in self.deployment_of.items()
+                           if len(tiers.get(dep, ())) == 1}
         for hop, dep in self.deployment_of.items():
             if self._replicas_seen.get(dep, set()) - now.get(dep, set()):
                 self.prefixes.forget(hop)
@@ -395,16 +397,19 @@ class Router:
         out a head another is still bringing would find it missing.)"""
         if t.hop and t.prefix_keys and (end.outcome == "handoff" or end.in_place or end.finished):
             self.prefixes.record(t.prefix_keys, t.hop)
-            if t.hop in self.node_tier_hops:  # (its engine published the blocks to the node's tier)
-                self.prefixes.record(t.prefix_keys, NODE_TIER)
+            node = self._node_tier.get(t.hop)
+            if node:  # (its engines write every block they computed into the node's tier)
+                self.prefixes.record(t.prefix_keys, NODE_TIER + node)
 
     def _cached_tokens(self, keys, num_prompt_tokens: int, hop: str) -> int:
         """Prompt tokens at the head that `hop` likely caches: in its engines' own tiers, or in the
-        node's tier where its engines share it."""
+        node's shared tier its replicas read, where a request that ran on a hop sharing it wrote
+        them (pools on the same machine; one on another machine has a tier of its own)."""
         own = self.prefixes.cached_tokens(keys, num_prompt_tokens, hop)
-        if hop not in self.node_tier_hops:
+        node = self._node_tier.get(hop)
+        if not node:
             return own
-        return max(own, self.prefixes.cached_tokens(keys, num_prompt_tokens, NODE_TIER))
+        return max(own, self.prefixes.cached_tokens(keys, num_prompt_tokens, NODE_TIER + node))
 
     def _leave(self, t: Ticket, end: HopEnd) -> None:
         """The request left its hop: no longer in flight there (if this replica counted it)."""

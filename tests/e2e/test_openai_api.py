@@ -482,6 +482,32 @@ def test_a_head_the_gpu_pool_computed_is_loaded_by_the_cpu_pool_from_the_node_ti
     assert replica_counter(app_url, "keyacc_kv_tier_hits_total", "CpuDecode") >= before + want
 
 
+def test_a_handoff_leaves_out_what_the_node_tier_holds_for_the_next_pool(app_url, client):
+    """A conversation's first turn runs whole on the GPU pool (its engine writes the blocks into
+    the node's tier); the next, prefilled there and decoded on the CPU pool (`stage`), hands off
+    without the head: the router knows from the replicas' reports that both pools read that
+    tier, the CPU engine loads the head from it, nothing is computed again, and both turns give
+    generate()'s tokens."""
+    head = f"[node handoff {time.monotonic_ns()}] " + " ".join(PROMPTS[:9])
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    first = client.completions.create(model=MODEL, prompt=head, max_tokens=12, temperature=0,
+                                      extra_body={**extra, "keyacc": {"route": "gpu"}})
+    assert first.choices[0].token_ids == ref_ids(head, 12)
+    counters = ("keyacc_kv_handoff_recomputed_tokens_total", "keyacc_kv_tier_hits_total")
+    recomputed, hits = (replica_counter(app_url, c, "CpuDecode") for c in counters)
+    follow = head + " And the next question?"
+    r = client.completions.create(model=MODEL, prompt=follow, max_tokens=12, temperature=0,
+                                  extra_body={**extra, "keyacc": {"route": "stage"}})
+    assert r.choices[0].token_ids == ref_ids(follow, 12)
+    segments = r.model_extra["keyacc"]["segments"]
+    assert [s["pool"] for s in segments] == ["gpu", "cpu"] and segments[1].get("kv_skipped_tokens", 0) >= 64, segments
+    deadline = time.monotonic() + 20  # (the replicas' next load reports)
+    while time.monotonic() < deadline and replica_counter(app_url, counters[1], "CpuDecode") < hits + 64:
+        time.sleep(0.3)
+    assert replica_counter(app_url, counters[1], "CpuDecode") >= hits + 64  # the head, from the node's tier
+    assert replica_counter(app_url, counters[0], "CpuDecode") < recomputed + 64  # not computed again
+
+
 @pytest.mark.parametrize("route", ["stage", "cpu"])
 def test_migrate_back_streams_without_gap_or_repeat(client, route):
     stream = client.completions.create(

@@ -1229,21 +1229,29 @@ def test_a_request_goes_to_the_cpu_deployment_that_caches_its_head_unless_it_is_
 
 
 def test_a_head_that_ran_on_a_pool_sharing_the_node_tier_is_taken_as_cached_by_the_others():
-    """Pools whose engines share the node's KV tier: a prompt that ran on the GPU pool is cached
-    for the CPU pool too (its engines load it from the node's tier): the policy's view and the
-    hand-off's skip say so; without the shared tier, only where it ran."""
-    for pools, want in ((("gpu", "cpu"), 64), ((), 0), (("gpu",), 0)):
-        r = Router(["CpuDecode"], "gpu_only", monitor=_Unreachable(), node_tier_pools=pools)
+    """Pools whose replicas report one and the same node KV tier: a prompt that ran on the GPU
+    pool is cached for the CPU pool too (its engines load it from that tier): the policy's view
+    and the hand-off's skip say so. Not where the CPU pool's tier is another machine's, where a
+    pool's replicas report several, or where none is reported."""
+    from keyacc_ray.serve.monitor import Snapshot
+
+    a, b = "node-a:/dev/shm/keyacc-kv/f1", "node-b:/dev/shm/keyacc-kv/f1"
+    cases = [({"GpuDecode": [a], "CpuDecode": [a]}, 64), ({"GpuDecode": [a], "CpuDecode": [b]}, 0),
+             ({"GpuDecode": [a], "CpuDecode": [a, b]}, 0), ({"GpuDecode": [""], "CpuDecode": [""]}, 0)]
+    for tiers, want in cases:
+        r = Router(["CpuDecode"], "gpu_only", monitor=_Unreachable())
+        r.take_snapshot(Snapshot(0.0, {}, [{"deployment": d, "replica": f"{d}{i}", "node_tier": x}
+                                           for d, xs in tiers.items() for i, x in enumerate(xs)]))
         head = list(range(300, 364))
         t = Ticket.of(GenerateRequest("a", head + [1] * 5, {"max_tokens": 4}, None, None))
         t.hop = "gpu_decode"
         r._ran(t, HopEnd("done", 0.0, 4, finished=True))
         nxt = r._enter(Ticket.of(GenerateRequest("b", head + [2] * 9, {"max_tokens": 4}, None, None)),
                        "cpu_decode", None)
-        assert nxt.kv_skip_tokens == want and r._view(nxt, 0).cpu_cached_tokens == want, pools
+        assert nxt.kv_skip_tokens == want and r._view(nxt, 0).cpu_cached_tokens == want, tiers
         nxt = r._enter(Ticket.of(GenerateRequest("c", head + [2] * 9, {"max_tokens": 4}, None, None)),
                        "gpu_decode", 1)  # (then on to the CPU pool: the export leaves the head out)
-        assert nxt.export_skip_tokens == want
+        assert nxt.export_skip_tokens == want, tiers
 
 
 def test_a_pool_whose_replica_left_the_snapshot_is_not_guessed_to_cache_anything():
