@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from keyacc_ray.engine.tiers import DEVICE, LowerTiers, Move
+from keyacc_ray.engine.tiers import DEVICE, LowerTiers, Move, batches
 
 
 class KVStore:
@@ -93,7 +93,7 @@ class KVStore:
         return self.tiers.node.read(fd)
 
     def run(self, moves: list[Move]) -> None:
-        """The step's copies, in order; runs of the same (src, dst) kinds batched."""
+        """The step's copies, batched as their order allows (tiers.batches)."""
         self._node_reads, self._node_writes = self.tiers.take_node_side()
         try:
             self._run(moves)
@@ -101,12 +101,7 @@ class KVStore:
             self.tiers.close_node_reads(self._node_reads)  # (opened for admissions that did not happen)
 
     def _run(self, moves: list[Move]) -> None:
-        i = 0
-        while i < len(moves):
-            j = i
-            while j < len(moves) and (moves[j].src, moves[j].dst) == (moves[i].src, moves[i].dst):
-                j += 1
-            batch = moves[i:j]
+        for batch in batches(moves):
             t0 = time.perf_counter()
             self._write(batch[0].dst, [m.dst_index for m in batch],
                         self._read(batch[0].src, [m.src_index for m in batch]))
@@ -114,4 +109,3 @@ class KVStore:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 self.tiers.measured(batch[0].src, len(batch) * self.block_bytes, time.perf_counter() - t0)
-            i = j

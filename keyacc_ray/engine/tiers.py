@@ -35,6 +35,33 @@ class Move:
     dst_index: int
 
 
+def batches(moves: list[Move]) -> list[list[Move]]:
+    """The step's copies grouped into as few batches of one (src kind, dst kind) as their order
+    allows, in an order that gives what running them one by one gives: a copy waits for the
+    copies before it that write its source, or read or write its destination (a block pushed out
+    of a slot is copied away before the slot is written); copies with nothing between them run
+    in one batch (each batch reads all its sources, then writes all its destinations). Without
+    this, a step that evicts n blocks down a chain ran 2n batches of one block."""
+    wrote: dict[tuple[str, int], int] = {}  # location -> the last phase that wrote it
+    read: dict[tuple[str, int], int] = {}  # location -> the last phase that read it
+    phased = []
+    for i, m in enumerate(moves):
+        src, dst = (m.src, m.src_index), (m.dst, m.dst_index)
+        phase = max(wrote.get(src, -1), read.get(dst, -1), wrote.get(dst, -1)) + 1
+        wrote[dst] = phase
+        read[src] = max(read.get(src, -1), phase)
+        phased.append((phase, m.src, m.dst, i, m))
+    phased.sort(key=lambda x: x[:4])
+    out: list[list[Move]] = []
+    last = None
+    for phase, src, dst, _, m in phased:
+        if (phase, src, dst) != last:
+            out.append([])
+            last = (phase, src, dst)
+        out[-1].append(m)
+    return out
+
+
 class TierIndex:
     """The keys one tier holds: a slot each, least recently used first."""
 

@@ -276,6 +276,37 @@ def test_plan_copies_a_pushed_out_block_down_before_its_slot_is_written():
     assert lt.hits == {"host": 4, "disk": 4} and b"k4" not in lt.tier("host")
 
 
+def test_batched_copies_give_what_copies_one_by_one_give():
+    """tiers.batches groups a step's copies by kind as far as their order allows: over random
+    plans on a few slots (chains through one slot included), running its batches (each reads all
+    its sources, then writes all its destinations) leaves every slot as the plan run one copy at
+    a time does; and an eviction chain over distinct slots takes two batches, not one a copy."""
+    import random
+
+    from keyacc_ray.engine.tiers import DEVICE, Move, batches
+
+    kinds = [DEVICE, "host", "disk"]
+    rng = random.Random(7)
+    for _ in range(300):
+        moves = []
+        for _ in range(rng.randrange(1, 14)):
+            a, b = rng.sample(kinds, 2)
+            moves.append(Move(a, rng.randrange(3), b, rng.randrange(3)))
+        one = {(k, i): (k, i) for k in kinds for i in range(3)}  # each slot starts holding its own name
+        for m in moves:
+            one[(m.dst, m.dst_index)] = one[(m.src, m.src_index)]
+        grouped = {(k, i): (k, i) for k in kinds for i in range(3)}
+        for batch in batches(moves):
+            assert len({(m.src, m.dst) for m in batch}) == 1
+            got = [grouped[(m.src, m.src_index)] for m in batch]
+            for m, v in zip(batch, got):
+                grouped[(m.dst, m.dst_index)] = v
+        assert grouped == one, moves
+        assert sorted(map(id, sum(batches(moves), []))) == sorted(map(id, moves))
+    chain = [m for k in range(8) for m in (Move("host", k, "disk", k), Move(DEVICE, 10 + k, "host", k))]
+    assert [len(b) for b in batches(chain)] == [8, 8]
+
+
 def test_a_tier_slower_than_recomputing_is_not_loaded():
     from keyacc_ray.engine.tiers import LowerTiers
 
