@@ -33,6 +33,17 @@ def tie_ok(model, prompt, ref, got, device, ulps=3) -> tuple[bool, int | None, f
     return len(ref) == len(got), None, None
 
 
+def run_cached(eng, rid: str, prompt: list[int], params) -> tuple[list[int], int | None]:
+    """One request to its end: its tokens, and the prompt tokens it found cached."""
+    eng.add_request(rid, prompt, params)
+    got, cached = [], None
+    while eng.has_unfinished():
+        for o in eng.step():
+            got += o.new_token_ids
+            cached = o.num_cached_tokens if cached is None else cached
+    return got, cached
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -135,12 +146,7 @@ def main() -> None:
     others = [[rng.randrange(10, min(vocab, 30000)) for _ in range(args.prompt_len)] for _ in range(3)]
     for p in prompts[:1] + others:
         small.generate([p], [params])
-    small.add_request("again", prompts[0], params)
-    got, cached = [], None
-    while small.has_unfinished():
-        for o in small.step():
-            got += o.new_token_ids
-            cached = o.num_cached_tokens if cached is None else cached
+    got, cached = run_cached(small, "again", prompts[0], params)
     ok, at, gap = tie_ok(model, prompts[0], refs[0], got, small.runner.device)
     tiers = small.stats().kv_tiers
     loaded = sum(t["loaded_blocks"] for t in tiers["tiers"].values())
@@ -157,12 +163,7 @@ def main() -> None:
     host = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device="cpu", max_num_seqs=1,
                                   max_model_len=blocks * 16, num_kv_blocks=blocks, kv_node_tier_gb=0.25,
                                   kv_node_tier_dir=node_dir))
-    host.add_request("node", prompts[0], params)
-    got, cached = [], None
-    while host.has_unfinished():
-        for o in host.step():
-            got += o.new_token_ids
-            cached = o.num_cached_tokens if cached is None else cached
+    got, cached = run_cached(host, "node", prompts[0], params)
     ok, at, gap = tie_ok(model, prompts[0], refs[0], got, small.runner.device)
     node = host.stats().kv_tiers["tiers"]["node"]
     res["node_tier_check"] = {"cached_tokens": cached, "identical": got == refs[0], "tie_aware_ok": ok,
