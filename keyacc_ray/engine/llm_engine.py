@@ -446,6 +446,23 @@ class LLMEngine:
         where the caller has them."""
         return self._postprocess(seqs, self._sample(logits, seqs, positions), decoded=True)
 
+    def measure_prefill_rate(self, tokens: int = 256) -> float:
+        """The prefill rate before the first prompt (a pool replica calls this at start): a forward
+        of up to `tokens` prompt tokens (capped by the step budget and the context) through the
+        block pool, which holds nothing yet, after one that warms the kernels. Without it the
+        router's policies read a pool that never prefilled as one with no limit, and at start
+        sent it whole requests of any length. Requests and counters are untouched; an engine that
+        has taken a request measures nothing here (its blocks may hold KV): it returns its rate."""
+        n = min(tokens, self.config.max_prefill_tokens, self.max_model_len)
+        used = self.seqs or self.tokens_generated or self.blocks.num_cached_blocks
+        if n < self.prefill_rate.min_tokens or used or self.blocks.num_free_blocks < -(-n // self.blocks.block_size):
+            return self.prefill_rate.tokens_per_s
+        self.runner.forward_empty_pool(n)  # (warm-up: first calls build kernels, allocator pools)
+        t0 = time.perf_counter()
+        logits = self.runner.forward_empty_pool(n)
+        self._prefill_timed([(None, n)], t0, logits)
+        return self.prefill_rate.tokens_per_s
+
     def _prefill_timed(self, prefill: list, t0: float, logits) -> None:
         """The prefill rate of steps with many prompt tokens: what the router's policies read (a
         prompt sent whole to this pool takes about its tokens / this rate), and the lower tiers'

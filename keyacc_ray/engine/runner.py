@@ -545,6 +545,14 @@ class ModelRunner:
         finally:
             self.cache = saved
 
+    @torch.inference_mode()
+    def forward_empty_pool(self, tokens: int) -> torch.Tensor:
+        """A forward of `tokens` prompt tokens (one sequence, at most the context) through the first
+        blocks of the block pool, as a prompt's: only for a pool that holds nothing yet (the
+        engine's measure at start); its logits."""
+        n = max(2, min(tokens, self.max_model_len))
+        return self.forward([StepItem([1] * n, 0, list(range(-(-n // self.block_size))))])
+
     # ---- KV of one sequence ------------------------------------------------------------
     def read_kv(self, blocks: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one sequence (its block table) as [layers, kv_heads, tokens, dim] on the CPU."""

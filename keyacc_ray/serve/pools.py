@@ -124,6 +124,8 @@ class EnginePool:
                         self.deployment)
         else:
             self.engine = LLMEngine(cfg)
+            rate = self.engine.measure_prefill_rate()  # (the policies' input before the first prompt)
+            log.info("keyacc %s: prefill rate at start %.0f tokens/s", self.deployment, rate)
         self.emulated = self.pool == "gpu" and self.engine.runner.device.type != "cuda"
         if self.pool == "gpu" and self.emulated and not emulated_gpu:
             raise RuntimeError(f"{self.deployment}: no CUDA device and emulation is off (gpu.emulate_if_no_cuda)")

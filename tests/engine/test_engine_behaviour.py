@@ -290,6 +290,30 @@ def test_the_engine_measures_how_fast_prompts_go_through(qwen3_path):
     assert r.tokens_per_s == 0.8 * 200 + 0.2 * 400
 
 
+@pytest.mark.parametrize("cfg", [{"cpu_kernels": "off"}, {"cpu_kernels": "auto"}])
+def test_the_prefill_rate_is_measured_at_start_and_the_engine_is_untouched(qwen3_path, cfg):
+    """measure_prefill_rate (a pool replica's start): a rate before the first prompt, from a
+    forward through the empty block pool: counters and outputs as without it; once the engine
+    has taken a request (its blocks may hold KV), it measures nothing and keeps its blocks."""
+    eng = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=2, max_model_len=256, **cfg))
+    assert eng.stats().prefill_tokens_per_s == 0
+    ids = [5 + i % 40 for i in range(40)]
+    want = hf_greedy(qwen3_path, ids, 6)
+    assert eng.measure_prefill_rate() > 0
+    assert eng.generate([ids], SamplingParams(max_tokens=6, temperature=0)) == [want]
+    assert eng.stats().tokens_generated == 6
+    before = eng.stats()
+    calls = eng.runner.forward
+    eng.runner.forward = None  # (nothing is run now)
+    rate = eng.measure_prefill_rate(tokens=64)  # after the prompt was cached: its blocks intact
+    eng.runner.forward = calls
+    after = eng.stats()
+    assert rate == before.prefill_tokens_per_s and after.prefix_cache_queries == before.prefix_cache_queries
+    assert after.num_free_blocks == before.num_free_blocks and after.tokens_generated == before.tokens_generated
+    assert eng.generate([ids], SamplingParams(max_tokens=6, temperature=0)) == [want]
+    assert eng.stats().prefix_cache_hits > before.prefix_cache_hits  # (served from the cached blocks)
+
+
 def test_an_engine_with_small_prompt_chunks_measures_its_prefill_rate(qwen3_path):
     """max_prefill_tokens below PrefillRate.MIN_TOKENS (a slow CPU pool's chunk): its full chunks
     are the measure. Before, such a pool never had a rate, and the policies took "unknown" for
