@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 import time
 
 import httpx
@@ -86,11 +85,8 @@ def stop_app():
 
 
 # As deployments/app.yaml: a context (1024) larger than the emulated GPU's KV budget (48 x 16 =
-# 768 tokens), so the app serves a context of 768; both pools share the node's KV tier (in a
-# directory of this run's own).
-NODE_TIER = {"kv_node_tier_gb": 0.05, "kv_node_tier_dir": tempfile.mkdtemp(prefix="keyacc-node-tier-")}
-APP_ARGS = {"model": tiny_model("qwen3"), "max_model_len": 1024,
-            "gpu": {"device": "auto", "max_num_seqs": 8, "num_kv_blocks": 48, **NODE_TIER}, "cpu": dict(NODE_TIER)}
+# 768 tokens), so the app serves a context of 768.
+APP_ARGS = {"model": tiny_model("qwen3"), "max_model_len": 1024}
 SERVED_CONTEXT = 768
 
 

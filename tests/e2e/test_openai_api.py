@@ -455,59 +455,6 @@ def test_a_handoff_leaves_out_the_head_the_cpu_pool_caches(app_url, client):
     assert skipped >= 64 and cached >= skipped and recomputed == 0, (skipped, cached, recomputed)
 
 
-def test_a_head_the_gpu_pool_computed_is_loaded_by_the_cpu_pool_from_the_node_tier(app_url, client):
-    """Both pools share the node's KV tier (conftest): a conversation's first turn runs on the GPU
-    pool; its next turn, sent whole to the CPU pool (another process), loads the head's blocks the
-    GPU engine wrote there instead of computing them: OpenAI's cached_tokens and the CPU
-    replica's node-tier counter say so, and both turns give generate()'s tokens."""
-    _, tok = hf_model(tiny_model("qwen3"))
-    head = f"[node tier {time.monotonic_ns()}] " + " ".join(PROMPTS[:9])
-    follow = head + " And then, what?"
-    a, b = tok(head)["input_ids"], tok(follow)["input_ids"]
-    common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    extra = {"ignore_eos": True, "return_token_ids": True}
-    first = client.completions.create(model=MODEL, prompt=head, max_tokens=12, temperature=0,
-                                      extra_body={**extra, "keyacc": {"route": "gpu"}})
-    assert first.choices[0].token_ids == ref_ids(head, 12)
-    before = replica_counter(app_url, "keyacc_kv_tier_hits_total", "CpuDecode")
-    r = client.completions.create(model=MODEL, prompt=follow, max_tokens=12, temperature=0,
-                                  extra_body={**extra, "keyacc": {"route": "cpu"}})
-    assert r.choices[0].token_ids == ref_ids(follow, 12)
-    assert [s["pool"] for s in r.model_extra["keyacc"]["segments"]] == ["cpu"]
-    want = min(common, len(b) - 1) // 16 * 16
-    assert want >= 64 and r.usage.prompt_tokens_details.cached_tokens == want
-    deadline = time.monotonic() + 20  # the replicas' load reports reach /metrics within a second or two
-    while time.monotonic() < deadline and replica_counter(app_url, "keyacc_kv_tier_hits_total", "CpuDecode") < before + want:
-        time.sleep(0.3)
-    assert replica_counter(app_url, "keyacc_kv_tier_hits_total", "CpuDecode") >= before + want
-
-
-def test_a_handoff_leaves_out_what_the_node_tier_holds_for_the_next_pool(app_url, client):
-    """A conversation's first turn runs whole on the GPU pool (its engine writes the blocks into
-    the node's tier); the next, prefilled there and decoded on the CPU pool (`stage`), hands off
-    without the head: the router knows from the replicas' reports that both pools read that
-    tier, the CPU engine loads the head from it, nothing is computed again, and both turns give
-    generate()'s tokens."""
-    head = f"[node handoff {time.monotonic_ns()}] " + " ".join(PROMPTS[:9])
-    extra = {"ignore_eos": True, "return_token_ids": True}
-    first = client.completions.create(model=MODEL, prompt=head, max_tokens=12, temperature=0,
-                                      extra_body={**extra, "keyacc": {"route": "gpu"}})
-    assert first.choices[0].token_ids == ref_ids(head, 12)
-    counters = ("keyacc_kv_handoff_recomputed_tokens_total", "keyacc_kv_tier_hits_total")
-    recomputed, hits = (replica_counter(app_url, c, "CpuDecode") for c in counters)
-    follow = head + " And the next question?"
-    r = client.completions.create(model=MODEL, prompt=follow, max_tokens=12, temperature=0,
-                                  extra_body={**extra, "keyacc": {"route": "stage"}})
-    assert r.choices[0].token_ids == ref_ids(follow, 12)
-    segments = r.model_extra["keyacc"]["segments"]
-    assert [s["pool"] for s in segments] == ["gpu", "cpu"] and segments[1].get("kv_skipped_tokens", 0) >= 64, segments
-    deadline = time.monotonic() + 20  # (the replicas' next load reports)
-    while time.monotonic() < deadline and replica_counter(app_url, counters[1], "CpuDecode") < hits + 64:
-        time.sleep(0.3)
-    assert replica_counter(app_url, counters[1], "CpuDecode") >= hits + 64  # the head, from the node's tier
-    assert replica_counter(app_url, counters[0], "CpuDecode") < recomputed + 64  # not computed again
-
-
 @pytest.mark.parametrize("route", ["stage", "cpu"])
 def test_migrate_back_streams_without_gap_or_repeat(client, route):
     stream = client.completions.create(
