@@ -108,18 +108,31 @@ class NodeTier:
         self.num_slots = self.slots
         self.evictions = 0  # files this process removed to keep the budget
         self.write_errors = 0
-        self._count = self._scan_and_evict()  # (files left by earlier processes count too)
         # put_async's queue (at most QUEUE_BYTES of blocks) and the keys in it; the writer thread
         self._queue: queue.Queue = queue.Queue(maxsize=max(16, QUEUE_BYTES // block_bytes))
         self._pending: set[bytes] = set()
+        # keys this process wrote or read here lately (at most the budget's count): found without
+        # a system call (an engine asks for every block of a sequence when it finishes; one that
+        # another process evicted since is a miss when read, and not written again meanwhile)
+        self._known: dict[bytes, None] = {}
+        self._known_lock = threading.Lock()
         self._writer: threading.Thread | None = None
         self.dropped = 0  # blocks not queued: the writer was behind
+        self._count = self._scan_and_evict()  # (files left by earlier processes count too)
 
     def _path(self, key: bytes) -> str:
         return os.path.join(self.dir, key.hex())
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._pending or os.path.exists(self._path(key))
+        return key in self._pending or key in self._known or os.path.exists(self._path(key))
+
+    def _seen(self, key: bytes) -> None:
+        with self._known_lock:
+            known = self._known
+            known.pop(key, None)
+            known[key] = None
+            while len(known) > self.slots:
+                del known[next(iter(known))]
 
     def __len__(self) -> int:
         return self._count
@@ -145,6 +158,7 @@ class NodeTier:
             os.utime(path)
         except OSError:
             pass  # (removed meanwhile: still readable through fd)
+        self._seen(key)
         return fd
 
     @staticmethod
@@ -222,6 +236,7 @@ class NodeTier:
                 pass
             return self._write_failed(e)
         os.close(fd)
+        self._seen(key)
         self._count += 1
         # the directory is listed (a stat a file) once this process's count passes the budget:
         # its count is what it saw at its last listing plus its own writes since, so with other
@@ -238,6 +253,7 @@ class NodeTier:
             st = os.stat(path)
             if st.st_size == self.block_bytes:
                 os.utime(path)
+                self._seen(key)
                 return True
             if time.time_ns() - st.st_mtime_ns > STALE_TMP_NS:
                 os.unlink(path)
@@ -276,6 +292,12 @@ class NodeTier:
                 self.evictions += 1
             except OSError:
                 pass
+            try:
+                key = bytes.fromhex(os.path.basename(path))
+            except ValueError:
+                continue  # (not a block's name)
+            with self._known_lock:
+                self._known.pop(key, None)
         return len(entries) - drop
 
     def clear(self) -> None:
@@ -284,3 +306,5 @@ class NodeTier:
         shutil.rmtree(self.dir, ignore_errors=True)
         os.makedirs(self.dir, exist_ok=True)
         self._count = 0
+        with self._known_lock:
+            self._known.clear()

@@ -159,10 +159,12 @@ class LowerTiers:
         node = self.node
         if node is None:
             return
+        planned = set(self.node_writes)
         for key, b in zip(keys, blocks):
-            if key not in node and key not in self.node_writes:
+            if key not in planned and key not in node:
                 self.moves.append(Move(DEVICE, b, "node", len(self.node_writes)))
                 self.node_writes.append(key)
+                planned.add(key)
                 self.stored["node"] += 1
 
     def _store(self, level: int, key: bytes, src: str, src_index: int) -> None:
