@@ -75,18 +75,20 @@ def block_bytes(model: Path) -> int:
 
 
 def app_config(args, model: Path, caching: bool, kv_blocks: int, tiers: dict | None = None,
-               stage: str | None = None) -> dict:
-    cpu_seqs = args.gpu_seqs if stage else 4
-    both = (tiers or {}) if stage and stage.startswith("alternate") else {}  # (the node's tier: both pools)
+               two_pools: str | None = None) -> dict:
+    """`two_pools`: the configuration's name where its turns run on both pools (stage*,
+    alternate*): the CPU pool as large as the GPU pool."""
+    cpu_seqs = args.gpu_seqs if two_pools else 4
+    both = (tiers or {}) if two_pools and two_pools.startswith("alternate") else {}  # (the node's tier: both pools)
     return {
         "model": str(model), "max_model_len": args.max_model_len, "policy": "gpu_only",
-        "kv_handoff_skip": stage != "stage_full",
+        "kv_handoff_skip": two_pools != "stage_full",
         "gpu": {"device": "auto", "max_num_seqs": args.gpu_seqs, "num_kv_blocks": kv_blocks, "num_threads": 1,
                 "num_cpus": 0.5, "cpu_affinity": [0], "enable_prefix_caching": caching,
                 "max_prefill_tokens": args.max_prefill_tokens, "max_waiting": 256, "max_queued_requests": 256,
                 **(tiers or {})},
         "cpu": {"device": "cpu", "max_num_seqs": cpu_seqs, "num_threads": 1, "num_cpus": 0.5, "cpu_affinity": [1],
-                "enable_prefix_caching": caching, "num_kv_blocks": kv_blocks if stage else None,
+                "enable_prefix_caching": caching, "num_kv_blocks": kv_blocks if two_pools else None,
                 "max_prefill_tokens": args.max_prefill_tokens, "max_waiting": 256, "max_queued_requests": 256, **both},
     }
 
@@ -175,9 +177,9 @@ def main() -> None:
     results = {}
     try:
         for cfg_name in args.configs:
-            stage = cfg_name if cfg_name.startswith(("stage", "alternate")) else None
-            blocks = ample if cfg_name in ("off", "on") or stage else small
-            serve.run(build_app(app_config(args, model, cfg_name != "off", blocks, tiers.get(cfg_name), stage)),
+            two_pools = cfg_name if cfg_name.startswith(("stage", "alternate")) else None
+            blocks = ample if cfg_name in ("off", "on") or two_pools else small
+            serve.run(build_app(app_config(args, model, cfg_name != "off", blocks, tiers.get(cfg_name), two_pools)),
                       name="keyacc", route_prefix="/")
             route = "stage" if cfg_name.startswith("stage") else None
             if cfg_name.startswith("alternate"):

@@ -172,7 +172,7 @@ class LLMEngine:
         self.blocks.on_evict = tiers.evicted
         self.scheduler.lower = tiers
         log.info("KV tiers under the block pool: %d host blocks, %d node blocks (%s), %d disk blocks (%s), "
-                 "%d bytes each", host, node.slots if node else 0, node.dir if node else "-", disk,
+                 "%d bytes each", host, node.num_slots if node else 0, node.dir if node else "-", disk,
                  store.disk_dir or "-", block_bytes)
         return tiers, store
 

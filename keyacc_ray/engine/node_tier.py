@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 SHM = "/dev/shm"
 KEEP = 0.75  # after an eviction pass, the share of the budget left in use
 QUEUE_BYTES = 256 << 20  # blocks waiting for the writer thread, at most
-STALE_TMP_NS = 60 * 10**9  # a short file this old is a dead writer's
+STALE_WRITE_NS = 60 * 10**9  # a short file this old is a dead writer's
 STALE_FORMAT_S = 86_400.0  # another format's directory nobody wrote into for this long is removed
 
 
@@ -103,9 +103,8 @@ class NodeTier:
         _sweep_stale_formats(root, keep=space)
         os.makedirs(self.dir, exist_ok=True)
         self.block_bytes = block_bytes
-        self.slots = max(1, budget_bytes // block_bytes)
-        self.name = "node"
-        self.num_slots = self.slots
+        self.name = "node"  # (as the engine's own tiers: name, num_slots, evictions, len())
+        self.num_slots = max(1, budget_bytes // block_bytes)
         self.evictions = 0  # files this process removed to keep the budget
         self.write_errors = 0
         # put_async's queue (at most QUEUE_BYTES of blocks) and the keys in it; the writer thread
@@ -131,7 +130,7 @@ class NodeTier:
             known = self._known
             known.pop(key, None)
             known[key] = None
-            while len(known) > self.slots:
+            while len(known) > self.num_slots:
                 del known[next(iter(known))]
 
     def __len__(self) -> int:
@@ -242,7 +241,7 @@ class NodeTier:
         # its count is what it saw at its last listing plus its own writes since, so with other
         # processes writing too the directory holds at most (1 - KEEP) of the budget more per
         # writing process
-        if self._count > self.slots:
+        if self._count > self.num_slots:
             self._count = self._scan_and_evict()
         return True
 
@@ -255,7 +254,7 @@ class NodeTier:
                 os.utime(path)
                 self._seen(key)
                 return True
-            if time.time_ns() - st.st_mtime_ns > STALE_TMP_NS:
+            if time.time_ns() - st.st_mtime_ns > STALE_WRITE_NS:
                 os.unlink(path)
                 return self.put(key, row)
         except OSError:
@@ -282,10 +281,10 @@ class NodeTier:
                         pass  # (removed meanwhile)
         except OSError:
             return 0
-        if len(entries) <= self.slots:
+        if len(entries) <= self.num_slots:
             return len(entries)
         entries.sort()
-        drop = len(entries) - int(self.slots * KEEP)
+        drop = len(entries) - int(self.num_slots * KEEP)
         for _, path in entries[:drop]:
             try:
                 os.unlink(path)

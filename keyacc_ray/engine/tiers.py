@@ -191,7 +191,7 @@ class LowerTiers:
     def find(self, keys: list[bytes]) -> list[tuple[str, bytes]]:
         """The leading `keys` held in a lower tier and worth loading: (tier, key) each, pinned for
         this step (so that nothing planned after it pushes them out before the copies ran); a
-        block of the node's tier is read now."""
+        block of the node's tier is opened now (its bytes are read by the copy)."""
         found, order = [], self.all_tiers()
         if not self.moves:  # (opened for admissions that did not happen: no copy needs them)
             self.close_node_reads()
