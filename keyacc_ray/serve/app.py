@@ -160,6 +160,14 @@ class PoolConfig:
             raise ConfigError(f"PoolConfig.numa must be 'off' or 'auto', got {self.numa!r}")
 
 
+# The GPU pool's defaults, under what the app config sets for it (field by field): on a cluster
+# with no GPU the pool runs on CPU cores with an emulated KV budget small enough to fill up, so
+# that offload has something to do; with GPUs, vLLM-like sizes (a block pool the profiled
+# gpu_memory_utilization holds). Keyed by "the cluster has a GPU".
+GPU_POOL_DEFAULTS = {False: {"device": "auto", "max_num_seqs": 8, "num_kv_blocks": 48},
+                     True: {"device": "auto", "max_num_seqs": 128, "num_kv_blocks": None}}
+
+
 @dataclass
 class AppConfig:
     model: str = "models/tiny-qwen3"
@@ -180,7 +188,7 @@ class AppConfig:
     # hand-off carries all its K/V (the next pool still shares what it caches).
     kv_handoff_skip: bool = True
     max_body_bytes: int = 1 << 20
-    gpu: PoolConfig = field(default_factory=lambda: PoolConfig(device="auto", max_num_seqs=8, num_kv_blocks=48))
+    gpu: PoolConfig = field(default_factory=lambda: PoolConfig(**GPU_POOL_DEFAULTS[False]))
     cpu: PoolConfig = field(default_factory=PoolConfig)
     router_num_cpus: float = 0.1
     ingress_num_cpus: float = 0.1
@@ -238,9 +246,17 @@ class AppConfig:
             raise ConfigError(f"access_log must be one of {sorted(ACCESS_LOG)}, got {self.access_log!r}")
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "AppConfig":
+    def from_dict(cls, d: dict | None, gpu_in_cluster: bool = False) -> "AppConfig":
+        """A pool's keys override that pool's defaults one by one (`gpu: {kv_node_tier_gb: 2}`
+        keeps the rest); the GPU pool's defaults depend on whether the cluster has a GPU."""
         d = dict(d or {})
-        pools = {k: _from_dict(PoolConfig, d.pop(k)) for k in ("gpu", "cpu") if k in d}
+        defaults = {"gpu": GPU_POOL_DEFAULTS[bool(gpu_in_cluster)], "cpu": {}}
+        pools = {}
+        for k, base in defaults.items():
+            given = d.pop(k, None) or {}
+            if not isinstance(given, dict):
+                raise ConfigError(f"{k} must be a mapping of PoolConfig fields, got {given!r}")
+            pools[k] = _from_dict(PoolConfig, {**base, **given})
         cfg = _from_dict(cls, d)
         for k, v in pools.items():
             setattr(cfg, k, v)
@@ -325,9 +341,9 @@ def build_app(args: dict | None = None):
     from keyacc_ray.serve.pools import ROUTER_NAME, CpuDecode, GpuDecode, GpuPrefill
     from keyacc_ray.serve.router import Router, hop_keys
 
-    cfg = AppConfig.from_dict(args)
-    max_len = _max_model_len(cfg)
     has_gpu = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+    cfg = AppConfig.from_dict(args, gpu_in_cluster=has_gpu)
+    max_len = _max_model_len(cfg)
     gpu_gpus = cfg.gpu.num_gpus if cfg.gpu.num_gpus is not None else (1 if has_gpu else 0)
     colocated = cfg.gpu_prefill == "colocated"
     if not has_gpu:

@@ -160,3 +160,26 @@ def test_served_context_fits_every_pool_kv_budget(qwen3_path):
     assert _max_model_len(AppConfig.from_dict({**base, "gpu": {"num_kv_blocks": 64},
                                                "cpu": {"num_kv_blocks": 24, "kv_block_size": 8}})) == 192
     assert _max_model_len(AppConfig.from_dict({**base, "gpu": {"num_kv_blocks": None}})) == 512
+
+
+def test_a_pool_dict_overrides_its_defaults_field_by_field():
+    """`gpu: {kv_node_tier_gb: 2}` keeps the GPU pool's other defaults (it used to replace the
+    whole pool with PoolConfig's: device cpu, 16 sequences, no KV budget); on a cluster with a
+    GPU the GPU pool's defaults are a profiled block pool, not the emulated 48 blocks."""
+    emulated = AppConfig.from_dict({})
+    cfg = AppConfig.from_dict({"gpu": {"kv_node_tier_gb": 2}, "cpu": {"max_num_seqs": 4}})
+    assert cfg.gpu.kv_node_tier_gb == 2
+    for f in ("device", "max_num_seqs", "num_kv_blocks", "num_threads", "gpu_memory_utilization"):
+        assert getattr(cfg.gpu, f) == getattr(emulated.gpu, f), f
+    assert (cfg.gpu.device, cfg.gpu.max_num_seqs, cfg.gpu.num_kv_blocks) == ("auto", 8, 48)
+    assert cfg.cpu.max_num_seqs == 4 and cfg.cpu.device == "cpu" and cfg.cpu.num_cpus == PoolConfig().num_cpus
+    real = AppConfig.from_dict({"gpu": {"kv_node_tier_gb": 2}}, gpu_in_cluster=True)
+    assert (real.gpu.max_num_seqs, real.gpu.num_kv_blocks, real.gpu.kv_node_tier_gb) == (128, None, 2)
+    # what a config says still wins, with or without a GPU
+    pinned = AppConfig.from_dict({"gpu": {"num_kv_blocks": 64, "max_num_seqs": 2}}, gpu_in_cluster=True)
+    assert (pinned.gpu.num_kv_blocks, pinned.gpu.max_num_seqs) == (64, 2)
+    assert AppConfig.from_dict({"gpu": None}).gpu.num_kv_blocks == 48
+    with pytest.raises(ConfigError, match="gpu must be a mapping"):
+        AppConfig.from_dict({"gpu": 3})
+    with pytest.raises(ConfigError, match="unknown keys.*num_kv_block"):
+        AppConfig.from_dict({"cpu": {"num_kv_block": 3}})
