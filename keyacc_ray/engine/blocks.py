@@ -57,6 +57,7 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # keyed blocks nobody holds, LRU first
         self._num_keyed: dict[str, int] = {}  # sequence id -> its leading blocks registered (or shared)
         self.on_evict = None  # called (key, block) when a cached block's memory is taken (tiers.py)
+        self.events = None  # kv_events.KVEvents: what the router is told of the keys held here
         # counters (tokens, as vLLM's prefix_cache_queries / prefix_cache_hits; blocks evicted)
         self.queries = self.hits = self.evictions = 0
         self.tables: dict[str, list[int]] = {}  # sequence id -> its blocks, in order (read, never change)
@@ -115,6 +116,8 @@ class BlockManager:
             self.evictions += 1
             if self.on_evict is not None:
                 self.on_evict(key, b)
+            if self.events is not None:
+                self.events.moved(key)
         self._ref[b] = 1
         return b
 
@@ -135,12 +138,14 @@ class BlockManager:
         done = self._num_keyed.get(seq_id, 0)
         if num_full <= done or seq_id not in self.tables:
             return
-        table = self.tables[seq_id]
+        table, events = self.tables[seq_id], self.events
         for i in range(done, num_full):
             h = hashes[i]
             if h not in self._block_of:
                 self._block_of[h] = table[i]
                 self._key_of[table[i]] = h
+                if events is not None:
+                    events.stored(h, i + 1)
         self._num_keyed[seq_id] = num_full
 
     # ---- tables ----------------------------------------------------------------------------
@@ -201,6 +206,8 @@ class BlockManager:
         self._block_of.clear()
         for s in self._num_keyed:
             self._num_keyed[s] = len(self.tables[s])  # nothing of theirs is keyed again
+        if self.events is not None:
+            self.events.reset()
         return n
 
     def block_table(self, seq_id: str) -> list[int]:

@@ -14,6 +14,7 @@ import torch
 from keyacc_ray.config import EngineConfig
 from keyacc_ray.engine.blocks import BlockManager, chain_hashes
 from keyacc_ray.engine.detok import IncrementalDetokenizer, step_all
+from keyacc_ray.engine.kv_events import ANCHOR_BLOCK, GONE, KVEvents
 from keyacc_ray.engine.kv_package import KVMeta, KVPackage, check_span, dtype_name, to_engine_tensors, to_wire
 from keyacc_ray.engine.postprocess import DecodeBatch, RequestOutput
 from keyacc_ray.engine.request import SamplingParams, Sequence, SeqStatus
@@ -21,7 +22,7 @@ from keyacc_ray.engine.runner import ModelRunner, StepItem
 from keyacc_ray.engine.sampling import HostCopy, Sampler
 from keyacc_ray.engine.scheduler import PrefillRate, Scheduler
 from keyacc_ray.engine.structured import Grammars
-from keyacc_ray.engine.tiers import LowerTiers
+from keyacc_ray.engine.tiers import DEVICE, LowerTiers
 from keyacc_ray.errors import InvalidRequest, ModelLoadError, Overloaded
 from keyacc_ray.histogram import ENGINE_HISTOGRAMS, Histogram
 
@@ -30,6 +31,12 @@ from keyacc_ray.histogram import ENGINE_HISTOGRAMS, Histogram
 PROMPT_LOGITS_BYTES = 256 << 20
 
 log = logging.getLogger(__name__)
+
+
+def _two_digits(x: float | None) -> float:
+    """A measured figure to two significant digits (0: not measured): a report changes when it
+    moves, not at every copy."""
+    return float(f"{x:.2g}") if x else 0.0
 
 
 @dataclass
@@ -112,6 +119,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_waiting,
                                    config.max_prefill_tokens, lazy=config.kv_allocation == "lazy")
         self.tiers, self.kv_store = self._lower_tiers(config)
+        self.kv_events = self._kv_events(config)
         f = config.prefill_delay_factor
         self.prefill_delay_factor = float(f if f is not None else (1.0 if self.runner.graphs_captured else 0.0))
         self.seqs: dict[str, Sequence] = {}
@@ -175,6 +183,24 @@ class LLMEngine:
                  "%d bytes each", host, node.num_slots if node else 0, node.dir if node else "-", disk,
                  store.disk_dir or "-", block_bytes)
         return tiers, store
+
+    def _kv_events(self, config: EngineConfig) -> KVEvents | None:
+        """What the router is told of the prefix blocks held here (engine/kv_events.py): where the
+        prefix cache is on and its blocks are the router's (ANCHOR_BLOCK tokens)."""
+        if not config.enable_prefix_caching or config.kv_block_size != ANCHOR_BLOCK:
+            return None
+        cached, tiers = self.blocks._block_of, self.tiers
+
+        def where(key: bytes) -> str:
+            if key in cached:
+                return DEVICE
+            return tiers.holding(key) if tiers is not None else GONE
+
+        events = KVEvents(where)
+        self.blocks.events = events
+        if tiers is not None:
+            tiers.events = events
+        return events
 
     # ---- requests ----------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -706,7 +732,8 @@ class LLMEngine:
             return None
         return {"tiers": {x.name: {"hits": t.hits[x.name], "loaded_blocks": t.loaded[x.name],
                                    "stored_blocks": t.stored[x.name], "blocks": len(x), "slots": x.num_slots,
-                                   "evictions": x.evictions} for x in t.all_tiers()},
+                                   "evictions": x.evictions, "bandwidth": _two_digits(t.bandwidth[x.name])}
+                          for x in t.all_tiers()},
                 "recomputed_blocks": t.recomputed, "block_bytes": t.block_bytes,
                 "node_dir": t.node.dir if t.node is not None else None}
 

@@ -128,11 +128,14 @@ class LowerTiers:
         self.loaded = {n: 0 for n in names}
         self.stored = {n: 0 for n in names}
         self.recomputed = 0
+        self.events = None  # kv_events.KVEvents: what the router is told of the keys held here
 
     def reset(self) -> None:
         """Every tier emptied, the node's for every engine too (nothing planned is lost: called
         between steps)."""
         self.tiers = [TierIndex(t.name, t.num_slots) for t in self.tiers]
+        if self.events is not None:
+            self.events.reset()
         if self.node is not None:
             self.node.clear()
 
@@ -140,6 +143,13 @@ class LowerTiers:
         """Every tier, in the order a prompt's head is looked up: host, node, disk."""
         return [t for t in self.tiers if t.name == "host"] + ([self.node] if self.node is not None else []) + \
             [t for t in self.tiers if t.name == "disk"]
+
+    def holding(self, key: bytes) -> str:
+        """The tier of this engine's own (host, disk) that holds `key`, or ""."""
+        for t in self.tiers:
+            if key in t:
+                return t.name
+        return ""
 
     def tier(self, name: str) -> TierIndex:
         return next(t for t in self.tiers if t.name == name)
@@ -174,8 +184,12 @@ class LowerTiers:
             return
         got = t.place(key)
         if got is None:
+            if self.events is not None:
+                self.events.moved(key)
             return  # every slot pinned this step: dropped
         slot, old, old_slot = got
+        if old is not None and self.events is not None:
+            self.events.moved(old)
         if old is not None and level + 1 < len(self.tiers):
             self._store(level + 1, old, t.name, old_slot)  # copied down before the slot is written
         self.moves.append(Move(src, src_index, t.name, slot))

@@ -22,7 +22,11 @@ class RequestView:
     max_tokens: int
     expected_output: int | None = None  # what requests here really generate (OutputLengths), if known
     held_s: float = 0.0  # how long the router has held it, not yet admitted anywhere (see HOLD)
-    cpu_cached_tokens: int = 0  # prompt tokens at its head a CPU pool likely caches (the router's guess)
+    # prompt tokens at its head a CPU pool caches in any tier (its engines' news, else the router's
+    # guess), and the seconds it would take that pool to load the part not in its block pool
+    # (host, node or disk tier, at the bandwidth its engines measured; 0: all of it there, or not known)
+    cpu_cached_tokens: int = 0
+    cpu_cached_load_s: float = 0.0
 
     @property
     def remaining_tokens(self) -> int:

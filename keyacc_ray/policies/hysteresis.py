@@ -178,9 +178,14 @@ def cpu_place_for_new(policy: Policy, load: LoadView) -> bool:
 def cpu_prefill_fits(policy: Policy, req: RequestView, load: LoadView) -> bool:
     """Sent whole to the CPU pool, the request's prompt would go through there within
     `cpu_prefill_max_s` at the pool's measured prefill rate (unknown rate, or 0: no limit): the
-    prompt tokens it would compute there, past the head the pool likely caches."""
+    prompt tokens it would compute there, past the head the pool caches, and the time to load
+    the part of that head held in a lower tier (no longer than computing it: the engine
+    computes it when that is cheaper)."""
     limit, rate = policy.options.get("cpu_prefill_max_s") or 0.0, load.cpu.prefill_tokens_per_s
-    return not limit or rate <= 0 or (req.num_prompt_tokens - req.cpu_cached_tokens) / rate <= limit
+    if not limit or rate <= 0:
+        return True
+    load_s = min(req.cpu_cached_load_s, req.cpu_cached_tokens / rate)
+    return (req.num_prompt_tokens - req.cpu_cached_tokens) / rate + load_s <= limit
 
 
 def whole_request_route(policy: Policy, gpu_overloaded: bool, cpu_gate: PoolGate, load: LoadView,

@@ -371,6 +371,9 @@ class SnapshotCollector:
                     "out of it", tk).add_metric(tl, t["evictions"])
                 fam(GaugeMetricFamily, "keyacc_kv_tier_blocks", "per replica and lower tier: blocks held",
                     tk).add_metric(tl, t["blocks"])
+                fam(GaugeMetricFamily, "keyacc_kv_tier_load_bandwidth_bytes_per_second", "per replica and lower "
+                    "tier: how fast its blocks load into the pool lately (0: not measured yet)",
+                    tk).add_metric(tl, t.get("bandwidth", 0.0))
             if tiers:
                 fam(CounterMetricFamily, "keyacc_kv_tier_recomputed_blocks", "per replica: blocks held in a lower "
                     "tier but computed again", keys).add_metric(lab, tiers["recomputed_blocks"])

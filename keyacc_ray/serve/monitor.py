@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 
 from keyacc_ray.histogram import sum_stats
@@ -22,6 +23,7 @@ STALE_AFTER_S = 5.0
 INGRESS_KEEP_S = 60.0
 RETIRED = "retired"  # the ingress entry holding the figures of replicas that are gone
 SYSTEM_EVERY_S = 1.0
+KV_LOG_EVENTS = 200_000  # the engines' KV events kept for the routers to read (LoadState.kv_log)
 
 
 @dataclass
@@ -59,6 +61,9 @@ class ReplicaReport:
     # the node's shared KV tier its engine reads and writes: "<Ray node id>:<directory>" ("": none);
     # replicas with the same one share each other's blocks
     node_tier: str = ""
+    # where its engine holds the prefix blocks the router keys prompts by, changed since its last
+    # report (engine/kv_events.py): (key, tier) each; the monitor moves them into its log
+    kv_events: list | None = None
 
     def content(self) -> tuple:
         """Everything but the arrival time: equal content means nothing to tell anyone."""
@@ -101,6 +106,12 @@ class Snapshot:
     counters: dict = field(default_factory=dict)
     version: int = 0
     ingress: dict = field(default_factory=dict)  # ingress replica -> (time, its request figures: metrics.RequestStats)
+    # the engines' KV events after the asker's place in the log: (deployment, replica, key, tier)
+    # each; `kv_log`: (the log's id, the place after them); `kv_complete`: False when the log had
+    # moved on past the asker's place (or it had none, or another log's): events were missed
+    kv_events: list = field(default_factory=list)
+    kv_log: tuple = (0, 0)
+    kv_complete: bool = True
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -124,13 +135,39 @@ class LoadState:
         # a random start: a router holding a version from a monitor that restarted never mistakes
         # it for this one's
         self.version = random.getrandbits(48)
+        # the engines' KV events, numbered: a router reads those after its place (snapshot's
+        # kv_after); a log of its own id, so that a router never reads a restarted monitor's
+        # places as its own
+        self.kv_log: deque = deque(maxlen=KV_LOG_EVENTS)
+        self.kv_log_id = random.getrandbits(48)
+        self.kv_seq = 0
 
     def report(self, r: ReplicaReport) -> None:
         r.time_s = self.clock()
+        events, r.kv_events = r.kv_events, None
+        if events:
+            for key, tier in events:
+                self.kv_seq += 1
+                self.kv_log.append((self.kv_seq, r.deployment, r.replica, key, tier))
+            self.version += 1
         old = self.reports.get(r.replica)
         if old is None or old.content() != r.content():
             self.version += 1
         self.reports[r.replica] = r
+
+    def kv_events_after(self, after: tuple | None) -> tuple[list, tuple, bool]:
+        """The KV events after the place `after` ((log id, seq) from a snapshot; None: none yet):
+        (events, the new place, whether none were missed)."""
+        log, place = self.kv_log, (self.kv_log_id, self.kv_seq)
+        if after is None or after[0] != self.kv_log_id:
+            return [e[1:] for e in log], place, not log or log[0][0] == 1
+        seq = after[1]
+        if seq >= self.kv_seq:
+            return [], place, True
+        first = log[0][0] if log else self.kv_seq + 1
+        complete = seq + 1 >= first
+        start = max(0, seq + 1 - first)
+        return [log[i][1:] for i in range(start, len(log))], place, complete
 
     def report_ingress(self, replica: str, stats: dict) -> None:
         """An ingress replica's cumulative request figures (a replica not heard of for
@@ -154,8 +191,9 @@ class LoadState:
             self._system = (now, gpu, cpu)
         return self._system[1], self._system[2]
 
-    def snapshot(self, since: int | None = None) -> Snapshot | None:
-        """The aggregate view; None if `since` is given and nothing changed after that version."""
+    def snapshot(self, since: int | None = None, kv_after: tuple | None = None) -> Snapshot | None:
+        """The aggregate view; None if `since` is given and nothing changed after that version.
+        With the KV events after `kv_after` (kv_events_after)."""
         now = self.clock()
         stale = [k for k, r in self.reports.items() if now - r.time_s > STALE_AFTER_S]
         for rid in stale:
@@ -184,8 +222,9 @@ class LoadState:
             prefill_rates.setdefault(r.deployment, []).append(r.prefill_tokens_per_s)
         for d, rates in prefill_rates.items():
             views[d].prefill_tokens_per_s = round(mean_measured(rates), 1)
+        events, place, complete = self.kv_events_after(kv_after)
         return Snapshot(now, views, [r.as_dict() for r in self.reports.values()], gpu, cpu, dict(self.counters),
-                        self.version, dict(self.ingress))
+                        self.version, dict(self.ingress), events, place, complete)
 
 
 def _system_probe():
@@ -209,8 +248,8 @@ class LoadMonitor:
     def report_ingress(self, replica: str, stats: dict) -> None:
         self.state.report_ingress(replica, stats)
 
-    def snapshot(self, since: int | None = None) -> Snapshot | None:
-        return self.state.snapshot(since)
+    def snapshot(self, since: int | None = None, kv_after: tuple | None = None) -> Snapshot | None:
+        return self.state.snapshot(since, kv_after)
 
     def ping(self) -> str:
         return "ok"

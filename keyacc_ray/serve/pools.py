@@ -422,6 +422,7 @@ class EnginePool:
         (nothing running or waiting) is looked at only every HEARTBEAT_S too, until a request
         comes (`generate` wakes this loop: the busy rate again, from the request's arrival)."""
         monitor, last, sent_at, busy_until = None, None, 0.0, 0.0
+        events = getattr(self.engine, "kv_events", None)
         while self.loop.alive():
             now = time.monotonic()
             try:
@@ -430,12 +431,16 @@ class EnginePool:
                 r = self.report()
                 if r.num_running or r.num_waiting:
                     busy_until = now + HEARTBEAT_S
+                if events is not None:  # where its prefix blocks went since (the router's prefix view)
+                    r.kv_events = events.drain() or None
                 content = r.content()
-                if content != last or now - sent_at >= HEARTBEAT_S:
+                if content != last or r.kv_events or now - sent_at >= HEARTBEAT_S:
                     monitor.report.remote(r)
                     last, sent_at = content, now
             except Exception:  # noqa: BLE001 - the monitor may be (re)starting; keep serving
                 monitor, last = None, None
+                if events is not None:  # (what it was told may be lost with it)
+                    events.resync()
             if now < busy_until or last is None:
                 self._report_wake.clear()
                 time.sleep(REPORT_EVERY_S)

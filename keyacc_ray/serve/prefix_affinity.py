@@ -17,10 +17,9 @@ import time
 from collections import OrderedDict
 
 from keyacc_ray.engine.blocks import chain_hashes
+from keyacc_ray.engine.kv_events import ANCHOR_BLOCK as PREFIX_BLOCK  # tokens a block of the router's keys
+from keyacc_ray.engine.kv_events import MAX_BLOCKS, STRIDE
 
-STRIDE = 4  # blocks between anchors past the first few
-MAX_BLOCKS = 1024  # heads deeper than this many blocks are not keyed (the hashing's cost stays bounded)
-PREFIX_BLOCK = 16  # tokens a block of the router's keys (PoolPrefixes): the pools' default block size
 PREFIX_TTL_S = 120.0  # how long the router trusts that a pool still caches a head it sent there
 
 
@@ -31,6 +30,7 @@ def anchor_depths(num_tokens: int, block_size: int) -> list[int]:
     n = min((num_tokens - 1) // block_size, MAX_BLOCKS)
     if n <= 0:
         return []
+    # (the depths below n are those kv_events.is_anchor_depth names: what the engines tell)
     return sorted({d for d in (1, 2) if d < n} | set(range(STRIDE, n, STRIDE)) | {n}, reverse=True)
 
 
@@ -43,12 +43,18 @@ def anchors(token_ids: list[int], block_size: int) -> list[bytes]:
     return [keys[d - 1] for d in depths]
 
 
+TIER_ORDER = {"device": 0, "host": 1, "node": 2, "disk": 3}  # nearest first
+
+
 class PoolPrefixes:
-    """Which pools (the router's hops) likely cache a prompt's head, predicted, as PrefixAffinity
-    does between one pool's replicas, from where prompts ran: every hop a request ran on computed
-    or imported its prompt and keeps its blocks cached (Router._ran). An entry older than `ttl_s`
-    is not trusted (a cache evicts under load); a hop whose replica failed, stalled or left the
-    monitor's view is forgotten. About 400 bytes a key: 32,768 keys are some 13 MB.
+    """Which pools (the router's hops) cache a prompt's head, and in which tier. Two sources:
+    what the engines tell (kv_events.py, through the monitor: `observe`), exact per replica and
+    tier; and, until they tell, a guess from where prompts ran, as PrefixAffinity guesses between
+    one pool's replicas: every hop a request ran on computed or imported its prompt and keeps its
+    blocks cached (Router._ran). A guess older than `ttl_s` is not trusted (a cache evicts under
+    load), nor one an engine's news of the key leaving that pool came after; a hop whose replica
+    failed, stalled or left the monitor's view is forgotten (its guesses; what a live replica of
+    it told stands). About 400 bytes a key: 32,768 keys are some 13 MB.
     Keys: `anchors(prompt, PREFIX_BLOCK)`, carried by the request's Ticket."""
 
     def __init__(self, ttl_s: float = PREFIX_TTL_S, max_entries: int = 32_768, clock=time.monotonic):
@@ -58,17 +64,41 @@ class PoolPrefixes:
         # key -> hop -> (when, the hop's epoch then), least recently used first
         self._seen: OrderedDict[bytes, dict[str, tuple[float, int]]] = OrderedDict()
         self._epoch: dict[str, int] = {}  # per hop: entries of an older epoch were forgotten
+        # what engines told: key -> hop -> replica -> tier, least recently told first
+        self._told: OrderedDict[bytes, dict[str, dict[str, str]]] = OrderedDict()
+        self._live: dict[str, set] = {}  # hop -> its replicas the monitor sees (a gone one's news is void)
 
     def cached_tokens(self, keys, num_prompt_tokens: int, hop: str) -> int:
-        """Prompt tokens at the head that `hop` likely caches (0: none known)."""
+        """Prompt tokens at the head that `hop` likely caches, in any tier (0: none known)."""
+        return self.cached(keys, num_prompt_tokens, hop)[0]
+
+    def cached(self, keys, num_prompt_tokens: int, hop: str) -> tuple[int, int, str]:
+        """(tokens at the head `hop` caches in any tier, of those the head it holds in its
+        device pool, the farthest tier the rest was found in: "" when all of it is in the
+        pool). A guess counts as the device pool (it just ran there)."""
         if not keys:
-            return 0
-        now, seen, epoch = self.clock(), self._seen, self._epoch.get(hop, 0)
+            return 0, 0, ""
+        now, seen, told, epoch = self.clock(), self._seen, self._told, self._epoch.get(hop, 0)
+        live = self._live.get(hop, ())
+        total, far = 0, ""
         for key, depth in zip(keys, anchor_depths(num_prompt_tokens, PREFIX_BLOCK)):
-            entry = seen.get(key, {}).get(hop)
-            if entry is not None and entry[1] == epoch and now - entry[0] <= self.ttl_s:
-                return depth * PREFIX_BLOCK
-        return 0
+            tier = None
+            by_replica = told.get(key, {}).get(hop)
+            if by_replica:
+                tiers = [t for r, t in by_replica.items() if r in live]
+                tier = min(tiers, key=TIER_ORDER.__getitem__) if tiers else None
+            if tier is None:
+                entry = seen.get(key, {}).get(hop)
+                if entry is not None and entry[1] == epoch and now - entry[0] <= self.ttl_s:
+                    tier = "device"
+            if tier is None:
+                continue
+            total = total or depth * PREFIX_BLOCK
+            if tier == "device":
+                return total, depth * PREFIX_BLOCK, far
+            if not far or TIER_ORDER[tier] > TIER_ORDER[far]:
+                far = tier
+        return total, 0, far
 
     def record(self, keys, hop: str) -> None:
         now, seen = self.clock(), self._seen
@@ -82,6 +112,40 @@ class PoolPrefixes:
             hops[hop] = entry
         while len(seen) > self.max_entries:
             seen.popitem(last=False)
+
+    def observe(self, hop: str, replica: str, events) -> None:
+        """An engine's news (kv_events.KVEvents.drain): (key, tier) each, tier "" when the key
+        left every tier of that replica (then the guess that `hop` holds it is dropped too)."""
+        told, seen = self._told, self._seen
+        for key, tier in events:
+            hops = told.get(key)
+            if tier:
+                if hops is None:
+                    hops = told[key] = {}
+                else:
+                    told.move_to_end(key)
+                hops.setdefault(hop, {})[replica] = tier
+                continue
+            guessed = seen.get(key)
+            if guessed is not None:
+                guessed.pop(hop, None)
+            if hops is not None and hop in hops:
+                hops[hop].pop(replica, None)
+                if not hops[hop]:
+                    del hops[hop]
+                    if not hops:
+                        del told[key]
+        while len(told) > self.max_entries:
+            told.popitem(last=False)
+
+    def live(self, hop: str, replicas) -> None:
+        """The replicas of `hop` the monitor sees now: news from others is void."""
+        self._live[hop] = set(replicas)
+
+    def forget_told(self) -> None:
+        """The engines' news is incomplete (the monitor restarted, or its log moved on past this
+        router's place in it): guesses only, until they tell again."""
+        self._told.clear()
 
     def forget(self, hop: str) -> None:
         """`hop`'s caches are not to be trusted (a replica of it failed, stalled or left). O(1): a

@@ -28,7 +28,7 @@ from keyacc_ray.serve.driver import FAILOVER, MAX_RECOVERIES, MAX_STALLS, error_
 from keyacc_ray.serve.heap import freeze_startup_heap
 from keyacc_ray.serve.messages import HopEnd, Ticket
 from keyacc_ray.serve.monitor import MONITOR_NAME, MONITOR_NAMESPACE, LoadMonitor, mean_measured
-from keyacc_ray.serve.prefix_affinity import PoolPrefixes
+from keyacc_ray.serve.prefix_affinity import PREFIX_BLOCK, TIER_ORDER, PoolPrefixes
 
 log = logging.getLogger("ray.serve")
 REFRESH_EVERY_S = 0.1
@@ -109,6 +109,7 @@ class Router:
         # per hop, the node's shared KV tier (engine/node_tier.py) all of its replicas read and
         # write, where they report one and the same (the last snapshot's)
         self._node_tier: dict[str, str] = {}
+        self._kv_place: tuple | None = None  # where this router is in the monitor's log of KV events
         self.kv_handoff_skip = kv_handoff_skip
         self._replicas_seen: dict[str, set] = {}  # deployment -> its replicas in the last snapshot
         self._stalled: dict[str, tuple[float, frozenset]] = {}  # hop -> (when a hop there stalled, its replicas then)
@@ -151,7 +152,7 @@ class Router:
         while True:
             try:
                 since = self.snapshot.version if self.snapshot is not None else None
-                snap = await wait_at_most(self.monitor.snapshot.remote(since), 2.0)
+                snap = await wait_at_most(self.monitor.snapshot.remote(since, self._kv_place), 2.0)
                 last_ok = time.monotonic()
                 self.take_snapshot(snap)
                 if self._counters:
@@ -190,6 +191,7 @@ class Router:
             self.snapshot = snap
             self._pending_blocks = {h: 0 for h in self.deployment_of}
             self._forget_gone_replicas(snap)
+            self._take_kv_events(snap)
         self.policy.observe(self.load_view())
         self._collect_policy_counters()
 
@@ -206,10 +208,29 @@ class Router:
         for hop, dep in self.deployment_of.items():
             if self._replicas_seen.get(dep, set()) - now.get(dep, set()):
                 self.prefixes.forget(hop)
+            self.prefixes.live(hop, now.get(dep, ()))
         for hop, (_, seen) in list(self._stalled.items()):
             if now.get(self.deployment_of[hop], set()) - seen:  # a replica that was not there: the replacement
                 del self._stalled[hop]
         self._replicas_seen = now
+
+    def _take_kv_events(self, snap) -> None:
+        """The engines' news of where they hold prompts' heads (engine/kv_events.py), into the
+        prefix view; all of it forgotten where some was missed (guesses only, until they tell)."""
+        if not getattr(snap, "kv_complete", True):
+            self.prefixes.forget_told()
+        self._kv_place = getattr(snap, "kv_log", None) or self._kv_place
+        events = getattr(snap, "kv_events", None)
+        if not events:
+            return
+        hop_of = {dep: hop for hop, dep in self.deployment_of.items()}
+        by_replica: dict[tuple[str, str], list] = {}
+        for dep, replica, key, tier in events:
+            hop = hop_of.get(dep)
+            if hop is not None:
+                by_replica.setdefault((hop, replica), []).append((key, tier))
+        for (hop, replica), news in by_replica.items():
+            self.prefixes.observe(hop, replica, news)
 
     def reconfigure(self, user_config: dict) -> None:
         """Serve user_config: switch the policy without restarting anything."""
@@ -401,15 +422,38 @@ class Router:
             if node:  # (its engines write every block they computed into the node's tier)
                 self.prefixes.record(t.prefix_keys, NODE_TIER + node)
 
-    def _cached_tokens(self, keys, num_prompt_tokens: int, hop: str) -> int:
-        """Prompt tokens at the head that `hop` likely caches: in its engines' own tiers, or in the
-        node's shared tier its replicas read, where a request that ran on a hop sharing it wrote
-        them (pools on the same machine; one on another machine has a tier of its own)."""
-        own = self.prefixes.cached_tokens(keys, num_prompt_tokens, hop)
+    def _cached(self, keys, num_prompt_tokens: int, hop: str) -> tuple[int, int, str]:
+        """Prompt tokens at the head that `hop` caches (its engines' news, else the router's
+        guess): in its engines' own tiers, or in the node's shared tier its replicas read, where a
+        request that ran on a hop sharing it wrote them (pools on the same machine; one on
+        another machine has a tier of its own). As PoolPrefixes.cached: (tokens, of those in the
+        device pool, the farthest tier of the rest)."""
+        total, device, far = self.prefixes.cached(keys, num_prompt_tokens, hop)
         node = self._node_tier.get(hop)
-        if not node:
-            return own
-        return max(own, self.prefixes.cached_tokens(keys, num_prompt_tokens, NODE_TIER + node))
+        if node:
+            in_node = self.prefixes.cached_tokens(keys, num_prompt_tokens, NODE_TIER + node)
+            if in_node > total:
+                total, far = in_node, far if far and TIER_ORDER[far] > TIER_ORDER["node"] else "node"
+        return total, device, far
+
+    def _cached_tokens(self, keys, num_prompt_tokens: int, hop: str) -> int:
+        return self._cached(keys, num_prompt_tokens, hop)[0]
+
+    def _load_s(self, hop: str, tokens: int, tier: str) -> float:
+        """Seconds `hop`'s engines take to load `tokens` of KV from `tier`, at the bandwidth they
+        measured lately (0 while none did: as the engines, loading is then taken as free)."""
+        if tokens <= 0 or not tier or self.snapshot is None:
+            return 0.0
+        dep, rates, block_bytes, block = self.deployment_of[hop], [], 0, PREFIX_BLOCK
+        for r in self.snapshot.replicas or ():
+            tiers = r.get("kv_tiers") if r.get("deployment") == dep else None
+            t = (tiers or {}).get("tiers", {}).get(tier)
+            if t and t.get("bandwidth"):
+                rates.append(t["bandwidth"])
+                block_bytes, block = tiers["block_bytes"], r.get("block_size") or block
+        if not rates:
+            return 0.0
+        return tokens / block * block_bytes / (sum(rates) / len(rates))
 
     def _leave(self, t: Ticket, end: HopEnd) -> None:
         """The request left its hop: no longer in flight there (if this replica counted it)."""
@@ -670,10 +714,13 @@ class Router:
         self._release_held()
 
     def _view(self, t: Ticket, num_output_tokens: int, held_s: float = 0.0) -> RequestView:
-        cpu_cached = max((self._cached_tokens(t.prefix_keys, t.num_prompt_tokens, k) for k in self.cpu_keys),
-                         default=0) if t.prefix_keys else 0
+        cached, load_s = 0, 0.0
+        if t.prefix_keys:  # the CPU deployment caching the longest head, and what loading its lower part takes
+            (cached, device, far), hop = max((self._cached(t.prefix_keys, t.num_prompt_tokens, k), k)
+                                             for k in self.cpu_keys)
+            load_s = self._load_s(hop, cached - device, far)
         return RequestView(t.num_prompt_tokens, num_output_tokens, t.max_tokens, self.output_lengths.expected(),
-                           held_s, cpu_cached)
+                           held_s, cached, load_s)
 
     def _cpu_period(self, t: Ticket) -> int | None:
         """Tokens before the next decision on the CPU pool. A pinned request has none unless the

@@ -42,8 +42,8 @@ class _Unreachable:
 
 
 class FakeMonitor:
-    """The load monitor actor as the router calls it: `snapshot.remote(since)` answers with
-    `answer(since)` (a coroutine function: a Snapshot, or None for "nothing changed"), and
+    """The load monitor actor as the router calls it: `snapshot.remote(since, kv_after)` answers
+    with `answer(since)` (a coroutine function: a Snapshot, or None for "nothing changed"), and
     `add_counters.remote(deltas)` sums what the router sends into `counted`."""
 
     class _Call:
@@ -52,7 +52,7 @@ class FakeMonitor:
 
     def __init__(self, answer):
         self.counted: dict = {}
-        self.snapshot = self._Call(lambda since=None: answer(since))
+        self.snapshot = self._Call(lambda since=None, kv_after=None: answer(since))
         self.add_counters = self._Call(self._add)
 
     def _add(self, deltas):
