@@ -82,3 +82,21 @@ class KVEvents:
             else:
                 told[key] = now
         return out
+
+
+def attach(blocks, tiers=None) -> KVEvents:
+    """Events of an engine's block pool (blocks.BlockManager) and its own lower tiers
+    (tiers.LowerTiers, or None): their hooks wired, `where` reading them."""
+    cached = blocks._block_of
+
+    def where(key: bytes) -> str:
+        if key in cached:
+            return "device"
+        return tiers.holding(key) if tiers is not None else GONE
+
+    events = KVEvents(where)
+    blocks.events = events
+    if tiers is not None:
+        tiers.events = events
+    return events
+

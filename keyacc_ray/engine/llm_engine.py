@@ -14,7 +14,8 @@ import torch
 from keyacc_ray.config import EngineConfig
 from keyacc_ray.engine.blocks import BlockManager, chain_hashes
 from keyacc_ray.engine.detok import IncrementalDetokenizer, step_all
-from keyacc_ray.engine.kv_events import ANCHOR_BLOCK, GONE, KVEvents
+from keyacc_ray.engine import kv_events
+from keyacc_ray.engine.kv_events import ANCHOR_BLOCK, KVEvents
 from keyacc_ray.engine.kv_package import KVMeta, KVPackage, check_span, dtype_name, to_engine_tensors, to_wire
 from keyacc_ray.engine.postprocess import DecodeBatch, RequestOutput
 from keyacc_ray.engine.request import SamplingParams, Sequence, SeqStatus
@@ -22,7 +23,7 @@ from keyacc_ray.engine.runner import ModelRunner, StepItem
 from keyacc_ray.engine.sampling import HostCopy, Sampler
 from keyacc_ray.engine.scheduler import PrefillRate, Scheduler
 from keyacc_ray.engine.structured import Grammars
-from keyacc_ray.engine.tiers import DEVICE, LowerTiers
+from keyacc_ray.engine.tiers import LowerTiers
 from keyacc_ray.errors import InvalidRequest, ModelLoadError, Overloaded
 from keyacc_ray.histogram import ENGINE_HISTOGRAMS, Histogram
 
@@ -189,18 +190,7 @@ class LLMEngine:
         prefix cache is on and its blocks are the router's (ANCHOR_BLOCK tokens)."""
         if not config.enable_prefix_caching or config.kv_block_size != ANCHOR_BLOCK:
             return None
-        cached, tiers = self.blocks._block_of, self.tiers
-
-        def where(key: bytes) -> str:
-            if key in cached:
-                return DEVICE
-            return tiers.holding(key) if tiers is not None else GONE
-
-        events = KVEvents(where)
-        self.blocks.events = events
-        if tiers is not None:
-            tiers.events = events
-        return events
+        return kv_events.attach(self.blocks, self.tiers)
 
     # ---- requests ----------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

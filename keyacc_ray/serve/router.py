@@ -231,6 +231,10 @@ class Router:
                 by_replica.setdefault((hop, replica), []).append((key, tier))
         for (hop, replica), news in by_replica.items():
             self.prefixes.observe(hop, replica, news)
+            pool = "cpu" if hop.startswith("cpu") else "gpu"
+            for tier in {tier for _, tier in news}:
+                self._count(f"kv_events_total|pool={pool},tier={tier or 'gone'}",
+                            sum(1 for _, t in news if t == tier))
 
     def reconfigure(self, user_config: dict) -> None:
         """Serve user_config: switch the policy without restarting anything."""

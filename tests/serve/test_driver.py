@@ -1514,3 +1514,64 @@ def test_while_no_gpu_replica_lives_new_requests_start_and_stalled_streams_stay_
         await r.finish(t, HopEnd("done", 0.5, 96, finished=True))
         assert settled(r)
     asyncio.run(run())
+
+
+def test_the_engines_news_of_where_a_head_is_drives_the_view_and_the_hand_off_skip():
+    """The engines tell (through the monitor's log) which tier holds the blocks at a prompt's
+    anchors: the router takes that over its guess, per replica: a head the CPU pool's engine let
+    go of is not left out of a hand-off there (the guess alone still said cached); one pushed down
+    to its host tier still is, and the policy's view carries the time to load it at the bandwidth
+    that pool measured; news from a replica gone from the snapshot is void; a log the router
+    missed part of leaves it its guesses only."""
+    from keyacc_ray.engine.blocks import chain_hashes
+    from keyacc_ray.serve.monitor import Snapshot
+
+    head = list(range(300, 300 + 8 * 16))
+    keys = chain_hashes([], head, 16)  # what an engine with 16-token blocks keys the head by
+    replicas = [{"deployment": "CpuDecode", "replica": "c1", "block_size": 16,
+                 "kv_tiers": {"block_bytes": 8192, "tiers": {"host": {"bandwidth": 8192 * 100.0}}}},
+                {"deployment": "GpuDecode", "replica": "g1"}]
+
+    def snap(events, version, complete=True, reps=replicas):
+        return Snapshot(0.0, {}, reps, version=version, kv_events=events, kv_log=(7, version), kv_complete=complete)
+
+    def told(tier, depths=(1, 2, 4, 8), replica="c1"):
+        return [("CpuDecode", replica, keys[d - 1], tier) for d in depths]
+
+    r = Router(["CpuDecode"], "gpu_only", monitor=_Unreachable())
+    r.take_snapshot(snap([], 1))
+    first = Ticket.of(GenerateRequest("a", head + [1] * 5, {"max_tokens": 4}, None, None))
+    first.hop = "cpu_decode/0"
+    r._ran(first, HopEnd("done", 0.0, 4, finished=True))  # the guess: it ran there
+    nxt = lambda i: Ticket.of(GenerateRequest(f"n{i}", head + [2] * 9, {"max_tokens": 4}, None, None))  # noqa: E731
+    assert r._enter(nxt(0), "cpu_decode/0", None).kv_skip_tokens == 128
+    r.take_snapshot(snap(told(""), 2))  # the engine let go of all of it
+    assert r._enter(nxt(1), "cpu_decode/0", None).kv_skip_tokens == 0 and r._view(nxt(1), 0).cpu_cached_tokens == 0
+    r.take_snapshot(snap(told("device", (1, 2)) + told("host", (4, 8)), 3))
+    view = r._view(nxt(2), 0)
+    assert r._enter(nxt(2), "cpu_decode/0", None).kv_skip_tokens == 128 and view.cpu_cached_tokens == 128
+    # 96 tokens past the two blocks in its pool: 6 blocks of 8192 bytes at 100 blocks a second
+    assert abs(view.cpu_cached_load_s - 0.06) < 1e-9
+    assert r._view(Ticket.of(GenerateRequest("x", [5] * 100, {"max_tokens": 4}, None, None)), 0).cpu_cached_load_s == 0
+    assert r.prefixes.cached(nxt(3).prefix_keys, nxt(3).num_prompt_tokens, "cpu_decode/0") == (128, 32, "host")
+    r.take_snapshot(snap([], 4, reps=replicas[1:]))  # c1 gone: what it told is void (and the guess forgotten)
+    assert r._view(nxt(4), 0).cpu_cached_tokens == 0
+    r.take_snapshot(snap(told("device", replica="c2"), 5, reps=[{**replicas[0], "replica": "c2"}, replicas[1]]))
+    assert r._view(nxt(5), 0).cpu_cached_tokens == 128
+    r.take_snapshot(snap([], 6, complete=False))  # some news missed: guesses only
+    assert r._view(nxt(6), 0).cpu_cached_tokens == 0
+    assert r._kv_place == (7, 6)
+
+
+def test_the_load_time_of_a_head_in_a_lower_tier_counts_against_the_cpu_prefill_limit():
+    from keyacc_ray.policies import LoadView, PoolLoad, RequestView, make_policy
+    from keyacc_ray.policies.hysteresis import cpu_prefill_fits
+
+    p = make_policy("auto", {"cpu_prefill_max_s": 1.0})
+    load = LoadView(PoolLoad(), PoolLoad(), PoolLoad(prefill_tokens_per_s=1000.0))
+    req = lambda load_s: RequestView(1500, 0, 16, cpu_cached_tokens=800, cpu_cached_load_s=load_s)  # noqa: E731
+    assert cpu_prefill_fits(p, req(0.0), load)  # 0.7 s to compute the rest
+    assert not cpu_prefill_fits(p, req(0.5), load)  # + 0.5 s to load the head from its tier
+    # never more than computing it (the engine computes what is cheaper): 0.7 + 0.8 s
+    assert not cpu_prefill_fits(p, req(9.0), load) and cpu_prefill_fits(
+        make_policy("auto", {"cpu_prefill_max_s": 1.5}), req(9.0), load)

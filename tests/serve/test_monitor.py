@@ -138,3 +138,38 @@ def test_gone_ingress_replicas_figures_are_kept_in_the_sum():
     assert set(snap.ingress) == {RETIRED} and total(snap) == 5
     now[0] = 5 * INGRESS_KEEP_S  # RETIRED itself never expires
     assert total(st.snapshot()) == 5
+
+
+def _with_events(replica: str, events, deployment: str = "CpuDecode") -> ReplicaReport:
+    r = report(replica, deployment=deployment)
+    r.kv_events = list(events)
+    return r
+
+
+def test_kv_events_are_a_log_a_router_reads_from_its_place():
+    """Replicas' KV events go into the monitor's numbered log (not into the replicas' entries of
+    the snapshot); a router reads those after its place, once; a place in another log (a monitor
+    that restarted) or one the log has moved on past gets everything kept, marked incomplete."""
+    import keyacc_ray.serve.monitor as monitor
+
+    s = LoadState(clock=Clock())
+    s.report(_with_events("a", [(b"k1", "device"), (b"k2", "device")]))
+    first = s.snapshot(kv_after=None)
+    assert first.kv_events == [("CpuDecode", "a", b"k1", "device"), ("CpuDecode", "a", b"k2", "device")]
+    assert first.kv_complete and all(r["kv_events"] is None for r in first.replicas)
+    s.report(report("a"))  # nothing new: no news, the same version
+    assert s.snapshot(since=first.version, kv_after=first.kv_log) is None
+    s.report(_with_events("g", [(b"k1", "host")], deployment="GpuDecode"))
+    s.report(_with_events("a", [(b"k2", "")]))
+    nxt = s.snapshot(since=first.version, kv_after=first.kv_log)
+    assert nxt.kv_events == [("GpuDecode", "g", b"k1", "host"), ("CpuDecode", "a", b"k2", "")] and nxt.kv_complete
+    assert s.snapshot(kv_after=nxt.kv_log).kv_events == []
+    other = s.snapshot(kv_after=(nxt.kv_log[0] + 1, nxt.kv_log[1]))  # a restarted monitor's place
+    assert len(other.kv_events) == 4 and other.kv_complete  # (the log still holds all of it)
+    small = LoadState(clock=Clock())
+    small.kv_log = monitor.deque(maxlen=3)
+    small.report(_with_events("a", [(bytes([i]), "device") for i in range(5)]))
+    late = small.snapshot(kv_after=(small.kv_log_id, 1))
+    assert not late.kv_complete and [e[2] for e in late.kv_events] == [bytes([i]) for i in (2, 3, 4)]
+    assert small.snapshot(kv_after=(small.kv_log_id, 2)).kv_complete
+    assert not small.snapshot(kv_after=None).kv_complete
