@@ -22,9 +22,8 @@ from tests.helpers import PROMPTS, hf_model
 def client(app_url):
     d = tempfile.mkdtemp(prefix="keyacc-node-tier-")
     tier = {"kv_node_tier_gb": 0.05, "kv_node_tier_dir": d}
-    # (a pool's dict replaces its defaults: the GPU pool's emulated budget is given again)
-    serve.run(build_app({**APP_ARGS, "gpu": {"device": "auto", "max_num_seqs": 8, "num_kv_blocks": 48, **tier},
-                         "cpu": dict(tier)}), name="keyacc", route_prefix="/")
+    # (a pool's keys override its defaults one by one: the GPU pool keeps its emulated budget)
+    serve.run(build_app({**APP_ARGS, "gpu": dict(tier), "cpu": dict(tier)}), name="keyacc", route_prefix="/")
     wait_for_monitor(app_url)
     yield openai.OpenAI(base_url=f"{app_url}/v1", api_key="unused", timeout=60, max_retries=0)
     serve.run(build_app(APP_ARGS), name="keyacc", route_prefix="/")
