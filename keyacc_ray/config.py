@@ -65,6 +65,10 @@ class EngineConfig:
     # KV blocks: "lazy" as a sequence grows, preempting the newest when they run out (vLLM), or
     # "reserve" prompt + max_tokens at admission (never preempts; fewer sequences at once).
     kv_allocation: str = "lazy"
+    # lazy KV: a sequence is admitted only while the free blocks also cover a share of what the
+    # running ones may still generate (SGLang's new-token ratio: adaptive, back up after each
+    # preemption; scheduler.GrowthReserve): fewer preemptions, fewer streams stalled mid-way
+    kv_growth_reserve: bool = False
     # automatic prefix caching (vLLM's): a prompt that begins with blocks another sequence computed
     # shares their KV and prefills only the rest
     enable_prefix_caching: bool = True

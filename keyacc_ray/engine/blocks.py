@@ -149,6 +149,12 @@ class BlockManager:
         self._num_keyed[seq_id] = num_full
 
     # ---- tables ----------------------------------------------------------------------------
+    def blocks_taken(self, num_tokens: int, shared: list[bytes] = ()) -> int:
+        """Free blocks `allocate(.., num_tokens, shared)` would take (a shared cached block
+        nobody holds counts: it leaves the free ones)."""
+        hit = [self._block_of[h] for h in shared]
+        return self.blocks_for(num_tokens) - len(hit) + sum(1 for b in hit if self._ref[b] == 0)
+
     def allocate(self, seq_id: str, num_tokens: int, shared: list[bytes] = ()) -> bool:
         """Blocks for `num_tokens`: the cached blocks keyed by `shared` (checked cached by
         `cached_prefix` just before), then new ones; False (and nothing changed) if they do not fit."""

@@ -118,7 +118,8 @@ class LLMEngine:
                         self.max_model_len, budget)
             self.max_model_len = budget
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_waiting,
-                                   config.max_prefill_tokens, lazy=config.kv_allocation == "lazy")
+                                   config.max_prefill_tokens, lazy=config.kv_allocation == "lazy",
+                                   growth_reserve=config.kv_growth_reserve)
         self.tiers, self.kv_store = self._lower_tiers(config)
         self.kv_events = self._kv_events(config)
         f = config.prefill_delay_factor

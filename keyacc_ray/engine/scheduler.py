@@ -49,11 +49,39 @@ class SchedulerOutput:
     preempted_tables: dict[str, list[int]] = field(default_factory=dict)  # their blocks (KV intact this step)
 
 
+class GrowthReserve:
+    """Lazy KV admission with room to grow (SGLang's new-token ratio). Admitting while a
+    sequence's own blocks fit fills the pool, and the running sequences' next tokens then preempt
+    the newest, whose client waits mid-stream while it is computed again (under overload, step
+    after step). Here a sequence is admitted only while the free blocks left also hold `ratio` of
+    the tokens every running sequence (and it) may still generate (at most CLIP_TOKENS each). The
+    ratio starts at INIT, falls by DECAY a step towards MIN while nothing is preempted (requests
+    end before max_tokens), and is back at INIT after a preemption. With nothing running a
+    sequence is always admitted."""
+
+    INIT, MIN = 0.7, 0.1
+    DECAY = (INIT - MIN) / 600
+    CLIP_TOKENS = 4096
+
+    def __init__(self):
+        self.ratio = self.INIT
+        self.refused = 0  # admissions put off for the room running sequences may need
+
+    def need(self, seq: Sequence, held_blocks: int, blocks: BlockManager) -> int:
+        """Blocks beyond `held_blocks` for `ratio` of what `seq` may still generate."""
+        more = min(seq.max_total_tokens - seq.num_tokens, self.CLIP_TOKENS)
+        return max(0, blocks.blocks_for(seq.num_tokens + int(self.ratio * more)) - held_blocks)
+
+    def stepped(self, preempted: bool) -> None:
+        self.ratio = self.INIT if preempted else max(self.MIN, self.ratio - self.DECAY)
+
+
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_waiting: int,
-                 max_prefill_tokens: int, lazy: bool = False, clock=time.monotonic):
+                 max_prefill_tokens: int, lazy: bool = False, clock=time.monotonic, growth_reserve: bool = False):
         self.blocks = blocks
         self.lazy = lazy
+        self.growth = GrowthReserve() if lazy and growth_reserve else None
         self.num_preemptions = 0
         self.max_num_seqs = max_num_seqs
         self.max_waiting = max_waiting
@@ -123,6 +151,11 @@ class Scheduler:
         caching = self.blocks.prefix_caching
         pending = self._pending(out.prefill) if caching and self.waiting else None
         hold = bool(decoding) and self.hold_until > 0 and self.clock() < self.hold_until
+        growth = self.growth
+        if growth is not None:
+            growth.stepped(bool(out.preempted))
+            room = sum(growth.need(s, len(tables[s.request_id]), self.blocks) for s in running) \
+                if self.waiting else 0
         while self.waiting and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             decode = seq.decoding  # came with its KV (a hand-off)
@@ -152,10 +185,19 @@ class Scheduler:
             # lazy: blocks for every token it holds (a prompt's later chunks included, so that
             # prompts admitted together never preempt each other halfway through their prefill);
             # reserve: for all it may generate too
-            if n == 0 or not self.blocks.allocate(seq.request_id,
-                                                  seq.num_tokens if self.lazy else seq.max_total_tokens, shared):
+            want = seq.num_tokens if self.lazy else seq.max_total_tokens
+            if growth is not None and self.running:  # and room for it and the others to grow
+                own = self.blocks.blocks_taken(want, shared)
+                more = growth.need(seq, self.blocks.blocks_for(want), self.blocks)
+                if self.blocks.num_free_blocks - own < room + more:
+                    growth.refused += 1
+                    seq.num_cached = cached_before
+                    break
+            if n == 0 or not self.blocks.allocate(seq.request_id, want, shared):
                 seq.num_cached = cached_before
                 break  # FCFS: the head waits for budget or blocks; nothing overtakes it
+            if growth is not None:
+                room += growth.need(seq, self.blocks.blocks_for(want), self.blocks)
             if imp is not None:
                 have = (len(shared) + len(loads)) * bs
                 if recompute:

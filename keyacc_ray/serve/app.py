@@ -109,6 +109,7 @@ class PoolConfig:
     kv_block_size: int = 16
     num_kv_blocks: int | None = None
     kv_allocation: str = "lazy"  # KV blocks as sequences grow (preempting the newest), or "reserve" up front
+    kv_growth_reserve: bool = False  # lazy: admit only with room for the running ones to grow (EngineConfig's)
     enable_prefix_caching: bool = True  # prompts share the KV blocks of a prefix computed before (vLLM's APC)
     # KV tiers under each engine's block pool (with prefix caching): host memory, then a file on disk
     kv_host_tier_gb: float = 0.0
@@ -275,7 +276,8 @@ class AppConfig:
         return asdict(EngineConfig(model=self.model, dtype=self.dtype, device=pool.device,
                                    max_num_seqs=pool.max_num_seqs, max_model_len=self.max_model_len,
                                    kv_block_size=pool.kv_block_size, num_kv_blocks=pool.num_kv_blocks,
-                                   kv_allocation=pool.kv_allocation, enable_prefix_caching=pool.enable_prefix_caching,
+                                   kv_allocation=pool.kv_allocation, kv_growth_reserve=pool.kv_growth_reserve,
+                                   enable_prefix_caching=pool.enable_prefix_caching,
                                    kv_host_tier_gb=pool.kv_host_tier_gb, kv_disk_tier_gb=pool.kv_disk_tier_gb,
                                    kv_disk_tier_dir=pool.kv_disk_tier_dir, kv_node_tier_gb=pool.kv_node_tier_gb,
                                    kv_node_tier_dir=pool.kv_node_tier_dir,
