@@ -371,3 +371,27 @@ def test_a_panic_in_a_native_library_fails_the_streams_and_the_thread_goes_on():
         assert after == [100, 101, 102] and loop.alive()
     finally:
         loop.shutdown()
+
+
+def test_tokens_per_s_counts_the_last_window_of_steps_and_keeps_few_entries():
+    """The rate a replica reports: the tokens of its steps in the last `window_s`, from a window
+    of one entry per 10 ms kept for 5 s (not an entry per step, rebuilt every step)."""
+    from keyacc_ray.serve import engine_loop
+
+    eng = FakeEngine()
+    loop = AsyncEngine(eng, on_export=lambda p: p, stream_interval_s=0.0)
+    try:
+        async def main():
+            return await asyncio.wait_for(asyncio.gather(*(_collect(loop, f"r{i}", 150) for i in range(4))), 20)
+        t0 = time.monotonic()
+        asyncio.run(main())
+        took = time.monotonic() - t0
+        rate = loop.tokens_per_s(window_s=2.0)
+        if took < 2.0:  # the whole run inside the window: every token counted, over 2 s
+            assert rate == 600 / 2.0
+        assert 0 < rate <= 600 / 2.0
+        window = list(loop._tps_window)
+        assert sum(n for _, n in window) == 600 or took > engine_loop.TPS_KEEP_S
+        assert len(window) <= took / engine_loop.TPS_BUCKET_S + 2 and len(window) < 150  # fewer than the steps
+    finally:
+        loop.shutdown()
