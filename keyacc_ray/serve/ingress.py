@@ -424,8 +424,8 @@ class Ingress:
         pending = [None] * n  # only a choice's finishing chunk waits, so its trace can ride on it
         offset, seen = [0] * n, [False] * n
         outs = [tools.ToolOutput(p.tools) for _ in range(n)] if p.tools is not None else None
-        # chunks of nothing but text (the common stream): their events made from the text alone
-        plain = (outs is None and not p.continuous_usage and not p.return_token_ids and not p.echo_only
+        # chunks of nothing but text (and token ids where asked): their events made from those alone
+        plain = (outs is None and not p.continuous_usage and not p.echo_only
                  and all(r.params.get("logprobs") is None for r in p.requests))
         text_event = [protocol.sse_text_event(p, created, k) for k in range(n)] if plain else None
         async for k, i in items:
@@ -434,7 +434,7 @@ class Ingress:
                 n_out[k] = 0 if p.echo_only else i.num_output_tokens or n_out[k]
                 reason[k] = i.finish_reason or reason[k]
                 if text_event is not None and seen[k] and i.finish_reason is None:
-                    event = text_event[k](i.text)
+                    event = text_event[k](i.text, i.token_ids)
                     if event is not None:
                         yield event
                         continue

@@ -529,22 +529,28 @@ def chunk_body(p: ParsedRequest, created: int, text: str, finish_reason, token_i
 
 
 _TEXT_MARK = "\x00keyacc-text\x00"
+_IDS_MARK = "\x00keyacc-ids\x00"
 
 
 def sse_text_event(p: ParsedRequest, created: int, index: int):
-    """For a stream whose chunks carry nothing but text (no logprobs, tool calls, token ids or
-    usage), a function text -> the SSE event of a mid-stream chunk with that text: exactly
-    `data: ` + json.dumps(chunk_body(...)) (ASCII-escaped), with only the text encoded per event
-    (the dict and the whole body's encoding cost the ingress about a tenth of a token's CPU).
-    The empty chat delta (`{}`, no content) is not one of these: None for it."""
-    whole = json.dumps(chunk_body(p, created, _TEXT_MARK, None, index=index))
-    head, tail = whole.split(json.dumps(_TEXT_MARK))
+    """For a stream whose chunks carry nothing but text and, where asked for, their token ids (no
+    logprobs, tool calls or usage), a function (text, token ids) -> the SSE event of a mid-stream
+    chunk with them: exactly `data: ` + json.dumps(chunk_body(...)) (ASCII-escaped), with only the
+    text and the ids encoded per event (the dict and the whole body's encoding cost the ingress
+    about a tenth of a token's CPU). The empty chat delta (`{}`, no content) is not one of these:
+    None for it."""
+    ids = p.return_token_ids
+    whole = json.dumps(chunk_body(p, created, _TEXT_MARK, None, [_IDS_MARK] if ids else None, index=index))
+    head, rest = whole.split(json.dumps(_TEXT_MARK))
+    mid, tail = rest.split(json.dumps([_IDS_MARK])) if ids else (None, rest)
     head, tail = "data: " + head, tail + "\n\n"
     chat = p.kind == "chat"
 
-    def event(text: str) -> str | None:
+    def event(text: str, token_ids=()) -> str | None:
         if chat and not text:
             return None
+        if ids:
+            return head + json.dumps(text) + mid + json.dumps(list(token_ids)) + tail
         return head + json.dumps(text) + tail
 
     return event

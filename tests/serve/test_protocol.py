@@ -299,25 +299,29 @@ def test_fields_the_server_does_not_read_are_named():
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
-def test_a_text_chunks_event_is_the_whole_bodys_encoding(qwen3_path, kind):
-    """The ingress makes a mid-stream chunk of nothing but text from its text alone: the same
-    bytes as encoding the whole chunk (ASCII-escaped: quotes, backslashes, line and paragraph
-    separators, astral characters, control characters), for every choice index."""
+@pytest.mark.parametrize("ids", [False, True])
+def test_a_text_chunks_event_is_the_whole_bodys_encoding(qwen3_path, kind, ids):
+    """The ingress makes a mid-stream chunk of nothing but text (and its token ids, where asked
+    for) from those alone: the same bytes as encoding the whole chunk (ASCII-escaped: quotes,
+    backslashes, line and paragraph separators, astral characters, control characters), for
+    every choice index."""
     from keyacc_ray.serve.ingress import _sse
     from keyacc_ray.serve.protocol import chunk_body, sse_text_event
 
     tok = AutoTokenizer.from_pretrained(qwen3_path)
-    body = {"model": "m", "n": 3, "stream": True,
+    body = {"model": "m", "n": 3, "stream": True, **({"return_token_ids": True} if ids else {}),
             **({"messages": [{"role": "user", "content": "hi"}]} if kind == "chat" else {"prompt": "hi"})}
     p = parse(body, kind, tokenizer=tok, served_names={"m"}, max_model_len=256)
+    assert p.return_token_ids == ids
     texts = ["a", " word", 'q"uote\\', "line\nbreak\u2028sep\u0085", "жЖ€𝄞", "\x00\x1c\t", "}]}\", \"x"]
     for k in range(3):
         event = sse_text_event(p, 1700000000, k)
-        for text in texts:
-            assert event(text) == _sse(chunk_body(p, 1700000000, text, None, index=k))
-        assert (event("") is None) == (kind == "chat")  # (chat's empty delta is `{}`: the whole path)
+        for n, text in enumerate(texts):
+            token_ids = list(range(7, 7 + n))  # (none, one, several)
+            assert event(text, token_ids) == _sse(chunk_body(p, 1700000000, text, None, token_ids, index=k))
+        assert (event("", [3]) is None) == (kind == "chat")  # (chat's empty delta is `{}`: the whole path)
         if kind != "chat":
-            assert event("") == _sse(chunk_body(p, 1700000000, "", None, index=k))
+            assert event("", [3]) == _sse(chunk_body(p, 1700000000, "", None, [3], index=k))
 
 
 def test_client_request_id(qwen3_path):
