@@ -114,8 +114,9 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.async_scheduling must be null/true/false, got {self.async_scheduling!r}")
         if self.cpu_kernels not in ("auto", "on", "off"):
             raise ConfigError(f"EngineConfig.cpu_kernels must be auto/on/off, got {self.cpu_kernels!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ConfigError(f"EngineConfig.enable_prefix_caching must be true/false, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "kv_growth_reserve"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"EngineConfig.{name} must be true/false, got {getattr(self, name)!r}")
         for name in ("kv_host_tier_gb", "kv_disk_tier_gb", "kv_node_tier_gb"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1 << 20:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
@@ -22,10 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def _cpu() -> float:
-    t = os.times()
-    return t.user + t.system
+from keyacc_ray.bench.cpu_account import own_cpu_s  # noqa: E402
 
 
 def engine_cpu(eng, events: bool, requests: int, prompt: int, output: int, rng) -> tuple[float, list]:
@@ -38,14 +34,14 @@ def engine_cpu(eng, events: bool, requests: int, prompt: int, output: int, rng) 
     vocab = min(eng.runner.vocab_size, 30000)
     p = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)
     told = []
-    c0 = _cpu()
+    c0 = own_cpu_s()
     for i in range(requests):
         eng.add_request(f"r{time.monotonic_ns()}-{i}", [rng.randrange(10, vocab) for _ in range(prompt)], p)
     while eng.has_unfinished():
         eng.step()
         if events:
             told += eng.kv_events.drain()
-    return (_cpu() - c0) / requests * 1e3, told
+    return (own_cpu_s() - c0) / requests * 1e3, told
 
 
 def main() -> None:

@@ -30,12 +30,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from keyacc_ray.bench.cpu_account import own_cpu_s  # noqa: E402
 from keyacc_ray.engine.node_tier import NodeTier  # noqa: E402
-
-
-def _cpu() -> float:
-    t = os.times()
-    return t.user + t.system
 
 
 def tier_alone(root: str, block_bytes: int, n: int) -> dict:
@@ -81,9 +77,9 @@ def engine_cpu(model: str, node_dir: str | None, requests: int, prompt: int, out
             eng.tiers.node.flush()
 
     run(max(2, requests // 8))  # warm
-    c0, w0 = _cpu(), time.perf_counter()
+    c0, w0 = own_cpu_s(), time.perf_counter()
     run(requests)
-    c1, w1 = _cpu(), time.perf_counter()
+    c1, w1 = own_cpu_s(), time.perf_counter()
     res = {"cpu_ms_per_request": round((c1 - c0) / requests * 1e3, 3), "wall_s": round(w1 - w0, 3)}
     if eng.tiers is not None and eng.tiers.node is not None:
         res["blocks_written"] = eng.tiers.stored["node"]

@@ -57,3 +57,10 @@ def stack_ms_per_token(cores_used: dict[str, float], tokens_per_s: float) -> flo
         return None
     stack = sum(v for k, v in cores_used.items() if k not in ENGINES)
     return round(1e3 * stack / tokens_per_s, 2)
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process so far (user + system, every thread)."""
+    t = os.times()
+    return t.user + t.system
+
