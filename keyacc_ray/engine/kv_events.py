@@ -33,7 +33,7 @@ class KVEvents:
         """`where(key)`: the tier holding the block keyed `key` now ("device", "host", "disk", or
         GONE)."""
         self.where = where
-        self._marked: deque = deque()  # (key, depth or 0: a key the engine may hold already)
+        self._marked: deque = deque()  # a key stored at an anchor depth, or (key,): a key that moved
         self._told: dict[bytes, str] = {}  # key -> the tier last told (never GONE)
         self._all = False  # every told key to be read again (the prefix cache was reset)
         self._resend = False  # every key still held to be told again (resync)
