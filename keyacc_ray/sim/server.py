@@ -39,6 +39,7 @@ class PoolSpec:
     block_size: int = 16
     max_prefill_tokens: int = 4096
     lazy: bool = True
+    growth_reserve: bool = False  # lazy admission with room to grow (EngineConfig.kv_growth_reserve)
     max_waiting: int = 1024
     # the replica's own CPU per token beyond the engine's step, on the engine's core (streaming each
     # token to the ingress: scripts/bench_pool_host.py measured 0.18-0.21 ms on this box)
@@ -104,14 +105,16 @@ class SimServer:
         self._replicas: dict[str, list[SimEngine]] = {}
         for i in range(max(1, g.replicas)):
             e = SimEngine(f"gpu{i}", "GpuDecode", "gpu", g.steptime, g.max_num_seqs, g.num_blocks, g.block_size,
-                          g.max_prefill_tokens, g.lazy, g.max_waiting, spec.max_model_len, g.pool_s_per_token)
+                          g.max_prefill_tokens, g.lazy, g.max_waiting, spec.max_model_len, g.pool_s_per_token,
+                          g.growth_reserve)
             self.hops["gpu_decode" if i == 0 else f"gpu_decode#{i}"] = e
             self._replicas.setdefault("gpu_decode", []).append(e)
         c = spec.cpu
         for i, name in enumerate(cpu_names if c.replicas > 0 else []):
             e = self.hops[f"cpu_decode/{i}"] = SimEngine(f"cpu{i}", name, "cpu", c.steptime, c.max_num_seqs,
                                                          c.num_blocks, c.block_size, c.max_prefill_tokens, c.lazy,
-                                                         c.max_waiting, spec.max_model_len, c.pool_s_per_token)
+                                                         c.max_waiting, spec.max_model_len, c.pool_s_per_token,
+                                                         c.growth_reserve)
             self._replicas[f"cpu_decode/{i}"] = [e]
         self.live: dict[str, Live] = {}
         self.done: list[Live] = []

@@ -232,3 +232,20 @@ def test_the_h200_host_entries_reproduce_its_steps():
                      d.bw_eff, d.flop_eff, d.step_fixed_s)
     assert abs(st.seconds(0, 1, 128) * c["decode_bs1_tokens_per_s_avx512"] - 1) <= 0.10
     assert abs(st.seconds(512, 0, 0) / (512 / c["prefill_512_tokens_per_s_amx"]) - 1) <= 0.10
+
+
+def test_the_growth_reserve_runs_in_the_simulated_pools_too():
+    """PoolSpec.growth_reserve is the real scheduler's (EngineConfig.kv_growth_reserve): every
+    request still finishes once, and the GPU pool, far below the working set, preempts less."""
+    wl = Workload(clients=24, requests_per_client=3, prompt_tokens=(32, 200), output_tokens=(8, 120), seed=3)
+    preempted = {}
+    for reserve in (False, True):
+        s = ServerSpec(PoolSpec(GPU, max_num_seqs=8, num_blocks=48, growth_reserve=reserve),
+                       PoolSpec(CPU, max_num_seqs=8, num_blocks=256), kv_bytes_per_token=50_000)
+        srv = SimServer(s, "gpu_only", {})
+        done = srv.run(wl.requests())
+        assert sorted(lv.req.rid for lv in done) == sorted(r.rid for r in wl.requests())
+        gpu = srv.hops["gpu_decode"].scheduler
+        assert (gpu.growth is not None) == reserve
+        preempted[reserve] = gpu.num_preemptions
+    assert preempted[True] < preempted[False], preempted
