@@ -20,6 +20,9 @@ Configurations:
            decode on the CPU pool, whose cache then holds the system prompt and the histories):
            hand-offs leave out the head the CPU pool caches (kv_handoff_skip)
   stage_full the same with kv_handoff_skip off: every hand-off carries all its K/V
+  stage_small stage with the CPU pool's block pool at on_small's budget (a quarter of the working
+           set): it lets histories go, and a hand-off that left out a head it no longer holds
+           is computed again there (unless its engine's KV events told the router)
   (stage configurations also report the hand-offs' bytes and time, from /metrics)
   alternate prefix caching on, ample budgets on both pools, each conversation's turns sent whole
            to the GPU pool and the CPU pool by turns (`gpu`, `cpu`, `gpu`, ...; the other way round
@@ -75,9 +78,9 @@ def block_bytes(model: Path) -> int:
 
 
 def app_config(args, model: Path, caching: bool, kv_blocks: int, tiers: dict | None = None,
-               two_pools: str | None = None) -> dict:
+               two_pools: str | None = None, cpu_blocks: int | None = None) -> dict:
     """`two_pools`: the configuration's name where its turns run on both pools (stage*,
-    alternate*): the CPU pool as large as the GPU pool."""
+    alternate*): the CPU pool as large as the GPU pool (or `cpu_blocks`)."""
     cpu_seqs = args.gpu_seqs if two_pools else 4
     both = (tiers or {}) if two_pools and two_pools.startswith("alternate") else {}  # (the node's tier: both pools)
     return {
@@ -88,7 +91,7 @@ def app_config(args, model: Path, caching: bool, kv_blocks: int, tiers: dict | N
                 "max_prefill_tokens": args.max_prefill_tokens, "max_waiting": 256, "max_queued_requests": 256,
                 **(tiers or {})},
         "cpu": {"device": "cpu", "max_num_seqs": cpu_seqs, "num_threads": 1, "num_cpus": 0.5, "cpu_affinity": [1],
-                "enable_prefix_caching": caching, "num_kv_blocks": kv_blocks if two_pools else None,
+                "enable_prefix_caching": caching, "num_kv_blocks": (cpu_blocks or kv_blocks) if two_pools else None,
                 "max_prefill_tokens": args.max_prefill_tokens, "max_waiting": 256, "max_queued_requests": 256, **both},
     }
 
@@ -120,7 +123,8 @@ def alternate(conversation: int, turn: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    configs = ["off", "on", "on_small", "host", "host_disk", "stage", "stage_full", "alternate", "alternate_node"]
+    configs = ["off", "on", "on_small", "host", "host_disk", "stage", "stage_full", "stage_small", "alternate",
+               "alternate_node"]
     ap.add_argument("--configs", nargs="+", default=configs[:5], choices=configs)
     ap.add_argument("--small-fraction", type=float, default=0.25,
                     help="on_small, host, host_disk: the block pool as a share of the working set")
@@ -179,7 +183,8 @@ def main() -> None:
         for cfg_name in args.configs:
             two_pools = cfg_name if cfg_name.startswith(("stage", "alternate")) else None
             blocks = ample if cfg_name in ("off", "on") or two_pools else small
-            serve.run(build_app(app_config(args, model, cfg_name != "off", blocks, tiers.get(cfg_name), two_pools)),
+            serve.run(build_app(app_config(args, model, cfg_name != "off", blocks, tiers.get(cfg_name), two_pools,
+                                           small if cfg_name == "stage_small" else None)),
                       name="keyacc", route_prefix="/")
             route = "stage" if cfg_name.startswith("stage") else None
             if cfg_name.startswith("alternate"):
