@@ -164,10 +164,14 @@ class LoadState:
         seq = after[1]
         if seq >= self.kv_seq:
             return [], place, True
+        newer = []  # walked from the newest end: the cost is the events returned, not the log's length
+        for e in reversed(log):
+            if e[0] <= seq:
+                break
+            newer.append(e[1:])
+        newer.reverse()
         first = log[0][0] if log else self.kv_seq + 1
-        complete = seq + 1 >= first
-        start = max(0, seq + 1 - first)
-        return [log[i][1:] for i in range(start, len(log))], place, complete
+        return newer, place, seq + 1 >= first
 
     def report_ingress(self, replica: str, stats: dict) -> None:
         """An ingress replica's cumulative request figures (a replica not heard of for
