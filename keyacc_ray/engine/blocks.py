@@ -159,10 +159,10 @@ class BlockManager:
         """Blocks for `num_tokens`: the cached blocks keyed by `shared` (checked cached by
         `cached_prefix` just before), then new ones; False (and nothing changed) if they do not fit."""
         assert seq_id not in self.tables, f"{seq_id} already holds blocks"
+        if self.blocks_taken(num_tokens, shared) > self.num_free_blocks:
+            return False
         hit = [self._block_of[h] for h in shared]
         n = self.blocks_for(num_tokens) - len(hit)
-        if n > self.num_free_blocks - sum(1 for b in hit if self._ref[b] == 0):
-            return False
         for b in hit:
             if self._ref[b] == 0:
                 del self._evictable[b]
