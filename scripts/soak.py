@@ -93,6 +93,9 @@ async def good(client, rng, checks, stats, stream: bool, tiers: bool = False):
                     if last is not None and line:
                         stats["max_stream_gap_s"] = round(max(stats["max_stream_gap_s"], now - last), 3)
                         stats["stream_gaps_over_2s"] += now - last > 2.0
+                        if now - last > 2.0:  # when (10 s windows from the soak's start): a burst or all along
+                            w = str(int((now - stats["t0"]) // 10) * 10)
+                            stats["gaps_over_2s_by_10s"][w] = stats["gaps_over_2s_by_10s"].get(w, 0) + 1
                         worst = max(worst, (now - last, len(ids)))
                     last = now if line else last
                     if line.startswith("data: ") and line != "data: [DONE]":
@@ -218,8 +221,10 @@ async def main_async(args, url):
              "completed_wrong": 0, "rejected_clear_error": 0, "lost": 0,
              "bad_rejected_4xx": 0, "bad_overloaded_503": 0, "bad_wrong_answer": 0, "kills": 0, "max_stream_gap_s": 0.0,
              "stream_gaps_over_2s": 0, "lost_examples": [],
-             "worst_gaps": [], "wrong_examples": []}
+             "worst_gaps": [], "wrong_examples": [], "gaps_over_2s_by_10s": {},
+             "client_loop_lag_max_s": 0.0, "client_loop_lags_over_1s": 0, "t0": time.monotonic()}
     rng = random.Random(args.seed)
+    lag_probe = asyncio.create_task(client_lag(stats))
     mem: dict[str, list[int]] = {}
     tasks = set()
     checks: list[tuple] = []  # completions, checked against generate() at the end
@@ -248,10 +253,22 @@ async def main_async(args, url):
                 next_mem += 10
             await asyncio.sleep(rng.expovariate(rate))
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 300)
+        lag_probe.cancel()
         stats["blocks_in_use_at_idle"] = await blocks_in_use(client)
     print(f"checking {len(checks)} completions against generate()", flush=True)
     verify(checks, ref, stats)
     return stats, mem
+
+
+async def client_lag(stats, every_s: float = 0.1) -> None:
+    """This client's own event loop lag: a gap the client was too busy to read counts as the
+    server's (the soak shares the server's cores). A stall over 2 s with no lag here was the server's."""
+    while True:
+        t = time.monotonic()
+        await asyncio.sleep(every_s)
+        lag = time.monotonic() - t - every_s
+        stats["client_loop_lag_max_s"] = round(max(stats["client_loop_lag_max_s"], lag), 3)
+        stats["client_loop_lags_over_1s"] += lag > 1.0
 
 
 async def blocks_in_use(client, settle_s: float = 20.0) -> dict:
@@ -332,6 +349,7 @@ def main() -> None:
     serve.run(build_app(cfg), name="keyacc", route_prefix="/")
     stats, mem = asyncio.run(main_async(args, f"http://127.0.0.1:{args.port}"))
     stats["lost_examples"] = stats["lost_examples"][:12]
+    del stats["t0"]
     # first, middle and last samples: growth that stops by the middle is warm-up; growth that
     # continues through the second half is what a leak looks like
     growth = {k: {"first_mib": v[0] >> 20, "mid_mib": v[len(v) // 2] >> 20, "peak_mib": max(v) >> 20,
