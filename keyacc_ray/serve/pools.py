@@ -33,7 +33,7 @@ from keyacc_ray.engine.request import SamplingParams
 from keyacc_ray.errors import KeyaccError
 from keyacc_ray.hw.pinning import pin_process
 from keyacc_ray.hw.topology import gpu_info, gpu_local_cpus, numa_nodes
-from keyacc_ray.serve.aio import wait_at_most
+from keyacc_ray.serve.aio import take_or_hand_back, wait_at_most
 from keyacc_ray.serve.engine_loop import AsyncEngine, Checkpoint
 from keyacc_ray.serve.heap import freeze_startup_heap
 from keyacc_ray.serve.monitor import MONITOR_NAME, MONITOR_NAMESPACE  # noqa: F401 - also imported from here
@@ -219,10 +219,13 @@ class EnginePool:
         soak's 9.7 s gap: 5 s of it that wait)."""
         if lease.refs:
             refs, lease.refs = lease.refs, []
-            try:
-                self._directory().put.remote(h.kv_key, [] if lease.used else refs)
-            except Exception as e:  # noqa: BLE001 - directory gone: the next hop prefills again
-                log.warning("KV of %s not given back (%s)", h.request_id, e.__class__.__name__)
+            self._put_back(h.kv_key, [] if lease.used else refs)
+
+    def _put_back(self, key: str, refs: list) -> None:
+        try:
+            self._directory().put.remote(key, refs)
+        except Exception as e:  # noqa: BLE001 - directory gone: the next hop prefills again
+            log.warning("KV under %s not given back (%s)", key, e.__class__.__name__)
 
     async def _run_hop(self, req, phase, accepted, package, export_after, ticket, movable, sender, export_skip,
                        params, lease: "_KVLease"):
@@ -347,8 +350,12 @@ class EnginePool:
         refs = h.kv_ref
         if h.kv_key and not refs:
             try:
-                refs = await wait_at_most(self._directory().take.remote(h.kv_key, KV_TAKE_TIMEOUT_S),
-                                          KV_FETCH_TIMEOUT_S)
+                # (cancelled while the take is on its way, as a driver that gave up waiting for this
+                # replica to take the hop does: what the take removes goes back under the key for
+                # the driver's next hop, instead of leaving it to prefill again)
+                take = asyncio.wrap_future(self._directory().take.remote(h.kv_key, KV_TAKE_TIMEOUT_S).future())
+                refs = await take_or_hand_back(take, KV_FETCH_TIMEOUT_S,
+                                               lambda got, key=h.kv_key: got and self._put_back(key, got))
             except Exception as e:  # noqa: BLE001 - directory restarting or gone: prefill again
                 log.warning("KV directory unavailable for %s (%s)", h.request_id, e.__class__.__name__)
                 self._kv_dir = None
