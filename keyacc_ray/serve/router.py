@@ -746,6 +746,12 @@ class Router:
             if t.pinned_route is None and self._cpu_gone():  # or wait there for its blocks
                 self._count("moves_kept_total|reason=cpu_unavailable")
                 return "gpu_decode", None
+            if t.pinned_route is None and cpu_full(self.load_view()):
+                # no free place there either: it would wait in the CPU pool's queue mid-stream, be
+                # given up after HOP_START_BOUND_S and come back here anyway (the 2x soak: 499 such
+                # waits in 90 s). Back on the GPU pool with its KV it waits first in line for blocks.
+                self._count("moves_kept_total|reason=cpu_full")
+                return "gpu_decode", None
             self._count("gpu_preemptions_moved_total")
             return "cpu_decode", self._cpu_period(t)
         if prev == "cpu_decode":  # end of a CPU period

@@ -1047,6 +1047,30 @@ def test_a_colocated_hop_preempted_before_its_after_prefill_check_answered_goes_
     asyncio.run(run())
 
 
+def test_a_decode_preempted_on_the_gpu_stays_there_while_the_cpu_pool_has_no_free_place():
+    """A GPU decode preempted out of KV blocks moves to the CPU pool only where a place is free
+    there; with every CPU slot taken or a queue there it would wait in that queue mid-stream, be
+    given up after the driver's bound and come back anyway, so it goes back to the GPU decode
+    pool (first in line there: a stream under way), counted as a move kept."""
+    r = Router(["CpuDecode"], "full_offload", {}, monitor=_Unreachable())
+
+    async def run():
+        got = {}
+        for waiting in (0, 3):
+            snap = three_pools_snapshot()
+            snap.deployments["CpuDecode"].num_waiting = waiting
+            r.snapshot = snap
+            t = await r.begin(Ticket(f"w{waiting}", 64, 96))
+            t = await r.advance(t, HopEnd("handoff", 0.1, 1, True))  # prefill -> a decode hop
+            t.hop = "gpu_decode"  # (wherever the policy put it: it decodes on the GPU and is preempted)
+            t = await r.advance(copy.deepcopy(t), HopEnd("handoff", 0.1, 5, True))
+            got[waiting] = t.hop
+        return got
+    assert asyncio.run(run()) == {0: "cpu_decode/0", 3: "gpu_decode"}
+    assert r._counters.get("moves_kept_total|reason=cpu_full") == 1
+    assert r._counters.get("gpu_preemptions_moved_total") == 1
+
+
 @pytest.mark.parametrize("pinned", [False, True])
 def test_a_stalled_decode_start_moves_once_and_a_pinned_one_waits_where_it_was_pinned(monkeypatch, pinned):
     """A decode hop waits in Serve's queue for its replica (dead and being replaced, or full):
