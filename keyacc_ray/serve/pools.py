@@ -219,7 +219,13 @@ class EnginePool:
         soak's 9.7 s gap: 5 s of it that wait)."""
         if lease.refs:
             refs, lease.refs = lease.refs, []
+            log.info("hop of %s cancelled %s", h.request_id, "after its first token here: its KV is not given back"
+                     if lease.used else "before its first token here: its KV goes back for the next hop")
             self._put_back(h.kv_key, [] if lease.used else refs)
+
+    def _hand_back(self, h: Handoff, refs: list) -> None:
+        log.info("hop of %s cancelled while it took its KV: the KV goes back for the next hop", h.request_id)
+        self._put_back(h.kv_key, refs)
 
     def _put_back(self, key: str, refs: list) -> None:
         try:
@@ -355,7 +361,7 @@ class EnginePool:
                 # the driver's next hop, instead of leaving it to prefill again)
                 take = asyncio.wrap_future(self._directory().take.remote(h.kv_key, KV_TAKE_TIMEOUT_S).future())
                 refs = await take_or_hand_back(take, KV_FETCH_TIMEOUT_S,
-                                               lambda got, key=h.kv_key: got and self._put_back(key, got))
+                                               lambda got, h=h: got and self._hand_back(h, got))
             except Exception as e:  # noqa: BLE001 - directory restarting or gone: prefill again
                 log.warning("KV directory unavailable for %s (%s)", h.request_id, e.__class__.__name__)
                 self._kv_dir = None
