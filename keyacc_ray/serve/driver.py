@@ -92,29 +92,8 @@ def _stalled(stream, waiting: dict, due: float) -> None:
         waiting["rearms"] += 1
         waiting["timer"] = loop.call_later(late, _stalled, stream, waiting, loop.time() + late)
         return
-    if waiting["bound"] < NEW_HOP_START_BOUND_S and assigned(stream):
-        # Serve gave the call to a replica (it is not in a queue for one): that replica is slow to
-        # answer, not missing (a dead one fails the stream). Given up now, the sequence it may be
-        # running already (with the hand-off's KV) would be run again elsewhere from the tokens
-        # the client has (the 2x soak: hops a busy replica finished in 90 ms whose first item
-        # reached the ingress after the 1 s bound, then prefilled again). It gets the longer bound.
-        extra, waiting["bound"] = NEW_HOP_START_BOUND_S - waiting["bound"], NEW_HOP_START_BOUND_S
-        waiting["assigned"] = True
-        waiting["timer"] = loop.call_later(extra, _stalled, stream, waiting, loop.time() + extra)
-        return
     waiting["stalled"], waiting["late"] = True, late
     stream.cancel()
-
-
-def assigned(stream) -> bool:
-    """Serve's handle has given the call to a replica (Ray 2.60's DeploymentResponseGenerator
-    resolves `_replica_result_future` once a replica accepted it): False while it waits in the
-    handle's queue for one, or where that is not known."""
-    fut = getattr(stream, "_replica_result_future", None)
-    try:
-        return fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None
-    except Exception:  # noqa: BLE001 - another Serve's internals: not known
-        return False
 
 
 def fallback(t: Ticket, end: HopEnd | None, colocated: bool = False) -> Ticket:
@@ -202,7 +181,7 @@ class RequestDriver:
             # The same for the decision after a colocated GPU engine's prefill (`prefill_check`).
             in_periods = ({"ticket": t} if (t.hop.startswith("cpu_decode") or t.prefill_check) and t.export_after
                           and t.pinned_route is None else {})
-            waiting = {"stalled": False, "timer": None, "rearms": 0, "bound": 0.0}  # for the replica to take it
+            waiting = {"stalled": False, "timer": None, "rearms": 0}  # for the replica to take a stream under way
             try:
                 if t.move_on_preempt:
                     in_periods["movable"] = True
@@ -218,7 +197,6 @@ class RequestDriver:
                 # (requests waited there past their clients' timeouts in the kill soak)
                 bound = HOP_START_BOUND_S if generated and not t.stall_moved else NEW_HOP_START_BOUND_S
                 loop = asyncio.get_running_loop()
-                waiting["bound"] = bound
                 waiting["timer"] = loop.call_later(bound, _stalled, stream, waiting, loop.time() + bound)
                 async for items in (stream if hop is None else hop.attach(stream)):
                     if waiting["timer"] is not None:  # anything from the hop (its HopAccepted, or its
@@ -273,10 +251,9 @@ class RequestDriver:
                 outcome, err_name = ("backpressure" if is_backpressure(e) else "failed"), e.__class__.__name__
                 if waiting["stalled"]:  # cancelled here: its replica did not take it in time
                     outcome = "stalled"
-                    log.warning("hop %s of %s not %s within %.1f s after %d tokens (its timer extended %d "
-                                "times, last run %.0f ms late)", t.hop, req.request_id,
-                                "answered by the replica it went to" if waiting.get("assigned") else "taken",
-                                waiting["bound"], len(generated), waiting["rearms"], waiting.get("late", 0.0) * 1e3)
+                    log.warning("hop %s of %s not taken within %.1f s after %d tokens (its timer extended %d "
+                                "times, last run %.0f ms late)", t.hop, req.request_id, bound, len(generated),
+                                waiting["rearms"], waiting.get("late", 0.0) * 1e3)
                     if segment_started:  # (it had: the cancellation crossed its acceptance)
                         trace.segments[-1]["stalled"] = True
                 elif outcome == "failed":

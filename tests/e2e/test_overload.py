@@ -94,37 +94,3 @@ def test_two_ingress_replicas_share_one_router(app_url):
     finally:
         serve.run(build_app(APP_ARGS), name="keyacc", route_prefix="/")
         wait_for_monitor(app_url)
-
-
-def test_serve_says_when_a_call_is_with_a_replica_and_not_in_its_queue(app_url):
-    """The driver's stall bound gives a hop up after 1 s only while Serve has not handed the call
-    to a replica (`driver.assigned`, read from Serve's response generator): with the replica's one
-    place taken by a call it is running, a second call waits in the handle's queue (not
-    assigned) until the first ends, then runs there (assigned). This guards that private
-    attribute across Ray versions."""
-    import asyncio
-
-    from keyacc_ray.serve.driver import assigned
-
-    @serve.deployment(max_ongoing_requests=1, max_queued_requests=4, ray_actor_options={"num_cpus": 0.05})
-    class Busy:
-        async def gen(self, s: float):
-            yield 0
-            await asyncio.sleep(s)
-            yield 1
-
-    handle = serve.run(Busy.bind(), name="assigned-check", route_prefix=None)
-    try:
-        async def go():
-            h = handle.options(stream=True, _by_reference=False)
-            first = h.gen.remote(2.0)
-            it = first.__aiter__()
-            await it.__anext__()  # the replica is running it
-            second = h.gen.remote(0.0)
-            await asyncio.sleep(0.5)
-            waiting = (assigned(first), assigned(second))
-            rest = [x async for x in it]
-            return waiting, rest, [x async for x in second], assigned(second)
-        assert asyncio.run(go()) == ((True, False), [1], [0, 1], True)
-    finally:
-        serve.delete("assigned-check")
