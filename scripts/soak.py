@@ -215,7 +215,7 @@ async def main_async(args, url):
     wl = Workload(prompt_tokens=200 if args.tiers else 16, output_tokens=36)
     res, wall = await closed_loop(url, "tiny-qwen3", 8, 10, wl)
     capacity = sum(r.ok for r in res) / wall
-    rate = args.load * capacity
+    rate = args.rate or args.load * capacity  # (--rate: the same offered load for runs to compare)
     print(f"measured capacity {capacity:.1f} req/s; soaking at {rate:.1f} req/s for {args.minutes} min", flush=True)
     stats = {"sent": 0, "completed_correct": 0, "completed_near_tie": 0, "near_tie_examples": [],
              "completed_wrong": 0, "rejected_clear_error": 0, "lost": 0,
@@ -306,6 +306,8 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=3)
     ap.add_argument("--kill-every-s", type=float, default=40)
     ap.add_argument("--load", type=float, default=2.0, help="offered requests/s as a multiple of the measured capacity")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="offered requests/s, instead of --load times the capacity measured at the start")
     ap.add_argument("--policy", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=8041)
