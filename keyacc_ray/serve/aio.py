@@ -20,19 +20,3 @@ async def wait_at_most(aw: Awaitable[T], timeout_s: float) -> T:
             return await aw
     return await asyncio.wait_for(aw, timeout_s)  # Python 3.10
 
-
-async def take_or_hand_back(fut: "asyncio.Future[T]", timeout_s: float, hand_back) -> T:
-    """`await fut` for at most `timeout_s`, where `fut` takes something out of a shared place (a
-    hand-off's KV reference out of the directory). If the waiter gives up first (cancelled, or
-    the time is up), the call still completes there: whatever it took then goes to
-    `hand_back(result)` instead of being lost with the waiter."""
-    try:
-        return await wait_at_most(asyncio.shield(fut), timeout_s)
-    except BaseException:
-        if fut.done():
-            if not fut.cancelled() and fut.exception() is None:
-                hand_back(fut.result())
-        else:
-            fut.add_done_callback(lambda f: hand_back(f.result())
-                                  if not f.cancelled() and f.exception() is None else None)
-        raise

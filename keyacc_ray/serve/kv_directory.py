@@ -8,6 +8,13 @@ pool, as borrowers, so the object lives exactly as long as someone holds it. An 
 takes (the request was cancelled between hops) expires after `ttl_s`. If this actor restarts,
 its entries are gone and the next pool prefills again (the hand-off carries the tokens).
 
+A taken entry stays answerable for `taken_keep_s`: a driver that gave a hop up (its replica did
+not answer within the bound) sends the same hand-off to another hop, and the replica it gave up
+on may still have taken the KV (a call Serve assigned just as it was cancelled runs to its end;
+a busy replica's answer can come after the bound). The second take gets the same references (the
+object is immutable: both may read it) instead of prefilling again. The exporting replica holds
+its own reference for KV_HOLD_S (60 s) after the export anyway, so this rarely keeps an object longer.
+
 Plain asyncio; the pools wrap it with `ray.remote` (one named, detached instance).
 """
 from __future__ import annotations
@@ -21,10 +28,12 @@ NAME = "keyacc_kv_directory"
 
 
 class KVDirectory:
-    def __init__(self, ttl_s: float = 60.0, clock=time.monotonic):
+    def __init__(self, ttl_s: float = 60.0, clock=time.monotonic, taken_keep_s: float = 30.0):
         self.ttl_s = ttl_s
+        self.taken_keep_s = taken_keep_s
         self.clock = clock
         self._refs: dict[str, tuple[list, float]] = {}
+        self._taken: dict[str, tuple[list, float]] = {}  # taken, kept for a second take of the same key
         self._waiting: dict[str, asyncio.Event] = {}
         self.puts = 0  # hand-offs that carried KV, since this actor started
 
@@ -32,6 +41,8 @@ class KVDirectory:
         now = self.clock()
         for key in [k for k, (_, t) in self._refs.items() if now - t > self.ttl_s]:
             del self._refs[key]
+        for key in [k for k, (_, t) in self._taken.items() if now - t > self.taken_keep_s]:
+            del self._taken[key]
 
     async def put(self, key: str, refs: list) -> None:
         self._expire()
@@ -44,7 +55,8 @@ class KVDirectory:
     async def take(self, key: str, timeout_s: float) -> list:
         """The references left under `key` (removed from here), waiting up to `timeout_s` for
         them to arrive (the put and the take race); [] if they never do."""
-        if key not in self._refs:
+        self._expire()
+        if key not in self._refs and key not in self._taken:
             ev = self._waiting.setdefault(key, asyncio.Event())
             try:
                 await wait_at_most(ev.wait(), timeout_s)
@@ -52,7 +64,12 @@ class KVDirectory:
                 self._waiting.pop(key, None)
                 return []
         entry = self._refs.pop(key, None)
-        return entry[0] if entry is not None else []
+        refs = entry[0] if entry is not None else []
+        if not refs and key in self._taken:  # taken before by a hop its driver gave up on (an empty
+            refs = self._taken[key][0]       # entry put back: that hop made tokens nobody received)
+        if refs:
+            self._taken[key] = (refs, self.clock())
+        return refs
 
     async def size(self) -> int:
         self._expire()

@@ -33,7 +33,7 @@ from keyacc_ray.engine.request import SamplingParams
 from keyacc_ray.errors import KeyaccError
 from keyacc_ray.hw.pinning import pin_process
 from keyacc_ray.hw.topology import gpu_info, gpu_local_cpus, numa_nodes
-from keyacc_ray.serve.aio import take_or_hand_back, wait_at_most
+from keyacc_ray.serve.aio import wait_at_most
 from keyacc_ray.serve.engine_loop import AsyncEngine, Checkpoint
 from keyacc_ray.serve.heap import freeze_startup_heap
 from keyacc_ray.serve.monitor import MONITOR_NAME, MONITOR_NAMESPACE  # noqa: F401 - also imported from here
@@ -223,10 +223,8 @@ class EnginePool:
                      if lease.used else "before its first token here: its KV goes back for the next hop")
             self._put_back(h.kv_key, [] if lease.used else refs)
 
-    def _hand_back(self, h: Handoff, refs: list) -> None:
-        log.info("hop of %s cancelled while it took its KV: the KV goes back for the next hop", h.request_id)
-        self._put_back(h.kv_key, refs)
-
+                refs = await wait_at_most(self._directory().take.remote(h.kv_key, KV_TAKE_TIMEOUT_S),
+                                          KV_FETCH_TIMEOUT_S)
     def _put_back(self, key: str, refs: list) -> None:
         try:
             self._directory().put.remote(key, refs)
@@ -356,12 +354,8 @@ class EnginePool:
         refs = h.kv_ref
         if h.kv_key and not refs:
             try:
-                # (cancelled while the take is on its way, as a driver that gave up waiting for this
-                # replica to take the hop does: what the take removes goes back under the key for
-                # the driver's next hop, instead of leaving it to prefill again)
-                take = asyncio.wrap_future(self._directory().take.remote(h.kv_key, KV_TAKE_TIMEOUT_S).future())
-                refs = await take_or_hand_back(take, KV_FETCH_TIMEOUT_S,
-                                               lambda got, h=h: got and self._hand_back(h, got))
+                refs = await wait_at_most(self._directory().take.remote(h.kv_key, KV_TAKE_TIMEOUT_S),
+                                          KV_FETCH_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - directory restarting or gone: prefill again
                 log.warning("KV directory unavailable for %s (%s)", h.request_id, e.__class__.__name__)
                 self._kv_dir = None
