@@ -717,6 +717,11 @@ class Router:
             self.output_lengths.observe(end.num_output_tokens)
         self._release_held()
 
+    async def finish_many(self, ends: list[tuple[Ticket, HopEnd]]) -> None:
+        """Several requests' `finish`, as an ingress replica gathers them (one call for all)."""
+        for t, end in ends:
+            await self.finish(t, end)
+
     def _view(self, t: Ticket, num_output_tokens: int, held_s: float = 0.0) -> RequestView:
         cached, load_s = 0, 0.0
         if t.prefix_keys:  # the CPU deployment caching the longest head, and what loading its lower part takes
