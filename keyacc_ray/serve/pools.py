@@ -223,8 +223,6 @@ class EnginePool:
                      if lease.used else "before its first token here: its KV goes back for the next hop")
             self._put_back(h.kv_key, [] if lease.used else refs)
 
-                refs = await wait_at_most(self._directory().take.remote(h.kv_key, KV_TAKE_TIMEOUT_S),
-                                          KV_FETCH_TIMEOUT_S)
     def _put_back(self, key: str, refs: list) -> None:
         try:
             self._directory().put.remote(key, refs)
