@@ -19,4 +19,3 @@ async def wait_at_most(aw: Awaitable[T], timeout_s: float) -> T:
         async with asyncio.timeout(timeout_s):
             return await aw
     return await asyncio.wait_for(aw, timeout_s)  # Python 3.10
-

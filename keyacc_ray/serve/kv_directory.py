@@ -53,8 +53,8 @@ class KVDirectory:
             ev.set()
 
     async def take(self, key: str, timeout_s: float) -> list:
-        """The references left under `key` (removed from here), waiting up to `timeout_s` for
-        them to arrive (the put and the take race); [] if they never do."""
+        """The references left under `key` (or taken from it within `taken_keep_s`), waiting up
+        to `timeout_s` for them to arrive (the put and the take race); [] if they never do."""
         self._expire()
         if key not in self._refs and key not in self._taken:
             ev = self._waiting.setdefault(key, asyncio.Event())

@@ -213,14 +213,14 @@ class EnginePool:
         """A hop cancelled before its sequence made a token here (its driver gave up waiting for it
         to be taken: the replica took it just then) puts the KV it took back under its key, where
         the driver's next hop takes it (`KVDirectory.take` waits for it): not prefilled again. One
-        cancelled after its tokens began cannot (that KV no longer describes where the client's
-        stream is): it leaves an empty entry, so the next hop's take answers at once and it
-        prefills again, instead of waiting KV_TAKE_TIMEOUT_S for a put that never comes (the 2x
-        soak's 9.7 s gap: 5 s of it that wait)."""
+        cancelled after its tokens began leaves an empty entry, so that the next hop's take
+        answers at once instead of waiting KV_TAKE_TIMEOUT_S for a put that never comes (the 2x
+        soak's 9.7 s gap: 5 s of it that wait): with the references the directory kept from this
+        hop's take where the driver sends the same hand-off on (none of this hop's tokens reached
+        its client, so that KV is still where the stream is), else nothing (prefilled again)."""
         if lease.refs:
             refs, lease.refs = lease.refs, []
-            log.info("hop of %s cancelled %s", h.request_id, "after its first token here: its KV is not given back"
-                     if lease.used else "before its first token here: its KV goes back for the next hop")
+            log.info("hop of %s cancelled %s its first token here", h.request_id, "after" if lease.used else "before")
             self._put_back(h.kv_key, [] if lease.used else refs)
 
     def _put_back(self, key: str, refs: list) -> None:
