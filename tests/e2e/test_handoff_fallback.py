@@ -115,11 +115,12 @@ def test_a_hop_cancelled_before_its_first_token_gives_its_kv_back(app_url, monke
     assert first + rest == hf_greedy(path, ids, 20)
 
 
-def test_a_hop_cancelled_after_its_tokens_began_lets_the_next_hop_prefill_at_once(app_url, monkeypatch):
+def test_a_hop_cancelled_after_its_tokens_began_lets_the_next_hop_take_its_kv_at_once(app_url, monkeypatch):
     """Cancelled once its sequence made tokens there (the client never got them: the driver had
-    given up on the hop), a hop cannot give its KV back; it leaves an empty entry under the key, so
-    the driver's next hop does not wait out KV_TAKE_TIMEOUT_S for the KV (here 20 s) before it
-    prefills prompt + tokens again: generate()'s tokens, well within that wait."""
+    given up on the hop), a hop leaves an empty entry under the key, so the driver's next hop does
+    not wait out KV_TAKE_TIMEOUT_S (here 20 s); the directory answers it with the references that
+    hop took (kept for a second take: the KV is still where the client's stream is), so it
+    imports them instead of prefilling again: generate()'s tokens, well within that wait."""
     monkeypatch.setattr(pools_mod, "KV_TAKE_TIMEOUT_S", 20.0)
     path, params, ids, first, pkg = exported("u", PROMPTS[3], 5)
     pool = EnginePool(EngineConfig(model=path).__dict__, deployment="TestPool")
@@ -147,5 +148,5 @@ def test_a_hop_cancelled_after_its_tokens_began_lets_the_next_hop_prefill_at_onc
         took = time.monotonic() - t0
     finally:
         pool.loop.shutdown()
-    assert kv == "recomputed" and took < 10.0  # (without the entry: 20 s of waiting first)
+    assert kv == "received" and took < 10.0  # (without the entry: 20 s of waiting first)
     assert first + rest == hf_greedy(path, ids, 20)
