@@ -10,10 +10,15 @@ logit there, and generate()'s own continuation after it) counts as `completed_ne
 With --tiers: prompts share a few long heads (prefix caching), the emulated GPU pool's block
 pool holds a fraction of them, host and disk KV tiers under every pool; it also reports the
 longest gap inside a stream and, once idle, any replica whose KV blocks are not all free again.
+Gaps over 2 s are counted per 10 s of the run (`gaps_over_2s_by_10s`), beside this client's own
+event-loop lag (`client_loop_lag_max_s`: it shares the server's cores, and a gap it was too busy
+to read counts as the server's). `--rate R` offers R requests/s instead of `--load` times the
+capacity measured first (which moves between runs), so that two commits meet the same load.
 
     python scripts/soak.py --minutes 3
     python scripts/soak.py --minutes 3 --tiers
     python scripts/soak.py --minutes 1 --tiers --policy-options '{"cpu_reserved_places": 4}'
+    python scripts/soak.py --minutes 1.5 --tiers --kill-every-s 100000 --rate 75
 """
 from __future__ import annotations
 
