@@ -221,13 +221,10 @@ class EnginePool:
         if lease.refs:
             refs, lease.refs = lease.refs, []
             log.info("hop of %s cancelled %s its first token here", h.request_id, "after" if lease.used else "before")
-            self._put_back(h.kv_key, [] if lease.used else refs)
-
-    def _put_back(self, key: str, refs: list) -> None:
-        try:
-            self._directory().put.remote(key, refs)
-        except Exception as e:  # noqa: BLE001 - directory gone: the next hop prefills again
-            log.warning("KV under %s not given back (%s)", key, e.__class__.__name__)
+            try:
+                self._directory().put.remote(h.kv_key, [] if lease.used else refs)
+            except Exception as e:  # noqa: BLE001 - directory gone: the next hop prefills again
+                log.warning("KV of %s not given back (%s)", h.request_id, e.__class__.__name__)
 
     async def _run_hop(self, req, phase, accepted, package, export_after, ticket, movable, sender, export_skip,
                        params, lease: "_KVLease"):
