@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 
@@ -42,6 +43,9 @@ HOP_START_BOUND_S = 1.0
 # its own pool) waits this long too. (A live pool's full queue is bounded: Serve refuses past it, a clear 503.)
 NEW_HOP_START_BOUND_S = 20.0
 MAX_STALLS = 4  # hops of one request not taken in time: past it a 503, never a wait without end
+# At the bound of a stream under way the router is asked first whether the stream should wait on
+# where it is (`Router.keep_waiting`: its pool alive, the other full too); this long at most.
+KEEP_ASK_S = 1.0
 STALL_LATE_S = 0.05  # a bound's timer run later than this: the bound is extended by its lateness
 STALL_REARMS = 3
 # Pool streams and router calls use Serve's gRPC transport (`_by_reference=False`): per streamed
@@ -79,6 +83,9 @@ class RemoteRouter:
     async def advance(self, t: Ticket, end: HopEnd) -> Ticket:
         return await self.handle.options(**ROUTER_CALL).advance.remote(t, end)
 
+    async def keep_waiting(self, t: Ticket) -> bool:
+        return await self.handle.options(**ROUTER_CALL).keep_waiting.remote(t)
+
     async def finish(self, t: Ticket, end: HopEnd) -> None:
         self._ends.append((t, end))
         if len(self._ends) > 1:  # the first of these sends them all
@@ -98,14 +105,46 @@ def _stalled(stream, waiting: dict, due: float) -> None:
     """The hop's bound ran out. If the event loop ran this timer late, the replica's first item
     may be waiting to be read (the loop was busy: an ingress at its limit runs its timers hundreds
     of ms late, and called hops that were taken stalls): the bound is extended by that lateness,
-    up to STALL_REARMS times, before the call is given up."""
+    up to STALL_REARMS times, before the call is given up. A stream under way asks the router
+    first (`waiting["keep"]`) whether to wait on where it is, up to NEW_HOP_START_BOUND_S in all."""
     loop = asyncio.get_running_loop()
     late = loop.time() - due
     if late > STALL_LATE_S and waiting["rearms"] < STALL_REARMS:
         waiting["rearms"] += 1
         waiting["timer"] = loop.call_later(late, _stalled, stream, waiting, loop.time() + late)
         return
-    waiting["stalled"], waiting["late"] = True, late
+    waiting["late"] = late
+    keep = waiting.get("keep")
+    if keep is not None and loop.time() - waiting["since"] + HOP_START_BOUND_S <= NEW_HOP_START_BOUND_S:
+        task = waiting["timer"] = loop.create_task(_keep_or_give_up(stream, waiting, keep))
+        _ASKS.add(task)  # (held: the loop holds tasks weakly)
+        task.add_done_callback(_ASKS.discard)
+        return
+    waiting["stalled"] = True
+    stream.cancel()
+
+
+_ASKS: set[asyncio.Task] = set()
+
+
+async def _keep_or_give_up(stream, waiting: dict, keep) -> None:
+    """The router's answer for a stream under way past its bound: wait another bound for the
+    replica to take it, or give the call up (also when the router does not answer in KEEP_ASK_S).
+    Cancelled (by the driver) when the hop's first item comes meanwhile."""
+    try:
+        kept = await wait_at_most(keep(), KEEP_ASK_S)
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # noqa: BLE001 - no answer: as without one
+        kept = False
+    loop = asyncio.get_running_loop()
+    if kept:
+        waiting["kept"] = waiting.get("kept", 0) + 1
+        waiting["timer"] = loop.call_later(HOP_START_BOUND_S, _stalled, stream, waiting,
+                                           loop.time() + HOP_START_BOUND_S)
+        return
+    waiting["timer"] = None
+    waiting["stalled"] = True
     stream.cancel()
 
 
@@ -210,6 +249,8 @@ class RequestDriver:
                 # (requests waited there past their clients' timeouts in the kill soak)
                 bound = HOP_START_BOUND_S if generated and not t.stall_moved else NEW_HOP_START_BOUND_S
                 loop = asyncio.get_running_loop()
+                if bound == HOP_START_BOUND_S and t.pinned_route is None and hasattr(self.router, "keep_waiting"):
+                    waiting["keep"], waiting["since"] = functools.partial(self.router.keep_waiting, t), loop.time()
                 waiting["timer"] = loop.call_later(bound, _stalled, stream, waiting, loop.time() + bound)
                 async for items in (stream if hop is None else hop.attach(stream)):
                     if waiting["timer"] is not None:  # anything from the hop (its HopAccepted, or its
@@ -265,8 +306,9 @@ class RequestDriver:
                 if waiting["stalled"]:  # cancelled here: its replica did not take it in time
                     outcome = "stalled"
                     log.warning("hop %s of %s not taken within %.1f s after %d tokens (its timer extended %d "
-                                "times, last run %.0f ms late)", t.hop, req.request_id, bound, len(generated),
-                                waiting["rearms"], waiting.get("late", 0.0) * 1e3)
+                                "times, last run %.0f ms late; waited on %d times)", t.hop, req.request_id,
+                                time.monotonic() - started, len(generated), waiting["rearms"],
+                                waiting.get("late", 0.0) * 1e3, waiting.get("kept", 0))
                     if segment_started:  # (it had: the cancellation crossed its acceptance)
                         trace.segments[-1]["stalled"] = True
                 elif outcome == "failed":

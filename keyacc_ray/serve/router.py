@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from keyacc_ray.policies import LoadView, PoolLoad, RequestView, make_policy
 from keyacc_ray.policies.base import HOLD, OutputLengths
-from keyacc_ray.policies.hysteresis import cpu_full, cpu_place_for_new
+from keyacc_ray.policies.hysteresis import cpu_full, cpu_place_for_new, gpu_has_room
 from keyacc_ray.serve.aio import wait_at_most
 from keyacc_ray.serve.driver import FAILOVER, MAX_RECOVERIES, MAX_STALLS, error_item as _err
 from keyacc_ray.serve.heap import freeze_startup_heap
@@ -51,6 +51,10 @@ RECALL_HOLD_S = 2.0
 # again), the snapshot shows a replica of it not seen at the stall (its replacement), or this long
 # passed. (The kill soak: a policy move to a CPU pool whose replica had just died waited 17 s.)
 STALL_MEMORY_S = 30.0
+# A pool replica whose last report (busy: every 0.2 s) is at most this old is alive: a stream under
+# way whose hop there was not taken within the driver's bound waits on for it (`keep_waiting`)
+# while the other pool would make it wait too.
+LIVE_REPORT_S = 1.0
 NODE_TIER = "node_tier/"  # PoolPrefixes' names for the nodes' shared KV tiers (not hops), + the tier's id
 
 
@@ -116,6 +120,7 @@ class Router:
         self._cpu_loads: list[PoolLoad] = [PoolLoad() for _ in self.cpu_keys]
         self.snapshot = None
         self.snapshot_age_s = float("inf")
+        self._snapshot_at = float("-inf")  # this router's clock when the snapshot held came
         self._counters: dict[str, float] = {}
         self._refresher: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None  # set by a request while the refresher idles
@@ -188,7 +193,7 @@ class Router:
         """The monitor's answer (None: nothing changed since the one held): the policy observes the
         load (the refresher calls this every REFRESH_EVERY_S; so does the simulator)."""
         if snap is not None:
-            self.snapshot = snap
+            self.snapshot, self._snapshot_at = snap, self.clock()
             self._pending_blocks = {h: 0 for h in self.deployment_of}
             self._forget_gone_replicas(snap)
             self._take_kv_events(snap)
@@ -584,6 +589,38 @@ class Router:
         t = await self._advance(t, end)
         self._release_held()  # after the request entered its next hop: what it left is free only now
         return t
+
+    async def keep_waiting(self, t: Ticket) -> bool:
+        """A stream under way whose hop has not been taken within the driver's bound: True when it
+        should wait on for that pool rather than move (the driver asks again after another bound,
+        up to NEW_HOP_START_BOUND_S): the pool has a replica that reported within LIVE_REPORT_S
+        (alive, only slow to start the call: an overloaded replica's event loop), and the other
+        pool would make the stream wait too (full, or no live replica). Moved, it waited there in
+        the queue mid-stream for a place (the 2x soak: 167 moves in 90 s, gaps of 12-13 s). A
+        replica killed stops reporting: its stalled streams move as before, a bound or two on."""
+        kind = t.hop.split("/")[0] if t.hop else ""
+        if t.pinned_route is not None or kind not in ("gpu_decode", "cpu_decode"):
+            return False
+        await self._ready()
+        load = self.load_view()
+        if kind == "gpu_decode":
+            other_waits = self._cpu_gone() or cpu_full(load)
+        else:
+            other_waits = self._gpu_gone() or not gpu_has_room(self.policy, self._view(t, 0), load)
+        if not other_waits or not self._reported_lately(self.deployment_of[t.hop]):
+            return False
+        self._count(f"stalls_waited_total|hop={kind}")
+        return True
+
+    def _reported_lately(self, deployment: str) -> bool:
+        """A replica of `deployment` reported within LIVE_REPORT_S, by the snapshot held (its
+        report's age there, plus how long ago it came)."""
+        snap = self.snapshot
+        if snap is None:
+            return False
+        held_for = self.clock() - self._snapshot_at
+        return any(r.get("deployment") == deployment and "time_s" in r
+                   and snap.time_s - r["time_s"] + held_for <= LIVE_REPORT_S for r in snap.replicas or ())
 
     async def _advance(self, t: Ticket, end: HopEnd) -> Ticket:
         self._ran(t, end)

@@ -1324,6 +1324,88 @@ def test_a_stream_moved_by_a_stall_to_a_cpu_pool_that_never_takes_it_goes_back_t
     assert settled(router)
 
 
+@pytest.mark.parametrize("case", ["cpu_full", "cpu_has_room", "gpu_replica_silent", "pinned"])
+def test_a_stream_its_live_pool_is_slow_to_take_waits_there_while_the_other_pool_is_full(monkeypatch, case):
+    """A GPU decode hop of a stream under way not taken within the bound (its replica alive but
+    slow to start the call: an overloaded replica's event loop) while the CPU pool is full: the
+    router tells the driver to wait on for it, bound after bound, instead of moving the stream
+    into the CPU pool's queue (the 2x soak: 12-13 s gaps there). It moves as before where the CPU
+    pool has a place, where the GPU replica has not reported for LIVE_REPORT_S (killed), or where
+    the stream is pinned (that rule is its own)."""
+    from keyacc_ray.serve import driver as driver_mod
+    from keyacc_ray.serve.router import LIVE_REPORT_S
+
+    monkeypatch.setattr(driver_mod, "HOP_START_BOUND_S", 0.05)
+    monkeypatch.setattr(driver_mod, "NEW_HOP_START_BOUND_S", 2.0)
+    driver, router, pools = make("stage_offload", {"decode_period_tokens": 100})
+    router.policy.after_prefill = lambda req, load: "gpu"
+    snap = three_pools_snapshot()
+    snap.time_s = 50.0
+    snap.deployments["CpuDecode"].num_waiting = 0 if case == "cpu_has_room" else 3
+    age = 3 * LIVE_REPORT_S if case == "gpu_replica_silent" else 0.1
+    snap.replicas = [{"deployment": "GpuDecode", "replica": "g1", "time_s": 50.0 - age},
+                     {"deployment": "CpuDecode", "replica": "c1", "time_s": 50.0}]
+    router.take_snapshot(snap)
+    gpu, cpu = pools["gpu_decode"], pools["cpu_decode/0"]
+    gpu.start_delay = 0.4  # taken after eight bounds
+    req = request(10, route="gpu" if case == "pinned" else None)
+    tokens, errors, trace = asyncio.run(asyncio.wait_for(collect(driver, req), 4))
+    assert not errors and tokens == [100 + i for i in range(10)]
+    segments = [(s["pool"], s["tokens"]) for s in trace["segments"]]
+    if case == "cpu_full":
+        assert segments == [("gpu", 1), ("gpu", 9)] and len(gpu.calls) == 1 and not cpu.calls
+        assert not gpu.streams[0].cancelled
+        assert router._counters["stalls_waited_total|hop=gpu_decode"] >= 3
+        assert not any(k.startswith("stalled_starts_total") for k in router._counters)
+    else:
+        assert gpu.streams[0].cancelled and router._counters["stalled_starts_total|hop=gpu_decode"] == 1
+        assert not any(k.startswith("stalls_waited_total") for k in router._counters)
+        if case != "pinned":
+            assert segments == [("gpu", 1), ("cpu", 9)]
+    assert settled(router)
+
+
+def test_a_cpu_hop_slow_to_be_taken_waits_on_while_the_gpu_has_no_room_and_the_router_must_answer(monkeypatch):
+    """`keep_waiting`'s other side: a CPU decode hop waits on while the GPU decode pool has no
+    place for it and the CPU replica reports; not once the GPU has room, nor for a new request's
+    first hop (not a stream under way: its own rule). A driver whose router does not answer within
+    KEEP_ASK_S gives the call up as before."""
+    from keyacc_ray.serve import driver as driver_mod
+
+    r = Router(["CpuDecode"], "full_offload", {}, monitor=_Unreachable(), colocated_gpu=True)
+    snap = three_pools_snapshot()
+    snap.time_s = 7.0
+    snap.replicas = [{"deployment": "CpuDecode", "replica": "c1", "time_s": 6.9}]
+    snap.deployments["GpuDecode"].num_waiting = 2
+    r.take_snapshot(snap)
+    t = Ticket("a", 64, 96)
+    t.hop = "cpu_decode/0"
+    assert asyncio.run(r.keep_waiting(t))
+    snap.deployments["GpuDecode"].num_waiting = 0
+    r.take_snapshot(snap)
+    assert not asyncio.run(r.keep_waiting(t))
+    t.hop = "gpu_prefill"
+    assert not asyncio.run(r.keep_waiting(t))
+
+    class Slow:
+        async def keep_waiting(self, t):
+            await asyncio.sleep(5)
+            return True
+
+    async def ask():
+        stream = FakeStream(_forever())
+        waiting = {"rearms": 0, "timer": None, "keep": lambda: Slow().keep_waiting(t), "since": 0.0}
+        await driver_mod._keep_or_give_up(stream, waiting, waiting["keep"])
+        return stream.cancelled, waiting["stalled"]
+    monkeypatch.setattr(driver_mod, "KEEP_ASK_S", 0.05)
+    assert asyncio.run(ask()) == (True, True)
+
+
+async def _forever():
+    await asyncio.sleep(60)
+    yield []
+
+
 @pytest.mark.parametrize("cpu_alive", [True, False])
 def test_a_stalled_gpu_decode_stays_on_the_gpu_while_no_cpu_replica_lives(cpu_alive):
     """A stream whose GPU decode hop was not taken in time goes to the CPU pool, unless the
