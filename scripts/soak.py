@@ -10,9 +10,11 @@ logit there, and generate()'s own continuation after it) counts as `completed_ne
 With --tiers: prompts share a few long heads (prefix caching), the emulated GPU pool's block
 pool holds a fraction of them, host and disk KV tiers under every pool; it also reports the
 longest gap inside a stream and, once idle, any replica whose KV blocks are not all free again.
-Gaps over 2 s are counted per 10 s of the run (`gaps_over_2s_by_10s`), beside this client's own
-event-loop lag (`client_loop_lag_max_s`: it shares the server's cores, and a gap it was too busy
-to read counts as the server's). `--rate R` offers R requests/s instead of `--load` times the
+Gaps over 2 s are counted per 10 s of the run (`gaps_over_2s_by_10s`) and by where on the path
+(`gaps_over_2s_where`: inside a pool's segment, or moving from one pool to the next), and without
+the part of each that this client's own loop was late (`stream_gaps_over_2s_less_client_lag`),
+beside that lag itself (`client_loop_lag_max_s`: the client shares the server's cores, and a gap
+it was too busy to read counts as the server's). `--rate R` offers R requests/s instead of `--load` times the
 capacity measured first (which moves between runs), so that two commits meet the same load.
 
     python scripts/soak.py --minutes 3
@@ -76,6 +78,21 @@ async def where(request_id: str) -> list[dict]:
     return [r for r in rows if r["request_id"].startswith(f"cmpl-{request_id}-")]
 
 
+def gap_place(segments: list[dict], at: int) -> str:
+    """Where on a request's path the client waited with `at` tokens: inside a segment ("gpu",
+    "cpu"), or between two, from one pool to the next ("gpu->cpu"; ",kv": the next segment's KV
+    was received or computed again there)."""
+    done = 0
+    for i, g in enumerate(segments):
+        done += g.get("tokens") or 0
+        if at < done:
+            return str(g.get("pool"))
+        if at == done and i + 1 < len(segments):
+            nxt = segments[i + 1]
+            return f"{g.get('pool')}->{nxt.get('pool')}" + (",kv" if nxt.get("kv") else "")
+    return "end"
+
+
 async def good(client, rng, checks, stats, stream: bool, tiers: bool = False):
     rid = f"soak-{stats['sent']}"
     prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 20)))
@@ -92,6 +109,8 @@ async def good(client, rng, checks, stats, stream: bool, tiers: bool = False):
                     return record_reject(stats, r.status_code, await r.aread())
                 last = None  # gaps between a stream's events, from its first (the wait for it is TTFT)
                 worst = (0.0, 0)  # this stream's longest gap, and the tokens it had streamed before it
+                long_gaps = []  # the tokens it had streamed before each gap over 2 s
+                pending_gaps = []  # and when each was
                 trace = None
                 async for line in r.aiter_lines():
                     now = time.monotonic()
@@ -102,6 +121,9 @@ async def good(client, rng, checks, stats, stream: bool, tiers: bool = False):
                             w = str(int((now - stats["t0"]) // 10) * 10)
                             stats["gaps_over_2s_by_10s"][w] = stats["gaps_over_2s_by_10s"].get(w, 0) + 1
                         worst = max(worst, (now - last, len(ids)))
+                        if now - last > 2.0:
+                            long_gaps.append(len(ids))
+                            pending_gaps.append((last, now))
                     last = now if line else last
                     if line.startswith("data: ") and line != "data: [DONE]":
                         chunk = json.loads(line[6:])
@@ -111,6 +133,11 @@ async def good(client, rng, checks, stats, stream: bool, tiers: bool = False):
                         for c in chunk.get("choices", []):
                             ids += c.get("token_ids", [])
                         trace = chunk.get("keyacc", trace)
+                for a, b in pending_gaps:  # less this client's own lag meanwhile: still over 2 s?
+                    stats["stream_gaps_over_2s_less_client_lag"] += b - a - client_share(a, b) > 2.0
+                for at in long_gaps:  # where on its path: inside a segment, or between two
+                    w = gap_place((trace or {}).get("segments", []), at)
+                    stats["gaps_over_2s_where"][w] = stats["gaps_over_2s_where"].get(w, 0) + 1
                 if worst[0] > 2.0:  # where the longest stalls happened: the request's path
                     segs = [f"{g.get('pool')}/{g.get('phase')}:{g.get('tokens')}"
                             + "".join(f",{k}" for k in ("kv", "failed", "withdrawn") if g.get(k))
@@ -225,8 +252,8 @@ async def main_async(args, url):
     stats = {"sent": 0, "completed_correct": 0, "completed_near_tie": 0, "near_tie_examples": [],
              "completed_wrong": 0, "rejected_clear_error": 0, "lost": 0,
              "bad_rejected_4xx": 0, "bad_overloaded_503": 0, "bad_wrong_answer": 0, "kills": 0, "max_stream_gap_s": 0.0,
-             "stream_gaps_over_2s": 0, "lost_examples": [],
-             "worst_gaps": [], "wrong_examples": [], "gaps_over_2s_by_10s": {},
+             "stream_gaps_over_2s": 0, "stream_gaps_over_2s_less_client_lag": 0, "lost_examples": [],
+             "worst_gaps": [], "wrong_examples": [], "gaps_over_2s_by_10s": {}, "gaps_over_2s_where": {},
              "client_loop_lag_max_s": 0.0, "client_loop_lags_over_1s": 0, "t0": time.monotonic()}
     rng = random.Random(args.seed)
     lag_probe = asyncio.create_task(client_lag(stats))
@@ -274,6 +301,16 @@ async def client_lag(stats, every_s: float = 0.1) -> None:
         lag = time.monotonic() - t - every_s
         stats["client_loop_lag_max_s"] = round(max(stats["client_loop_lag_max_s"], lag), 3)
         stats["client_loop_lags_over_1s"] += lag > 1.0
+        if lag > 0.1:
+            LAGS.append((time.monotonic(), lag))
+
+
+LAGS: list[tuple[float, float]] = []  # (when, how long) this client's loop ran late
+
+
+def client_share(start: float, end: float) -> float:
+    """Seconds of [start, end] this client's own loop was late (too busy to read anything)."""
+    return sum(max(0.0, min(end, t) - max(start, t - lag)) for t, lag in LAGS if t > start and t - lag < end)
 
 
 async def blocks_in_use(client, settle_s: float = 20.0) -> dict:

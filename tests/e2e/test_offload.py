@@ -360,3 +360,46 @@ def test_the_default_app_offloads_a_burst(app_url, policy):
     traces = check(burst(app_url, 16, 160), 160)
     assert any(s["pool"] == "cpu" for t in traces for s in t["segments"]), "no request ran on the CPU pool"
     assert router_inflight_settles()
+
+
+def test_a_gpu_stream_slow_to_be_taken_is_told_to_wait_there_while_the_cpu_pool_is_full(app_url, policy):
+    """The router deployment's `keep_waiting` through Serve (what a driver asks when a stream's
+    hop was not taken within its bound), on the real monitor's replica reports: while pinned
+    streams hold every CPU slot (and wait for more) and two keep the GPU engine busy, a GPU decode
+    hop of a stream under way is told to wait there; once the CPU streams' clients went away, to
+    move (the CPU pool has room)."""
+    import threading
+
+    from ray import serve
+
+    from keyacc_ray.serve.messages import Ticket
+
+    policy("full_offload", {**FAST, "trigger_window_s": 30.0})
+    router = serve.get_deployment_handle("Router", "keyacc")
+    probe = Ticket("keep-probe", 16, 64)
+    probe.hop = "gpu_decode"
+
+    def answer_becomes(want: bool, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while router.keep_waiting.remote(probe).result(timeout_s=10) is not want:
+            assert time.monotonic() < deadline, f"keep_waiting never answered {want}"
+            time.sleep(0.1)
+
+    gpu_go, cpu_go = threading.Event(), threading.Event()
+    stream = partial(stream_until, app_url)
+    with cf.ThreadPoolExecutor(40) as ex:
+        try:
+            cpus = [ex.submit(stream, PROMPTS[i % len(PROMPTS)], "cpu", 700, cpu_go) for i in range(32)]
+            gpus = [ex.submit(stream, PROMPTS[i % len(PROMPTS)], "gpu", 700, gpu_go) for i in range(2)]
+            router_inflight_reaches(34)
+            answer_becomes(True)
+            cpu_go.set()
+            for f in cpus:
+                f.result(timeout=120)
+            answer_becomes(False)
+        finally:
+            cpu_go.set()
+            gpu_go.set()
+    for f in gpus:
+        f.result(timeout=120)
+    assert router_inflight_settles(30)
