@@ -44,8 +44,11 @@ HOP_START_BOUND_S = 1.0
 NEW_HOP_START_BOUND_S = 20.0
 MAX_STALLS = 4  # hops of one request not taken in time: past it a 503, never a wait without end
 # At the bound of a stream under way the router is asked first whether the stream should wait on
-# where it is (`Router.keep_waiting`: its pool alive, the other full too); this long at most.
-KEEP_ASK_S = 1.0
+# where it is (`Router.keep_waiting`: its pool alive, the other full too); this long at most. (At
+# twice the capacity its answers took 0.3 s on average to reach the ingress, over 1 s in the tail:
+# the ingress's Serve handles carry every token too. A router that answers promptly says "move"
+# to a stream whose replica died within milliseconds; a slow answer means an overloaded server.)
+KEEP_ASK_S = 3.0
 STALL_LATE_S = 0.05  # a bound's timer run later than this: the bound is extended by its lateness
 STALL_REARMS = 3
 # Pool streams and router calls use Serve's gRPC transport (`_by_reference=False`): per streamed
