@@ -51,6 +51,7 @@ KNOWN_COUNTERS = {
     "requests_started_total": [{"route": r, "reason": w} for r in ("gpu", "cpu", "stage") for w in ("policy", "pinned")],
     "pool_seconds_total": [{"pool": p} for p in POOLS],
     "requests_held_total": [{}],
+    "stalls_waited_total": [{"hop": h} for h in ("gpu_decode", "cpu_decode")],
     "recoveries_total": [],
     "rejected_total": [],
 }

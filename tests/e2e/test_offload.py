@@ -385,6 +385,8 @@ def test_a_gpu_stream_slow_to_be_taken_is_told_to_wait_there_while_the_cpu_pool_
             assert time.monotonic() < deadline, f"keep_waiting never answered {want}"
             time.sleep(0.1)
 
+    waited = 'keyacc_stalls_waited_total{hop="gpu_decode"} '
+    waited_before = metric(app_url, waited)
     gpu_go, cpu_go = threading.Event(), threading.Event()
     stream = partial(stream_until, app_url)
     with cf.ThreadPoolExecutor(40) as ex:
@@ -403,3 +405,7 @@ def test_a_gpu_stream_slow_to_be_taken_is_told_to_wait_there_while_the_cpu_pool_
     for f in gpus:
         f.result(timeout=120)
     assert router_inflight_settles(30)
+    deadline = time.monotonic() + 15  # (the router's counters reach /metrics on its next refreshes)
+    while metric(app_url, waited) <= waited_before:
+        assert time.monotonic() < deadline, "keyacc_stalls_waited_total never counted the answers"
+        time.sleep(0.2)
