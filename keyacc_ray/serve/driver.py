@@ -136,9 +136,7 @@ async def _keep_or_give_up(stream, waiting: dict, keep) -> None:
     Cancelled (by the driver) when the hop's first item comes meanwhile."""
     try:
         kept = await wait_at_most(keep(), KEEP_ASK_S)
-    except asyncio.CancelledError:
-        raise
-    except Exception:  # noqa: BLE001 - no answer: as without one
+    except Exception:  # noqa: BLE001 - no answer: as without one (a cancellation is not an Exception)
         kept = False
     loop = asyncio.get_running_loop()
     if kept:
@@ -250,9 +248,10 @@ class RequestDriver:
                 # Every hop has a bound: a pool whose replicas keep dying looks alive to the monitor
                 # between deaths, and Serve's queue for it waits for a replacement without end
                 # (requests waited there past their clients' timeouts in the kill soak)
-                bound = HOP_START_BOUND_S if generated and not t.stall_moved else NEW_HOP_START_BOUND_S
+                under_way = bool(generated) and not t.stall_moved
+                bound = HOP_START_BOUND_S if under_way else NEW_HOP_START_BOUND_S
                 loop = asyncio.get_running_loop()
-                if bound == HOP_START_BOUND_S and t.pinned_route is None and hasattr(self.router, "keep_waiting"):
+                if under_way and t.pinned_route is None and hasattr(self.router, "keep_waiting"):
                     waiting["keep"], waiting["since"] = functools.partial(self.router.keep_waiting, t), loop.time()
                 waiting["timer"] = loop.call_later(bound, _stalled, stream, waiting, loop.time() + bound)
                 async for items in (stream if hop is None else hop.attach(stream)):
