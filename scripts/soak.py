@@ -14,8 +14,9 @@ Gaps over 2 s are counted per 10 s of the run (`gaps_over_2s_by_10s`) and by whe
 (`gaps_over_2s_where`: inside a pool's segment, or moving from one pool to the next), and without
 the part of each that this client's own loop was late (`stream_gaps_over_2s_less_client_lag`),
 beside that lag itself (`client_loop_lag_max_s`: the client shares the server's cores, and a gap
-it was too busy to read counts as the server's). `--rate R` offers R requests/s instead of `--load` times the
-capacity measured first (which moves between runs), so that two commits meet the same load.
+it was too busy to read counts as the server's). `--rate R` offers R requests/s instead of
+`--load` times the capacity measured first (which moves between runs), so that two commits meet
+the same load.
 
     python scripts/soak.py --minutes 3
     python scripts/soak.py --minutes 3 --tiers
@@ -109,8 +110,7 @@ async def good(client, rng, checks, stats, stream: bool, tiers: bool = False):
                     return record_reject(stats, r.status_code, await r.aread())
                 last = None  # gaps between a stream's events, from its first (the wait for it is TTFT)
                 worst = (0.0, 0)  # this stream's longest gap, and the tokens it had streamed before it
-                long_gaps = []  # the tokens it had streamed before each gap over 2 s
-                pending_gaps = []  # and when each was
+                long_gaps = []  # each gap over 2 s: (tokens streamed before it, its start, its end)
                 trace = None
                 async for line in r.aiter_lines():
                     now = time.monotonic()
@@ -122,8 +122,7 @@ async def good(client, rng, checks, stats, stream: bool, tiers: bool = False):
                             stats["gaps_over_2s_by_10s"][w] = stats["gaps_over_2s_by_10s"].get(w, 0) + 1
                         worst = max(worst, (now - last, len(ids)))
                         if now - last > 2.0:
-                            long_gaps.append(len(ids))
-                            pending_gaps.append((last, now))
+                            long_gaps.append((len(ids), last, now))
                     last = now if line else last
                     if line.startswith("data: ") and line != "data: [DONE]":
                         chunk = json.loads(line[6:])
@@ -133,9 +132,9 @@ async def good(client, rng, checks, stats, stream: bool, tiers: bool = False):
                         for c in chunk.get("choices", []):
                             ids += c.get("token_ids", [])
                         trace = chunk.get("keyacc", trace)
-                for a, b in pending_gaps:  # less this client's own lag meanwhile: still over 2 s?
+                for at, a, b in long_gaps:
+                    # less this client's own lag meanwhile: still over 2 s? and where on its path
                     stats["stream_gaps_over_2s_less_client_lag"] += b - a - client_share(a, b) > 2.0
-                for at in long_gaps:  # where on its path: inside a segment, or between two
                     w = gap_place((trace or {}).get("segments", []), at)
                     stats["gaps_over_2s_where"][w] = stats["gaps_over_2s_where"].get(w, 0) + 1
                 if worst[0] > 2.0:  # where the longest stalls happened: the request's path
