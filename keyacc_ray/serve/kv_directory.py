@@ -38,14 +38,20 @@ class KVDirectory:
         self.puts = 0  # hand-offs that carried KV, since this actor started
 
     def _expire(self) -> None:
+        """Drop entries past their time, oldest first: each dict holds its entries in the order of
+        their times (an entry written again is moved to the end), so this stops at the first
+        fresh one instead of reading every entry at every call (one per hand-off)."""
         now = self.clock()
-        for key in [k for k, (_, t) in self._refs.items() if now - t > self.ttl_s]:
-            del self._refs[key]
-        for key in [k for k, (_, t) in self._taken.items() if now - t > self.taken_keep_s]:
-            del self._taken[key]
+        for entries, keep_s in ((self._refs, self.ttl_s), (self._taken, self.taken_keep_s)):
+            while entries:
+                key, (_, t) = next(iter(entries.items()))
+                if now - t <= keep_s:
+                    break
+                del entries[key]
 
     async def put(self, key: str, refs: list) -> None:
         self._expire()
+        self._refs.pop(key, None)  # (to the end: the order of times)
         self._refs[key] = (refs, self.clock())
         self.puts += 1
         ev = self._waiting.pop(key, None)
@@ -68,6 +74,7 @@ class KVDirectory:
         if not refs and key in self._taken:  # taken before by a hop its driver gave up on (an empty
             refs = self._taken[key][0]       # entry put back: that hop made tokens nobody received)
         if refs:
+            self._taken.pop(key, None)  # (to the end: the order of times)
             self._taken[key] = (refs, self.clock())
         return refs
 

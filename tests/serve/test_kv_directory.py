@@ -48,6 +48,32 @@ def test_untaken_entries_expire():
     assert asyncio.run(go()) == (1, [], ["y"])
 
 
+def test_an_entry_written_again_lives_from_its_last_write():
+    """Expiry reads the oldest entries first and stops at a fresh one: an entry put again (a
+    hop's KV put back under its key) or taken again counts from then, and one behind it that is
+    older still expires."""
+    clock = Clock()
+    d = KVDirectory(ttl_s=60.0, clock=clock, taken_keep_s=30.0)
+
+    async def go():
+        await d.put("a", ["x"])
+        clock.t = 10.0
+        await d.put("b", ["y"])
+        clock.t = 20.0
+        await d.put("a", ["x2"])  # again: from t=20
+        clock.t = 75.0  # b (t=10) expired, a (t=20) not
+        sizes = [await d.size()]
+        got = [await d.take("b", 0.01), await d.take("a", 0.01)]  # a taken at t=75
+        await d.put("c", ["z"])
+        got.append(await d.take("c", 0.01))  # c taken at t=75 too
+        clock.t = 90.0
+        got.append(await d.take("c", 0.01))  # again within taken_keep_s: kept from t=90
+        clock.t = 110.0  # a's take (t=75) is past taken_keep_s, c's last (t=90) not
+        got += [await d.take("a", 0.01), await d.take("c", 0.01)]
+        return sizes, got
+
+    assert asyncio.run(go()) == ([1], [[], ["x2"], ["z"], ["z"], [], ["z"]])
+
 
 def test_a_taken_entry_answers_a_second_take_of_its_key_for_a_while():
     """A driver that gave a hop up sends the same hand-off (the same key) to the next hop, and the
