@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Soak test (not part of `make test`): N minutes at twice the measured capacity (`--load`), mixed
 good and bad requests, random replica kills. Prints requests sent, completed with correct tokens,
-rejected with a clear error, and lost (must be 0), plus memory per Ray process over the run.
+rejected with a clear error (of those, `cut_after_tokens`: streams ended by an error event after
+their first tokens, with `cut_examples`), and lost (must be 0), plus memory per Ray process.
+The GPU pool admits with `kv_growth_reserve`, as deployments/app.yaml's does (`--gpu-engine
+'{"kv_growth_reserve": false}'`: lazy).
 A completion whose tokens differ from transformers' generate() (`completed_wrong`, must be 0) is
 kept in `wrong_examples` (its prompt, where the tokens part, and the request's path); one that
 parts from it only at a float32 near-tie (the server's token within 8 ulps of generate()'s top
@@ -16,7 +19,8 @@ the part of each that this client's own loop was late (`stream_gaps_over_2s_less
 beside that lag itself (`client_loop_lag_max_s`: the client shares the server's cores, and a gap
 it was too busy to read counts as the server's). `--rate R` offers R requests/s instead of
 `--load` times the capacity measured first (which moves between runs), so that two commits meet
-the same load.
+the same load. `--client-nice -10` puts this client's loop ahead of the server's processes (root):
+its lag, and the guess at it, leave the gap counts.
 
     python scripts/soak.py --minutes 3
     python scripts/soak.py --minutes 3 --tiers
@@ -111,38 +115,46 @@ async def good(client, rng, checks, stats, stream: bool, tiers: bool = False):
                 last = None  # gaps between a stream's events, from its first (the wait for it is TTFT)
                 worst = (0.0, 0)  # this stream's longest gap, and the tokens it had streamed before it
                 long_gaps = []  # each gap over 2 s: (tokens streamed before it, its start, its end)
-                trace = None
+                trace, cut = None, None
                 async for line in r.aiter_lines():
                     now = time.monotonic()
                     if last is not None and line:
                         stats["max_stream_gap_s"] = round(max(stats["max_stream_gap_s"], now - last), 3)
                         stats["stream_gaps_over_2s"] += now - last > 2.0
                         if now - last > 2.0:  # when (10 s windows from the soak's start): a burst or all along
-                            w = str(int((now - stats["t0"]) // 10) * 10)
-                            stats["gaps_over_2s_by_10s"][w] = stats["gaps_over_2s_by_10s"].get(w, 0) + 1
+                            tally(stats["gaps_over_2s_by_10s"], str(int((now - stats["t0"]) // 10) * 10))
                         worst = max(worst, (now - last, len(ids)))
                         if now - last > 2.0:
                             long_gaps.append((len(ids), last, now))
                     last = now if line else last
                     if line.startswith("data: ") and line != "data: [DONE]":
                         chunk = json.loads(line[6:])
-                        if "error" in chunk:
-                            stats["rejected_clear_error"] += 1
-                            return
+                        if "error" in chunk:  # a stream ended by an error event, after its first tokens
+                            cut = chunk["error"]
+                            break
                         for c in chunk.get("choices", []):
                             ids += c.get("token_ids", [])
                         trace = chunk.get("keyacc", trace)
                 for at, a, b in long_gaps:
                     # less this client's own lag meanwhile: still over 2 s? and where on its path
-                    stats["stream_gaps_over_2s_less_client_lag"] += b - a - client_share(a, b) > 2.0
                     w = gap_place((trace or {}).get("segments", []), at)
-                    stats["gaps_over_2s_where"][w] = stats["gaps_over_2s_where"].get(w, 0) + 1
+                    tally(stats["gaps_over_2s_where"], w)
+                    if b - a - client_share(a, b) > 2.0:  # the server's: when (10 s windows) and where
+                        stats["stream_gaps_over_2s_less_client_lag"] += 1
+                        tally(stats["server_gaps_by_10s"], str(int((b - stats["t0"]) // 10) * 10))
+                        tally(stats["server_gaps_where"], w)
                 if worst[0] > 2.0:  # where the longest stalls happened: the request's path
                     segs = [f"{g.get('pool')}/{g.get('phase')}:{g.get('tokens')}"
                             + "".join(f",{k}" for k in ("kv", "failed", "withdrawn") if g.get(k))
                             for g in (trace or {}).get("segments", [])]
                     stats["worst_gaps"].append((round(worst[0], 2), worst[1], segs, rid))  # (rid: its X-Request-Id)
                     stats["worst_gaps"] = sorted(stats["worst_gaps"], reverse=True)[:8]
+                if cut is not None:  # (a clear error, but the client had tokens: a request the server gave up)
+                    stats["rejected_clear_error"] += 1
+                    stats["cut_after_tokens"] += 1
+                    stats["cut_examples"] = stats["cut_examples"][-4:] + [
+                        {"message": str(cut.get("message"))[:120], "tokens": len(ids), "request_id": rid}]
+                    return
         else:
             r = await client.post("/v1/completions", json=body, headers={"X-Request-Id": rid})
             if r.status_code != 200:
@@ -253,6 +265,8 @@ async def main_async(args, url):
              "bad_rejected_4xx": 0, "bad_overloaded_503": 0, "bad_wrong_answer": 0, "kills": 0, "max_stream_gap_s": 0.0,
              "stream_gaps_over_2s": 0, "stream_gaps_over_2s_less_client_lag": 0, "lost_examples": [],
              "worst_gaps": [], "wrong_examples": [], "gaps_over_2s_by_10s": {}, "gaps_over_2s_where": {},
+             "server_gaps_by_10s": {}, "server_gaps_where": {}, "kills_at_s": [],
+             "cut_after_tokens": 0, "cut_examples": [],
              "client_loop_lag_max_s": 0.0, "client_loop_lags_over_1s": 0, "t0": time.monotonic()}
     rng = random.Random(args.seed)
     lag_probe = asyncio.create_task(client_lag(stats))
@@ -277,6 +291,7 @@ async def main_async(args, url):
                 await asyncio.to_thread(kill_random_replica, rng,
                                         args.kill_only or ("CpuDecode", "GpuDecode", "GpuPrefill"))
                 stats["kills"] += 1
+                stats["kills_at_s"].append(round(time.monotonic() - stats["t0"], 1))
                 next_kill += args.kill_every_s
             if time.monotonic() > next_mem:
                 for k, v in (await asyncio.to_thread(ray_processes_rss)).items():
@@ -305,6 +320,10 @@ async def client_lag(stats, every_s: float = 0.1) -> None:
 
 
 LAGS: list[tuple[float, float]] = []  # (when, how long) this client's loop ran late
+
+
+def tally(counts: dict, key: str) -> None:
+    counts[key] = counts.get(key, 0) + 1
 
 
 def client_share(start: float, end: float) -> float:
@@ -357,6 +376,9 @@ def main() -> None:
     ap.add_argument("--no-prefix-caching", action="store_true", help="with --tiers: the same load, caching off")
     ap.add_argument("--node-tier", action="store_true",
                     help="with --tiers: the node's shared KV tier under both pools too (a directory of this run's own)")
+    ap.add_argument("--client-nice", type=int, default=0, metavar="N",
+                    help="this client's event-loop thread at nice N (negative: ahead of the server's processes, "
+                         "root only), so that it reads streams when they come on a box it shares with the server")
     ap.add_argument("--kill-only", nargs="+", metavar="DEPLOYMENT", default=None,
                     help="kill replicas of these deployments only (e.g. CpuDecode)")
     ap.add_argument("--no-mux", action="store_true", help="one Serve stream per hop (stream_mux: false)")
@@ -386,10 +408,13 @@ def main() -> None:
             tiers.update(kv_node_tier_gb=1024 * 8192 / 2**30, kv_node_tier_dir=node_dir)
         cfg["gpu"] = {"device": "auto", "max_num_seqs": 8, "num_kv_blocks": 40, **tiers}
         cfg["cpu"] = {"device": "cpu", "max_num_seqs": 16, "num_kv_blocks": 160, **tiers}
+    cfg["gpu"] = {**cfg.get("gpu", {}), "kv_growth_reserve": True}  # (deployments/app.yaml's)
     for pool, extra in (("gpu", args.gpu_engine), ("cpu", args.cpu_engine)):
         if extra:
             cfg[pool] = {**cfg.get(pool, {}), **extra}
     serve.run(build_app(cfg), name="keyacc", route_prefix="/")
+    if args.client_nice:  # (Linux: this thread only; Ray's own threads in this process keep theirs)
+        os.setpriority(os.PRIO_PROCESS, 0, args.client_nice)
     stats, mem = asyncio.run(main_async(args, f"http://127.0.0.1:{args.port}"))
     stats["lost_examples"] = stats["lost_examples"][:12]
     del stats["t0"]
