@@ -98,12 +98,14 @@ class Scheduler:
         self.import_recomputed_tokens = 0
 
     def add(self, seq: Sequence) -> bool:
-        """Queue a sequence; False if the waiting queue is full. One whose stream is under way
-        (it has generated tokens: a hand-off from another engine, a recovery) queues ahead of
-        every fresh prompt, behind the others under way (as vLLM resumes preempted and swapped
-        requests before new ones): its client is waiting between two tokens, a fresh prompt's
-        for its first."""
-        if len(self.waiting) >= self.max_waiting:
+        """Queue a sequence; False if the waiting queue is full, for a fresh prompt only. One
+        whose stream is under way (it has generated tokens: a hand-off from another engine, a
+        recovery) is never refused: the server admitted it already and its client has tokens (a
+        refusal cut the stream with an error: the 2x soak's `cut_after_tokens`); how many there
+        are is bounded by the streams admitted, not by this queue. It queues ahead of every fresh
+        prompt, behind the others under way (as vLLM resumes preempted and swapped requests
+        before new ones): its client is waiting between two tokens, a fresh prompt's for its first."""
+        if len(self.waiting) >= self.max_waiting and not seq.num_output_tokens:
             return False
         if seq.num_output_tokens:
             at = next((i for i, w in enumerate(self.waiting) if not w.num_output_tokens), len(self.waiting))

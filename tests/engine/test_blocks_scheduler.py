@@ -172,6 +172,23 @@ def test_a_stream_under_way_queues_ahead_of_fresh_prompts():
     assert [s.request_id for s in out.admitted] == ["m0"]
 
 
+def test_a_full_waiting_queue_refuses_fresh_prompts_but_never_a_stream_under_way():
+    """The waiting queue's bound is for new requests: a sequence whose client already has tokens
+    (a hand-off, a recovery) is queued past it, ahead of the fresh prompts; fresh ones are still
+    refused until the queue has room for them again."""
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sch = Scheduler(bm, max_num_seqs=1, max_waiting=2, max_prefill_tokens=100)
+    assert sch.add(seq("run", 4, 100))
+    ran(sch.schedule())
+    assert sch.add(seq("f0", 4, 4)) and sch.add(seq("f1", 4, 4))
+    assert not sch.add(seq("f2", 4, 4))
+    moved = seq("m0", 4, 8)
+    moved.token_ids += [7, 8]
+    assert sch.add(moved)
+    assert [s.request_id for s in sch.waiting] == ["m0", "f0", "f1"]
+    assert not sch.add(seq("f3", 4, 4))
+
+
 def test_fresh_prompts_held_while_sequences_decode_until_the_hold_ends():
     """Prompt hold (vLLM v0's delay factor): after the engine sets hold_until, fresh prompts wait
     while sequences decode; a hand-off (a decode row) and a prompt's next chunk are not held; with

@@ -57,6 +57,30 @@ def test_export_import_continues_token_identically(qwen3_path, k, layout):
         assert src_rest[rid] == hf_greedy(qwen3_path, prompts[rid], N_NEW)
 
 
+def test_an_engine_whose_waiting_queue_is_full_still_takes_a_stream_under_way(qwen3_path):
+    """A fresh prompt past `max_waiting` is refused (a clear 503 upstream); a hand-off of a stream
+    whose client has tokens is not (refused, its client's stream was cut mid-way): it queues past
+    the bound, ahead of the fresh prompts, and continues token-identically."""
+    from keyacc_ray.errors import Overloaded
+
+    src = LLMEngine(EngineConfig(model=qwen3_path))
+    dst = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=1, max_waiting=2))
+    params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True)
+    ids = src.tokenize(PROMPTS[3])
+    src.add_request("p3", ids, params)
+    first = run_until(src, "p3", 5)
+    pkg = src.export_request("p3")
+    for i in range(3):  # one runs, two wait: the queue is full
+        dst.add_request(f"f{i}", dst.tokenize(PROMPTS[i]), params)
+        dst.step()
+    with pytest.raises(Overloaded):
+        dst.add_request("f3", dst.tokenize(PROMPTS[4]), params)
+    dst.import_request(pkg)
+    assert [s.request_id for s in dst.scheduler.waiting][0] == "p3"
+    rest = drain(dst)
+    assert first + rest["p3"] == hf_greedy(qwen3_path, ids, N_NEW)
+
+
 def test_seeded_sampling_state_travels(qwen3_path):
     params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=7)
     ref = LLMEngine(EngineConfig(model=qwen3_path)).generate([PROMPTS[0]], params)[0]
