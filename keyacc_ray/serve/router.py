@@ -51,6 +51,11 @@ RECALL_HOLD_S = 2.0
 # again), the snapshot shows a replica of it not seen at the stall (its replacement), or this long
 # passed. (The kill soak: a policy move to a CPU pool whose replica had just died waited 17 s.)
 STALL_MEMORY_S = 30.0
+# A hop that failed with one of these (its replica's actor died or cannot be reached) is the same
+# news: its deployment counts as gone as above. (The 2x kill soak: after a CPU replica was killed,
+# the new requests the policy sent there waited 20 s in Serve's queue for the replacement, and
+# past its 64 the rest got a 503, while the GPU pool was live.)
+REPLICA_GONE_ERRORS = frozenset({"ActorDiedError", "ActorUnavailableError", "RayActorError"})
 # A pool replica whose last report (busy: every 0.2 s) is at most this old is alive: a stream under
 # way whose hop there was not taken within the driver's bound waits on for it (`keep_waiting`)
 # while the other pool would make it wait too.
@@ -324,7 +329,7 @@ class Router:
         return key if n > 0 else None
 
     def _stall_seen(self, hop: str) -> None:
-        """A hop there was not taken in time (STALL_MEMORY_S)."""
+        """A hop there was not taken in time, or failed with its replica gone (STALL_MEMORY_S)."""
         self._stalled[hop] = (self.clock(), frozenset(self._replicas_seen.get(self.deployment_of[hop], ())))
 
     def _hop_ended(self, t: Ticket, end: HopEnd) -> None:
@@ -389,6 +394,17 @@ class Router:
         self._counters[key] = self._counters.get(key, 0) + n
 
     # ---- requests: decisions (the ingress's RequestDriver streams the tokens) --------------
+    def _decode_on(self, t: Ticket, hop: str, end: HopEnd) -> Ticket:
+        """A stream under way goes on decoding on `hop` (gpu_decode or cpu_decode), from its
+        hand-off: on the GPU its blocks counted as taken until the next snapshot; on the CPU for a
+        policy period."""
+        if hop == "gpu_decode":
+            self._pending_blocks[hop] += self.load_view().gpu_decode.blocks_for(
+                self._view(t, end.num_output_tokens).total_tokens)
+            return self._enter(t, hop, None)
+        t.last_cpu = None
+        return self._enter(t, hop, self._cpu_period(t))
+
     def _enter(self, t: Ticket, hop: str, export_after: int | None) -> Ticket:
         """Send the request to `hop` next: picks the CPU deployment, counts it in flight."""
         if hop == "cpu_decode":
@@ -638,12 +654,14 @@ class Router:
         t.prefill_check = False
         if end.outcome == "backpressure":  # the pool's bounded queue is full: not a fault
             self._count(f"rejected_total|hop={kind}")
-            if (kind == "gpu_decode" and t.pinned_route is None and end.has_handoff and not t.backpressured
-                    and not self._cpu_gone()):
-                # prefilled, but the GPU decode pool is full: decode on the CPU pool instead
-                t.backpressured, t.last_cpu = True, None
-                self._count("moves_total|from=gpu,to=cpu,reason=backpressure")
-                return self._enter(t, "cpu_decode", self._cpu_period(t))
+            other = "cpu_decode" if kind == "gpu_decode" else "gpu_decode" if kind == "cpu_decode" else None
+            if (other and t.pinned_route is None and end.has_handoff and not t.backpressured
+                    and not (self._cpu_gone() if other == "cpu_decode" else self._gpu_gone())):
+                # prefilled, or a stream under way (its client has tokens), but this decode pool's
+                # queue is full: the other pool, once (a 503 here cut the stream mid-way)
+                t.backpressured = True
+                self._count(f"moves_total|from={kind[:3]},to={other[:3]},reason=backpressure")
+                return self._decode_on(t, other, end)
             return self._stop(t, _err(503, f"the {kind} pool is overloaded; retry later", "overloaded_error"))
         if end.outcome == "stalled":
             # a hop its pool did not take within the driver's bound (the replica is dead and being
@@ -679,12 +697,10 @@ class Router:
             else:
                 self._count(f"moves_total|from={'gpu' if on_gpu else 'cpu'},to={'cpu' if on_gpu else 'gpu'},"
                             "reason=stalled")
-            if other == "gpu_decode":
-                self._pending_blocks[other] += self.load_view().gpu_decode.blocks_for(self._view(t, end.num_output_tokens).total_tokens)
-                return self._enter(t, other, None)
-            t.last_cpu = None
-            return self._enter(t, other, self._cpu_period(t))
+            return self._decode_on(t, other, end)
         if end.outcome == "failed":
+            if end.error in REPLICA_GONE_ERRORS:
+                self._stall_seen(t.hop)
             if t.recoveries >= MAX_RECOVERIES:
                 log.error("hop %s of %s failed (%s); giving up", t.hop, t.request_id, end.error)
                 return self._stop(t, _err(503, f"the {kind} replica failed mid-request ({end.error}) "

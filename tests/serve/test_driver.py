@@ -13,7 +13,7 @@ from keyacc_ray.serve.driver import RequestDriver
 from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopAccepted, HopEnd, SegmentStart,
                                        Ticket, TicketUpdate, TokenChunk, Trace, Withdrawn)
 from keyacc_ray.serve.mux import MuxClient, hop_sender, mux_hop, subscription, take_ack
-from keyacc_ray.serve.router import Router, hop_keys
+from keyacc_ray.serve.router import REFRESH_EVERY_S, Router, hop_keys
 
 PROMPT = [1, 2, 3, 4]
 MUX = {"on": False}
@@ -449,6 +449,27 @@ def test_full_gpu_decode_queue_moves_the_decode_to_the_cpu_pool():
     assert [s["pool"] for s in trace["segments"]] == ["gpu", "cpu"]
     assert router._counters["moves_total|from=gpu,to=cpu,reason=backpressure"] == 1
     assert router._counters["rejected_total|hop=gpu_decode"] == 1
+    assert settled(router)
+
+
+def test_a_stream_under_way_refused_by_a_full_cpu_queue_goes_on_on_the_gpu_and_only_then_gets_a_503():
+    """A decode on its way to the CPU pool (its client has the first token) whose CPU queue is
+    full goes on on the GPU decode pool from what the client has, instead of a 503 mid-stream;
+    refused there too (once each), the 503 is the answer."""
+    driver, router, pools = make("stage_offload", {"decode_period_tokens": 100})
+    router.policy.route = lambda *a: "stage"  # (the policy's decision under load: decode on the CPU)
+    pools["cpu_decode/0"].backpressure = True
+    tokens, errors, trace = asyncio.run(collect(driver, request(6)))
+    assert tokens == [100 + i for i in range(6)] and not errors
+    assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == [("gpu", 1), ("gpu", 5)]
+    assert [c[0] for c in pools["cpu_decode/0"].calls + pools["gpu_decode"].calls] == [len(PROMPT) + 1] * 2
+    assert router._counters["moves_total|from=cpu,to=gpu,reason=backpressure"] == 1
+    assert router._counters["rejected_total|hop=cpu_decode"] == 1
+    assert settled(router)
+    pools["cpu_decode/0"].backpressure = pools["gpu_decode"].backpressure = True
+    tokens, errors, _ = asyncio.run(collect(driver, request(6, rid="r2")))
+    assert tokens == [100] and errors[0].status_code == 503
+    assert router._counters["moves_total|from=cpu,to=gpu,reason=backpressure"] == 2
     assert settled(router)
 
 
@@ -1491,6 +1512,38 @@ def test_a_pool_whose_hop_stalled_is_gone_for_every_move_until_it_shows_it_takes
         assert await new_hop("j") == "gpu_decode"
         now[0] += 2
         assert await new_hop("k") == "cpu_decode/0"
+        assert settled(r)
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("error, gone", [("ActorUnavailableError", True), ("ActorDiedError", True),
+                                          ("RuntimeError", False)])
+def test_a_hop_failed_with_its_replica_gone_is_news_of_its_pool_as_a_stall_is(error, gone):
+    """A CPU hop that failed because its replica's actor died (killed: the monitor shows it alive
+    for STALE_AFTER_S more) sends the policy's new requests to the GPU pool, as a stall there does,
+    until the replacement shows in the snapshot (the 2x kill soak: they waited 20 s in Serve's
+    queue for it, and past its bound got a 503). Another failure is not news of the replica."""
+    replicas = [("CpuDecode", "c1"), ("GpuDecode", "g1")]
+    r = Router(["CpuDecode"], "full_offload", {}, monitor=_monitor_with_replicas(replicas), colocated_gpu=True)
+    r.policy.route = lambda *a: "cpu"
+
+    async def new_hop(rid):
+        t = await r.begin(Ticket(rid, 64, 96))
+        r._leave(t, HopEnd("done", 0.0, 0))
+        return t.hop
+
+    async def run():
+        await r.snapshot_dict()
+        t = Ticket("a", 64, 96)
+        r._enter(t, "cpu_decode", 8)
+        t = await r.advance(t, HopEnd("failed", 0.2, 5, True, error))
+        assert t.hop == "gpu_decode"  # the stream itself fails over, either way
+        await r.finish(t, HopEnd("done", 0.5, 96, finished=True))
+        assert await new_hop("b") == ("gpu_decode" if gone else "cpu_decode/0")
+        replicas[0] = ("CpuDecode", "c2")  # the replacement, in the router's next snapshot
+        await asyncio.sleep(3 * REFRESH_EVERY_S)
+        await r.snapshot_dict()
+        assert await new_hop("c") == "cpu_decode/0"
         assert settled(r)
     asyncio.run(run())
 
