@@ -59,6 +59,12 @@ POOL_CALL = {"stream": True, "_by_reference": False}
 ROUTER_CALL = {"_by_reference": False}
 # Where a request goes on when a replica dies under it (the dead one is being replaced).
 FAILOVER = {"gpu_prefill": "cpu_decode", "gpu_decode": "cpu_decode", "cpu_decode": "gpu_decode"}
+# A hop that failed with one of these: its replica's actor died or cannot be reached. The other
+# hops this ingress has waiting to be taken on the same hop key are given up at once, as their
+# bound would give them up, instead of waiting the bound out in Serve's queue for the replacement
+# (about 20 s in the kill soak: a new request's whole NEW_HOP_START_BOUND_S). The router hears of
+# it too (router.py: the pool counts as gone for its moves).
+REPLICA_GONE_ERRORS = frozenset({"ActorDiedError", "ActorUnavailableError", "RayActorError"})
 
 
 def error_item(status: int, message: str, type_: str = "internal_error") -> ErrorItem:
@@ -188,6 +194,7 @@ class RequestDriver:
         self.hops = hops
         self.mux = mux
         self._tasks: set[asyncio.Task] = set()
+        self._untaken: dict[str, dict[int, tuple]] = {}  # hop key -> its hops not taken yet: (stream, waiting)
 
     async def _ask(self, t: Ticket, end: HopEnd | None) -> Ticket:
         try:
@@ -210,6 +217,19 @@ class RequestDriver:
             return
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _give_up_untaken(self, hop: str, why: str) -> None:
+        """A hop on `hop` failed with its replica gone: every hop still waiting to be taken there
+        is given up now, each as its bound would (the router sends it on elsewhere)."""
+        waiters = self._untaken.pop(hop, {})
+        for stream, waiting in waiters.values():
+            if waiting["timer"] is not None:
+                waiting["timer"].cancel()
+                waiting["timer"] = None
+            waiting["stalled"] = True
+            stream.cancel()
+        if waiters:
+            log.warning("a hop on %s failed (%s): %d hops waiting to be taken there given up", hop, why, len(waiters))
 
     async def run(self, req: GenerateRequest):
         """Yields lists of TokenChunk / ErrorItem, then [Trace]."""
@@ -254,10 +274,13 @@ class RequestDriver:
                 if under_way and t.pinned_route is None and hasattr(self.router, "keep_waiting"):
                     waiting["keep"], waiting["since"] = functools.partial(self.router.keep_waiting, t), loop.time()
                 waiting["timer"] = loop.call_later(bound, _stalled, stream, waiting, loop.time() + bound)
+                untaken = self._untaken.setdefault(t.hop, {})
+                untaken[id(waiting)] = (stream, waiting)
                 async for items in (stream if hop is None else hop.attach(stream)):
                     if waiting["timer"] is not None:  # anything from the hop (its HopAccepted, or its
                         waiting["timer"].cancel()     # tokens when they overtake that): it took it
                         waiting["timer"] = None
+                        untaken.pop(id(waiting), None)
                     out = []
                     for it in items:
                         if isinstance(it, HopAccepted):
@@ -320,9 +343,12 @@ class RequestDriver:
                         trace.segments[-1]["failed"] = True
                     if stream is not None:  # if its replica still runs it (lost tokens), it stops there
                         stream.cancel()
+                    if err_name in REPLICA_GONE_ERRORS:
+                        self._give_up_untaken(t.hop, err_name)
             finally:
                 if waiting["timer"] is not None:
                     waiting["timer"].cancel()
+                self._untaken.get(t.hop, {}).pop(id(waiting), None)
                 if hop is not None:
                     hop.close()
             end = HopEnd(outcome, time.monotonic() - started, len(generated), handoff is not None, err_name,

@@ -24,7 +24,7 @@ from keyacc_ray.policies import LoadView, PoolLoad, RequestView, make_policy
 from keyacc_ray.policies.base import HOLD, OutputLengths
 from keyacc_ray.policies.hysteresis import cpu_full, cpu_place_for_new, gpu_has_room
 from keyacc_ray.serve.aio import wait_at_most
-from keyacc_ray.serve.driver import FAILOVER, MAX_RECOVERIES, MAX_STALLS, error_item as _err
+from keyacc_ray.serve.driver import FAILOVER, MAX_RECOVERIES, MAX_STALLS, REPLICA_GONE_ERRORS, error_item as _err
 from keyacc_ray.serve.heap import freeze_startup_heap
 from keyacc_ray.serve.messages import HopEnd, Ticket
 from keyacc_ray.serve.monitor import MONITOR_NAME, MONITOR_NAMESPACE, LoadMonitor, mean_measured
@@ -51,11 +51,10 @@ RECALL_HOLD_S = 2.0
 # again), the snapshot shows a replica of it not seen at the stall (its replacement), or this long
 # passed. (The kill soak: a policy move to a CPU pool whose replica had just died waited 17 s.)
 STALL_MEMORY_S = 30.0
-# A hop that failed with one of these (its replica's actor died or cannot be reached) is the same
-# news: its deployment counts as gone as above. (The 2x kill soak: after a CPU replica was killed,
-# the new requests the policy sent there waited 20 s in Serve's queue for the replacement, and
-# past its 64 the rest got a 503, while the GPU pool was live.)
-REPLICA_GONE_ERRORS = frozenset({"ActorDiedError", "ActorUnavailableError", "RayActorError"})
+# A hop that failed with its replica's actor gone (driver.REPLICA_GONE_ERRORS) is the same news:
+# its deployment counts as gone as above. (The 2x kill soak: after a CPU replica was killed, the
+# new requests the policy sent there waited 20 s in Serve's queue for the replacement, and past
+# its 64 the rest got a 503, while the GPU pool was live.)
 # A pool replica whose last report (busy: every 0.2 s) is at most this old is alive: a stream under
 # way whose hop there was not taken within the driver's bound waits on for it (`keep_waiting`)
 # while the other pool would make it wait too.

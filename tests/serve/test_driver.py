@@ -131,6 +131,7 @@ class FakePool:
         self.mux_ack = _Ack(self)
         self.calls: list[tuple] = []  # (handoff token count or None, export_after)
         self.fail_after: int | None = None  # raise after this many tokens (once)
+        self.fail_with = RuntimeError  # ... this
         self.backpressure = False  # raise BackPressureError (once)
         self.preempt_after: int | None = None  # a movable sequence is preempted and handed off (once)
         self.movable: list[bool] = []  # what each call was told
@@ -185,7 +186,7 @@ class FakePool:
             await asyncio.sleep(0)
             if self.fail_after is not None and here >= self.fail_after:
                 self.fail_after = None
-                raise RuntimeError("replica died")
+                raise self.fail_with("replica died")
             tok = 100 + done
             done += 1
             here += 1
@@ -1219,6 +1220,42 @@ def test_a_new_request_or_a_slow_kv_import_is_not_a_stall(monkeypatch):
     tokens, errors, trace = asyncio.run(collect(driver, request(6, route="stage", rid="r2")))
     assert tokens == [100 + i for i in range(6)] and [s["pool"] for s in trace["segments"]] == ["gpu", "cpu"]
     assert not any(k.startswith("stalled_starts_total") for k in router._counters)
+    assert settled(router)
+
+
+class ActorUnavailableError(Exception):
+    """Ray's, by name (the driver reads the class name, as it does Serve's BackPressureError)."""
+
+
+@pytest.mark.parametrize("error, moved_at_once", [(ActorUnavailableError, True), (RuntimeError, False)])
+def test_a_hop_failed_with_its_replica_gone_gives_up_the_hops_waiting_there_at_once(error, moved_at_once):
+    """A request's CPU hop waits in Serve's queue (not taken: the replica is dying, its replacement
+    20 s away) when another request's hop on the same pool fails with the replica's actor gone:
+    the waiting one is given up then, not at its 20 s bound, and starts on the GPU pool (the
+    router heard the news too). Another kind of failure leaves it waiting to be taken."""
+    driver, router, pools = make("full_offload")
+    router.policy.route = lambda *a: "cpu"
+    cpu = pools["cpu_decode/0"]
+    cpu.start_delay, cpu.fail_after, cpu.fail_with = 1.5, 2, error
+
+    async def run():
+        waiting = asyncio.ensure_future(collect(driver, request(6, rid="waits")))
+        await asyncio.sleep(0.05)  # its call is in: the pool sleeps before it takes it
+        t0 = time.monotonic()
+        tokens, errors, trace = await collect(driver, request(6, rid="fails"))  # fails after 2 tokens
+        assert tokens == [100 + i for i in range(6)] and not errors
+        assert [s["pool"] for s in trace["segments"]] == ["cpu", "gpu"]  # (failed over from its tokens)
+        tokens, errors, trace = await asyncio.wait_for(waiting, 5)
+        assert tokens == [100 + i for i in range(6)] and not errors
+        return time.monotonic() - t0, trace
+
+    took, trace = asyncio.run(run())
+    if moved_at_once:
+        assert took < 1.0 and cpu.streams[0].cancelled
+        assert {s["pool"] for s in trace["segments"]} == {"gpu"}
+        assert router._counters["stalled_starts_total|hop=cpu_decode"] == 1
+    else:  # taken when the pool woke, and run there
+        assert took >= 1.4 and [s["pool"] for s in trace["segments"]] == ["cpu"]
     assert settled(router)
 
 
