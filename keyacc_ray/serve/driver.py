@@ -63,7 +63,8 @@ FAILOVER = {"gpu_prefill": "cpu_decode", "gpu_decode": "cpu_decode", "cpu_decode
 # hops this ingress has waiting to be taken on the same hop key are given up at once, as their
 # bound would give them up, instead of waiting the bound out in Serve's queue for the replacement
 # (about 20 s in the kill soak: a new request's whole NEW_HOP_START_BOUND_S). The router hears of
-# it too (router.py: the pool counts as gone for its moves).
+# it too (router.py: the pool counts as gone for its moves). With several replicas behind the hop
+# key, hops Serve would have given a live one move as well: a kill is rare, and a move is safe.
 REPLICA_GONE_ERRORS = frozenset({"ActorDiedError", "ActorUnavailableError", "RayActorError"})
 
 

@@ -50,11 +50,10 @@ RECALL_HOLD_S = 2.0
 # gone for every move there (a policy's too) until a hop ends there after running (it takes calls
 # again), the snapshot shows a replica of it not seen at the stall (its replacement), or this long
 # passed. (The kill soak: a policy move to a CPU pool whose replica had just died waited 17 s.)
+# A hop that failed with its replica's actor gone (driver.REPLICA_GONE_ERRORS) is the same news.
+# (The 2x kill soak: after a CPU replica was killed, the new requests the policy sent there waited
+# 20 s in Serve's queue for the replacement, and past its 64 the rest got a 503, the GPU pool live.)
 STALL_MEMORY_S = 30.0
-# A hop that failed with its replica's actor gone (driver.REPLICA_GONE_ERRORS) is the same news:
-# its deployment counts as gone as above. (The 2x kill soak: after a CPU replica was killed, the
-# new requests the policy sent there waited 20 s in Serve's queue for the replacement, and past
-# its 64 the rest got a 503, while the GPU pool was live.)
 # A pool replica whose last report (busy: every 0.2 s) is at most this old is alive: a stream under
 # way whose hop there was not taken within the driver's bound waits on for it (`keep_waiting`)
 # while the other pool would make it wait too.
