@@ -1492,6 +1492,13 @@ def _monitor_with_replicas(replicas: list) -> "FakeMonitor":
     return FakeMonitor(answer)
 
 
+async def new_hop(r: Router, rid: str) -> str:
+    """Where the router starts a new request now (the request then leaves at once)."""
+    t = await r.begin(Ticket(rid, 64, 96))
+    r._leave(t, HopEnd("done", 0.0, 0))
+    return t.hop
+
+
 def test_a_pool_whose_hop_stalled_is_gone_for_every_move_until_it_shows_it_takes_calls(monkeypatch):
     """A CPU hop not taken in time (its replica just died, while the monitor still shows it for
     STALE_AFTER_S) is fresher news than the snapshot: the policy's moves there (new requests, a
@@ -1514,16 +1521,11 @@ def test_a_pool_whose_hop_stalled_is_gone_for_every_move_until_it_shows_it_takes
         assert t.hop == "gpu_decode" and t.stall_moved  # this hop: the longer bound
         return t
 
-    async def new_hop(rid):
-        t = await r.begin(Ticket(rid, 64, 96))
-        r._leave(t, HopEnd("done", 0.0, 0))
-        return t.hop
-
     async def run():
         await r.snapshot_dict()
-        assert await new_hop("before") == "cpu_decode/0"
+        assert await new_hop(r, "before") == "cpu_decode/0"
         t = await stall_a_cpu_stream("a")
-        assert await new_hop("b") == "gpu_decode"
+        assert await new_hop(r, "b") == "gpu_decode"
         assert r._counters["requests_rerouted_total|reason=cpu_unavailable"] == 1
         # the stream moved by the stall checks in on the GPU pool: its next hop has the short bound
         t = await r.advance(t, HopEnd("handoff", 0.5, 20, True))  # preempted there: kept on the GPU
@@ -1534,21 +1536,21 @@ def test_a_pool_whose_hop_stalled_is_gone_for_every_move_until_it_shows_it_takes
         c = Ticket("c", 64, 96)
         r._enter(c, "cpu_decode", None)
         await r.finish(c, HopEnd("done", 2.0, 96, finished=True))
-        assert await new_hop("d") == "cpu_decode/0"
+        assert await new_hop(r, "d") == "cpu_decode/0"
         # the replacement in the snapshot
         await r.finish(await stall_a_cpu_stream("e"), HopEnd("done", 0.5, 96, finished=True))
-        assert await new_hop("f") == "gpu_decode"
+        assert await new_hop(r, "f") == "gpu_decode"
         await r.snapshot_dict()  # the same replica: still gone
-        assert await new_hop("g") == "gpu_decode"
+        assert await new_hop(r, "g") == "gpu_decode"
         replicas[0] = ("CpuDecode", "c2")
         await r.snapshot_dict()
-        assert await new_hop("h") == "cpu_decode/0"
+        assert await new_hop(r, "h") == "cpu_decode/0"
         # or the memory's end
         await r.finish(await stall_a_cpu_stream("i"), HopEnd("done", 0.5, 96, finished=True))
         now[0] += router_mod.STALL_MEMORY_S - 1
-        assert await new_hop("j") == "gpu_decode"
+        assert await new_hop(r, "j") == "gpu_decode"
         now[0] += 2
-        assert await new_hop("k") == "cpu_decode/0"
+        assert await new_hop(r, "k") == "cpu_decode/0"
         assert settled(r)
     asyncio.run(run())
 
@@ -1564,11 +1566,6 @@ def test_a_hop_failed_with_its_replica_gone_is_news_of_its_pool_as_a_stall_is(er
     r = Router(["CpuDecode"], "full_offload", {}, monitor=_monitor_with_replicas(replicas), colocated_gpu=True)
     r.policy.route = lambda *a: "cpu"
 
-    async def new_hop(rid):
-        t = await r.begin(Ticket(rid, 64, 96))
-        r._leave(t, HopEnd("done", 0.0, 0))
-        return t.hop
-
     async def run():
         await r.snapshot_dict()
         t = Ticket("a", 64, 96)
@@ -1576,11 +1573,11 @@ def test_a_hop_failed_with_its_replica_gone_is_news_of_its_pool_as_a_stall_is(er
         t = await r.advance(t, HopEnd("failed", 0.2, 5, True, error))
         assert t.hop == "gpu_decode"  # the stream itself fails over, either way
         await r.finish(t, HopEnd("done", 0.5, 96, finished=True))
-        assert await new_hop("b") == ("gpu_decode" if gone else "cpu_decode/0")
+        assert await new_hop(r, "b") == ("gpu_decode" if gone else "cpu_decode/0")
         replicas[0] = ("CpuDecode", "c2")  # the replacement, in the router's next snapshot
         await asyncio.sleep(3 * REFRESH_EVERY_S)
         await r.snapshot_dict()
-        assert await new_hop("c") == "cpu_decode/0"
+        assert await new_hop(r, "c") == "cpu_decode/0"
         assert settled(r)
     asyncio.run(run())
 
