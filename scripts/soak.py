@@ -120,11 +120,10 @@ async def good(client, rng, checks, stats, stream: bool, tiers: bool = False):
                     now = time.monotonic()
                     if last is not None and line:
                         stats["max_stream_gap_s"] = round(max(stats["max_stream_gap_s"], now - last), 3)
-                        stats["stream_gaps_over_2s"] += now - last > 2.0
-                        if now - last > 2.0:  # when (10 s windows from the soak's start): a burst or all along
-                            tally(stats["gaps_over_2s_by_10s"], str(int((now - stats["t0"]) // 10) * 10))
                         worst = max(worst, (now - last, len(ids)))
-                        if now - last > 2.0:
+                        if now - last > 2.0:  # when (10 s windows from the soak's start): a burst or all along
+                            stats["stream_gaps_over_2s"] += 1
+                            tally(stats["gaps_over_2s_by_10s"], window(stats, now))
                             long_gaps.append((len(ids), last, now))
                     last = now if line else last
                     if line.startswith("data: ") and line != "data: [DONE]":
@@ -141,7 +140,7 @@ async def good(client, rng, checks, stats, stream: bool, tiers: bool = False):
                     tally(stats["gaps_over_2s_where"], w)
                     if b - a - client_share(a, b) > 2.0:  # the server's: when (10 s windows) and where
                         stats["stream_gaps_over_2s_less_client_lag"] += 1
-                        tally(stats["server_gaps_by_10s"], str(int((b - stats["t0"]) // 10) * 10))
+                        tally(stats["server_gaps_by_10s"], window(stats, b))
                         tally(stats["server_gaps_where"], w)
                 if worst[0] > 2.0:  # where the longest stalls happened: the request's path
                     segs = [f"{g.get('pool')}/{g.get('phase')}:{g.get('tokens')}"
@@ -324,6 +323,11 @@ LAGS: list[tuple[float, float]] = []  # (when, how long) this client's loop ran 
 
 def tally(counts: dict, key: str) -> None:
     counts[key] = counts.get(key, 0) + 1
+
+
+def window(stats: dict, t: float) -> str:
+    """The 10 s window of the soak that `t` falls in ("0", "10", ...)."""
+    return str(int((t - stats["t0"]) // 10) * 10)
 
 
 def client_share(start: float, end: float) -> float:
