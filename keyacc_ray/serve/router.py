@@ -371,6 +371,10 @@ class Router:
         deps = snap.deployments
         return self.deployment_of[hop] not in deps and any(self.deployment_of[k] in deps for k in self.cpu_keys)
 
+    def _decode_gone(self, hop: str) -> bool:
+        """`_cpu_gone` or `_gpu_gone`, for the decode pool `hop` ("cpu_decode" or "gpu_decode")."""
+        return self._cpu_gone() if hop == "cpu_decode" else self._gpu_gone()
+
     def _first_gpu_hop(self) -> str:
         return "gpu_decode" if self.colocated else "gpu_prefill"
 
@@ -654,7 +658,7 @@ class Router:
             self._count(f"rejected_total|hop={kind}")
             other = "cpu_decode" if kind == "gpu_decode" else "gpu_decode" if kind == "cpu_decode" else None
             if (other and t.pinned_route is None and end.has_handoff and not t.backpressured
-                    and not (self._cpu_gone() if other == "cpu_decode" else self._gpu_gone())):
+                    and not self._decode_gone(other)):
                 # prefilled, or a stream under way (its client has tokens), but this decode pool's
                 # queue is full: the other pool, once (a 503 here cut the stream mid-way)
                 t.backpressured = True
@@ -687,7 +691,7 @@ class Router:
             # (a pinned stream not taken there twice: its pool is gone for now, a node removed or
             # replicas that cannot be placed; it goes on on the other pool too, not without end)
             other = "cpu_decode" if on_gpu else "gpu_decode"
-            if t.pinned_route is None and (self._cpu_gone() if other == "cpu_decode" else self._gpu_gone()):
+            if t.pinned_route is None and self._decode_gone(other):
                 # no live replica there (killed, its replacement starting): Serve's queue would
                 # hold it until one starts; it waits its turn where it is instead
                 self._count(f"moves_kept_total|reason={'cpu' if other == 'cpu_decode' else 'gpu'}_unavailable")
