@@ -411,7 +411,8 @@ def build_app(args: dict | None = None):
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus, "resources": dict(cfg.control_resources), **env},
     ).bind(router, pools, cfg.model, cfg.served_model_name, max_len, cfg.allow_route_pinning, cfg.max_body_bytes,
            cfg.api_keys_file, cfg.operator_keys_file, cfg.trust_remote_code, cfg.generation_config,
-           cfg.tool_call_parser, cfg.stream_mux)
+           cfg.tool_call_parser, cfg.stream_mux,
+           {hop: (cfg.cpu if hop.startswith("cpu") else cfg.gpu).replicas for hop in pools})
 
 
 if __name__ == "__main__":  # python -m keyacc_ray.serve.app serve run deployments/app.yaml

@@ -63,8 +63,10 @@ FAILOVER = {"gpu_prefill": "cpu_decode", "gpu_decode": "cpu_decode", "cpu_decode
 # hops this ingress has waiting to be taken on the same hop key are given up at once, as their
 # bound would give them up, instead of waiting the bound out in Serve's queue for the replacement
 # (about 20 s in the kill soak: a new request's whole NEW_HOP_START_BOUND_S). The router hears of
-# it too (router.py: the pool counts as gone for its moves). With several replicas behind the hop
-# key, hops Serve would have given a live one move as well: a kill is rare, and a move is safe.
+# it too (router.py: the pool counts as gone for its moves, if no other replica of it lives).
+# With several replicas behind the hop key nothing is given up: Serve sends the waiting hops to
+# the live replicas (it drops a dead one from its choice at the first call that finds it dead),
+# and a hop it had sent to the dead one fails by itself.
 REPLICA_GONE_ERRORS = frozenset({"ActorDiedError", "ActorUnavailableError", "RayActorError"})
 
 
@@ -187,12 +189,14 @@ def fallback(t: Ticket, end: HopEnd | None, colocated: bool = False) -> Ticket:
 
 
 class RequestDriver:
-    def __init__(self, router, hops: dict, mux: MuxClient | None = None):
+    def __init__(self, router, hops: dict, mux: MuxClient | None = None, replicas: dict | None = None):
         """router: RemoteRouter (or the Router itself, in process); hops: the pool handles by hop
         key ("gpu_prefill", "gpu_decode", "cpu_decode/0", ...); mux: this ingress replica's
-        multiplexed token streams (serve/mux.py), or None for one stream per hop."""
+        multiplexed token streams (serve/mux.py), or None for one stream per hop; replicas: how
+        many replicas serve each hop key (1 where not said)."""
         self.router = router
         self.hops = hops
+        self.replicas = replicas or {}
         self.mux = mux
         self._tasks: set[asyncio.Task] = set()
         self._untaken: dict[str, dict[int, tuple]] = {}  # hop key -> its hops not taken yet: (stream, waiting)
@@ -344,7 +348,7 @@ class RequestDriver:
                         trace.segments[-1]["failed"] = True
                     if stream is not None:  # if its replica still runs it (lost tokens), it stops there
                         stream.cancel()
-                    if err_name in REPLICA_GONE_ERRORS:
+                    if err_name in REPLICA_GONE_ERRORS and self.replicas.get(t.hop, 1) <= 1:
                         self._give_up_untaken(t.hop, err_name)
             finally:
                 if waiting["timer"] is not None:
@@ -353,7 +357,8 @@ class RequestDriver:
                 if hop is not None:
                     hop.close()
             end = HopEnd(outcome, time.monotonic() - started, len(generated), handoff is not None, err_name,
-                         finished=finish_reason in ("stop", "length"))
+                         finished=finish_reason in ("stop", "length"),
+                         replica=trace.segments[-1]["replica"] if segment_started and outcome == "failed" else "")
             if outcome == "done":
                 self._finish(t, end)
                 break

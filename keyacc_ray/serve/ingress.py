@@ -114,9 +114,11 @@ class Ingress:
                  allow_route_pinning: bool | str = True, max_body_bytes: int = 1 << 20,
                  api_keys_file: str | None = None, operator_keys_file: str | None = None,
                  trust_remote_code: bool = False, generation_config: str = "auto",
-                 tool_call_parser: str | None = "hermes", stream_mux: bool = True):
+                 tool_call_parser: str | None = "hermes", stream_mux: bool = True,
+                 pool_replicas: dict | None = None):
         """router: the Router deployment's handle; pools: the pool handles by hop key
-        ("gpu_prefill", "gpu_decode", "cpu_decode/0", ...)."""
+        ("gpu_prefill", "gpu_decode", "cpu_decode/0", ...); pool_replicas: how many replicas
+        each has (1 where not said)."""
         from transformers import AutoTokenizer
 
         self.router = router
@@ -129,7 +131,7 @@ class Ingress:
                 return await pools[hop].options(_by_reference=False).mux_ack.remote(a)
 
             mux = MuxClient(f"ingress-{uuid.uuid4().hex[:12]}", subscribe, ack)
-        self.driver = RequestDriver(RemoteRouter(router), pools, mux)
+        self.driver = RequestDriver(RemoteRouter(router), pools, mux, pool_replicas)
         self.tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
         self.vocab_size = len(self.tokenizer)  # once: transformers rebuilds the vocabulary to count it
         self.sampling_defaults = protocol.generation_defaults(model) if generation_config == "auto" else {}

@@ -204,3 +204,4 @@ class HopEnd:
     # a pool's check while the sequence decodes on where it is (after a CPU period, or after a
     # colocated GPU engine's prefill); the answer may move it. Not in place: the hop has ended.
     in_place: bool = False
+    replica: str = ""  # the replica the hop ran on, where it started there (failed: the one that died)

@@ -18,11 +18,11 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from keyacc_ray.policies import LoadView, PoolLoad, RequestView, make_policy
 from keyacc_ray.policies.base import HOLD, OutputLengths
-from keyacc_ray.policies.hysteresis import cpu_full, cpu_place_for_new, gpu_has_room
+from keyacc_ray.policies.hysteresis import cpu_full, cpu_place_for_new, fits, gpu_has_room, has_place
 from keyacc_ray.serve.aio import wait_at_most
 from keyacc_ray.serve.driver import FAILOVER, MAX_RECOVERIES, MAX_STALLS, REPLICA_GONE_ERRORS, error_item as _err
 from keyacc_ray.serve.heap import freeze_startup_heap
@@ -120,6 +120,7 @@ class Router:
         self.kv_handoff_skip = kv_handoff_skip
         self._replicas_seen: dict[str, set] = {}  # deployment -> its replicas in the last snapshot
         self._stalled: dict[str, tuple[float, frozenset]] = {}  # hop -> (when a hop there stalled, its replicas then)
+        self._dead: dict[str, set] = {}  # deployment -> its replicas a hop failed on with the actor gone
         self._cpu_loads: list[PoolLoad] = [PoolLoad() for _ in self.cpu_keys]
         self.snapshot = None
         self.snapshot_age_s = float("inf")
@@ -220,6 +221,8 @@ class Router:
         for hop, (_, seen) in list(self._stalled.items()):
             if now.get(self.deployment_of[hop], set()) - seen:  # a replica that was not there: the replacement
                 del self._stalled[hop]
+        self._dead = {dep: dead & now.get(dep, set()) for dep, dead in self._dead.items()
+                      if dead & now.get(dep, set())}  # (gone from the snapshot too: forgotten)
         self._replicas_seen = now
 
     def _take_kv_events(self, snap) -> None:
@@ -329,6 +332,49 @@ class Router:
     def _stall_seen(self, hop: str) -> None:
         """A hop there was not taken in time, or failed with its replica gone (STALL_MEMORY_S)."""
         self._stalled[hop] = (self.clock(), frozenset(self._replicas_seen.get(self.deployment_of[hop], ())))
+
+    def _live_replicas(self, hop: str) -> int:
+        """Replicas of `hop`'s deployment in the last snapshot that no hop has failed on with
+        their actor gone since (a killed replica shows in the snapshot for STALE_AFTER_S more)."""
+        dep = self.deployment_of[hop]
+        return len(self._replicas_seen.get(dep, set()) - self._dead.get(dep, set()))
+
+    def _replica_gone(self, hop: str, replica: str) -> None:
+        """A hop failed with its replica's actor gone (`replica`: which one, "" if it failed
+        before it started there). The pool is gone for moves (`_stall_seen`) only when no other
+        live replica of it is known: one of a GPU deployment's several replicas killed leaves the
+        others serving (Serve sends its calls to them), and the GPU pool's new requests and moves
+        stay there."""
+        if replica:
+            self._dead.setdefault(self.deployment_of[hop], set()).add(replica)
+        if self._live_replicas(hop) - (0 if replica else 1) <= 0:
+            self._stall_seen(hop)
+
+    def _failover(self, t: Ticket, kind: str) -> str:
+        """Where a stream goes on after its replica died under it: the other pool (FAILOVER),
+        unless its own pool has a live replica with a place for it now (another of a GPU
+        deployment's replicas, another NUMA node's CPU deployment: Serve sends the call to a live
+        one) or the other pool is gone and its own is not."""
+        other = FAILOVER[kind]
+        load = self.load_view()
+        if other == "cpu_decode":  # from a GPU replica: the GPU decode deployment's other replicas
+            seen = len(self._replicas_seen.get(self.deployment_of["gpu_decode"], ()))
+            live = self._live_replicas("gpu_decode")
+            if live and seen and not self._stalled_lately("gpu_decode"):
+                dec = load.gpu_decode  # (its slots shared by the replicas seen, the dead among them)
+                room = has_place(replace(dec, slots=dec.slots * live // seen)) and fits(self._view(t, 0), dec)
+                if room or self._cpu_gone():
+                    return "gpu_decode"
+            return other
+        cpus = dict(zip(self.cpu_keys, self._cpu_loads))
+        for k in self.cpu_keys:
+            seen = len(self._replicas_seen.get(self.deployment_of[k], ()))
+            live = self._live_replicas(k)
+            if live and seen and not self._stalled_lately(k) and has_place(replace(cpus[k], slots=cpus[k].slots * live // seen)):
+                return "cpu_decode"  # (`_enter` picks the deployment: live ones first)
+        if self._gpu_gone() and any(self._live_replicas(k) and not self._stalled_lately(k) for k in self.cpu_keys):
+            return "cpu_decode"
+        return other
 
     def _hop_ended(self, t: Ticket, end: HopEnd) -> None:
         """The hop's pool took the call and answered (ran it, handed it off, checked in, refused it
@@ -702,14 +748,14 @@ class Router:
             return self._decode_on(t, other, end)
         if end.outcome == "failed":
             if end.error in REPLICA_GONE_ERRORS:
-                self._stall_seen(t.hop)
+                self._replica_gone(t.hop, end.replica)
             if t.recoveries >= MAX_RECOVERIES:
                 log.error("hop %s of %s failed (%s); giving up", t.hop, t.request_id, end.error)
                 return self._stop(t, _err(503, f"the {kind} replica failed mid-request ({end.error}) "
                                                "and recovery failed", "unavailable"))
             t.recoveries += 1
             self.prefixes.forget(t.hop)  # (its replacement caches nothing)
-            nxt = FAILOVER[kind]
+            nxt = self._failover(t, kind) if end.error in REPLICA_GONE_ERRORS else FAILOVER[kind]
             log.warning("hop %s of %s failed (%s); continuing on %s after %d tokens", t.hop, t.request_id,
                         end.error, nxt, end.num_output_tokens)
             self._count(f"recoveries_total|hop={kind}")

@@ -1227,13 +1227,16 @@ class ActorUnavailableError(Exception):
     """Ray's, by name (the driver reads the class name, as it does Serve's BackPressureError)."""
 
 
-@pytest.mark.parametrize("error, moved_at_once", [(ActorUnavailableError, True), (RuntimeError, False)])
-def test_a_hop_failed_with_its_replica_gone_gives_up_the_hops_waiting_there_at_once(error, moved_at_once):
+@pytest.mark.parametrize("error, replicas, moved_at_once", [(ActorUnavailableError, 1, True), (RuntimeError, 1, False),
+                                                        (ActorUnavailableError, 2, False)])
+def test_a_hop_failed_with_its_replica_gone_gives_up_the_hops_waiting_there_at_once(error, replicas, moved_at_once):
     """A request's CPU hop waits in Serve's queue (not taken: the replica is dying, its replacement
     20 s away) when another request's hop on the same pool fails with the replica's actor gone:
     the waiting one is given up then, not at its 20 s bound, and starts on the GPU pool (the
-    router heard the news too). Another kind of failure leaves it waiting to be taken."""
+    router heard the news too). Another kind of failure leaves it waiting to be taken, and so does
+    the death of one of the pool's several replicas (Serve sends it to a live one)."""
     driver, router, pools = make("full_offload")
+    driver.replicas = {"cpu_decode/0": replicas}
     router.policy.route = lambda *a: "cpu"
     cpu = pools["cpu_decode/0"]
     cpu.start_delay, cpu.fail_after, cpu.fail_with = 1.5, 2, error
@@ -1578,6 +1581,66 @@ def test_a_hop_failed_with_its_replica_gone_is_news_of_its_pool_as_a_stall_is(er
         await asyncio.sleep(3 * REFRESH_EVERY_S)
         await r.snapshot_dict()
         assert await new_hop(r, "c") == "cpu_decode/0"
+        assert settled(r)
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("gpu_replicas", [1, 2])
+def test_one_of_several_gpu_replicas_dying_leaves_the_gpu_pool_serving(gpu_replicas):
+    """A GPU decode hop fails with its replica's actor gone. With another live replica of the GPU
+    deployment that has a place, the stream goes on there and the policy's new requests still
+    start on the GPU (it was the GPU pool's "gone" for up to STALL_MEMORY_S: every new request and
+    move to the CPU pool, with the other GPUs idle); once every replica of it died, or with one
+    replica only, the stream and new requests go to the CPU pool."""
+    replicas = [("CpuDecode", "c0")] + [("GpuDecode", f"g{i}") for i in range(gpu_replicas)]
+    r = Router(["CpuDecode"], "full_offload", {}, monitor=_monitor_with_replicas(replicas), colocated_gpu=True)
+    r.policy.route = lambda *a: "gpu"
+
+    async def fail_on(rid: str, replica: str) -> str:
+        t = Ticket(rid, 64, 96)
+        r._enter(t, "gpu_decode", None)
+        t = await r.advance(t, HopEnd("failed", 0.2, 5, True, "ActorDiedError", replica=replica))
+        await r.finish(t, HopEnd("done", 0.5, 96, finished=True))
+        return t.hop
+
+    async def run():
+        await r.snapshot_dict()
+        on = "gpu_decode" if gpu_replicas > 1 else "cpu_decode/0"
+        assert await fail_on("a", "g0") == on
+        assert await new_hop(r, "b") == on
+        if gpu_replicas > 1:  # the other one dies too (the snapshot still shows both): the pool is gone
+            assert await fail_on("c", "g1") == "cpu_decode/0"
+            assert await new_hop(r, "d") == "cpu_decode/0"
+        assert r._counters.get("requests_rerouted_total|reason=gpu_unavailable", 0) == 1
+        assert settled(r)
+    asyncio.run(run())
+
+
+def test_a_stream_whose_cpu_replica_died_goes_on_on_another_live_cpu_deployment():
+    """With a CPU decode deployment per NUMA node, a stream whose CPU replica died goes on on the
+    other node's deployment where it has a place (the GPU pool takes it only when no CPU node does),
+    and new requests the policy sends to the CPU pool go there too."""
+    from keyacc_ray.serve.monitor import Snapshot
+
+    async def answer(since):
+        snap = three_pools_snapshot()
+        cpu = snap.deployments.pop("CpuDecode")
+        snap = Snapshot(0.0, {**snap.deployments, "CpuDecode0": cpu, "CpuDecode1": cpu}, version=1)
+        snap.replicas = [{"deployment": d, "replica": x} for d, x in
+                         (("CpuDecode0", "c0"), ("CpuDecode1", "c1"), ("GpuDecode", "g0"))]
+        return snap
+    r = Router(["CpuDecode0", "CpuDecode1"], "full_offload", {}, monitor=FakeMonitor(answer), colocated_gpu=True)
+    r.policy.route = lambda *a: "cpu"
+
+    async def run():
+        await r.snapshot_dict()
+        t = Ticket("a", 64, 96)
+        r._enter(t, "cpu_decode/0", 8)
+        t = await r.advance(t, HopEnd("failed", 0.2, 5, True, "ActorDiedError", replica="c0"))
+        assert t.hop == "cpu_decode/1"
+        for i in range(3):
+            assert await new_hop(r, f"n{i}") == "cpu_decode/1"
+        await r.finish(t, HopEnd("done", 0.5, 96, finished=True))
         assert settled(r)
     asyncio.run(run())
 
