@@ -2,7 +2,9 @@
 """Soak test (not part of `make test`): N minutes at twice the measured capacity (`--load`), mixed
 good and bad requests, random replica kills. Prints requests sent, completed with correct tokens,
 rejected with a clear error (of those, `cut_after_tokens`: streams ended by an error event after
-their first tokens, with `cut_examples`), and lost (must be 0), plus memory per Ray process.
+their first tokens, with `cut_examples`), and lost (must be 0), plus memory per Ray process, and
+where completed requests went on after their replica died (`failovers`, by deployment: with
+`--gpu-engine '{"replicas": 2}'` a GPU engine's streams go on on the other where it has a place).
 The GPU pool admits with `kv_growth_reserve`, as deployments/app.yaml's does (`--gpu-engine
 '{"kv_growth_reserve": false}'`: lazy).
 A completion whose tokens differ from transformers' generate() (`completed_wrong`, must be 0) is
@@ -161,6 +163,9 @@ async def good(client, rng, checks, stats, stream: bool, tiers: bool = False):
             body = r.json()
             ids = body["choices"][0]["token_ids"]
             trace = body.get("keyacc")
+        for a, b in zip(*[((trace or {}).get("segments") or [])[i:] for i in (0, 1)]):
+            if a.get("failed"):  # where a stream went on after its replica died: "GpuDecode->GpuDecode"
+                tally(stats["failovers"], f"{a.get('deployment')}->{b.get('deployment')}")
         checks.append((prompt, n, stream, ids, trace))  # against generate() once the soak is over
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
         # (what the client had: a stream cut or stalled after some tokens, or a request never answered)
@@ -265,7 +270,7 @@ async def main_async(args, url):
              "stream_gaps_over_2s": 0, "stream_gaps_over_2s_less_client_lag": 0, "lost_examples": [],
              "worst_gaps": [], "wrong_examples": [], "gaps_over_2s_by_10s": {}, "gaps_over_2s_where": {},
              "server_gaps_by_10s": {}, "server_gaps_where": {}, "kills_at_s": [],
-             "cut_after_tokens": 0, "cut_examples": [],
+             "cut_after_tokens": 0, "cut_examples": [], "failovers": {},
              "client_loop_lag_max_s": 0.0, "client_loop_lags_over_1s": 0, "t0": time.monotonic()}
     rng = random.Random(args.seed)
     lag_probe = asyncio.create_task(client_lag(stats))
