@@ -24,7 +24,7 @@ import time
 
 from keyacc_ray.serve.aio import wait_at_most
 from keyacc_ray.serve.mux import MuxClient
-from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopAccepted, HopEnd, SegmentStart,
+from keyacc_ray.serve.messages import (REPLICA_GONE_ERRORS, ErrorItem, GenerateRequest, Handoff, HopAccepted, HopEnd, SegmentStart,
                                        Ticket, TicketUpdate, TokenChunk, Trace, Withdrawn)
 
 log = logging.getLogger("ray.serve")
@@ -59,7 +59,7 @@ POOL_CALL = {"stream": True, "_by_reference": False}
 ROUTER_CALL = {"_by_reference": False}
 # Where a request goes on when a replica dies under it (the dead one is being replaced).
 FAILOVER = {"gpu_prefill": "cpu_decode", "gpu_decode": "cpu_decode", "cpu_decode": "gpu_decode"}
-# A hop that failed with one of these: its replica's actor died or cannot be reached. The other
+# A hop that failed with its replica's actor gone (messages.REPLICA_GONE_ERRORS): the other
 # hops this ingress has waiting to be taken on the same hop key are given up at once, as their
 # bound would give them up, instead of waiting the bound out in Serve's queue for the replacement
 # (about 20 s in the kill soak: a new request's whole NEW_HOP_START_BOUND_S). The router hears of
@@ -67,7 +67,6 @@ FAILOVER = {"gpu_prefill": "cpu_decode", "gpu_decode": "cpu_decode", "cpu_decode
 # With several replicas behind the hop key nothing is given up: Serve sends the waiting hops to
 # the live replicas (it drops a dead one from its choice at the first call that finds it dead),
 # and a hop it had sent to the dead one fails by itself.
-REPLICA_GONE_ERRORS = frozenset({"ActorDiedError", "ActorUnavailableError", "RayActorError"})
 
 
 def error_item(status: int, message: str, type_: str = "internal_error") -> ErrorItem:

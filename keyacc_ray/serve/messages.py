@@ -190,6 +190,17 @@ class TicketUpdate:
     ticket: Ticket
 
 
+
+# A hop that failed with one of these: its replica's actor died or cannot be reached (Ray's, by
+# class name: no Ray import here; ReplicaGoneError: the replica's multiplexed token stream broke
+# with one of Ray's, serve/mux.py).
+REPLICA_GONE_ERRORS = frozenset({"ActorDiedError", "ActorUnavailableError", "RayActorError", "ReplicaGoneError"})
+
+
+class ReplicaGoneError(ConnectionError):
+    """A hop's replica died under it: what broke its token stream was the replica's actor gone."""
+
+
 @dataclass
 class HopEnd:
     """How a hop ended, as the ingress reports it to the router."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
 from keyacc_ray.serve.aio import wait_at_most
-from keyacc_ray.serve.messages import SegmentStart, TokenChunk, merge_chunks
+from keyacc_ray.serve.messages import REPLICA_GONE_ERRORS, ReplicaGoneError, SegmentStart, TokenChunk, merge_chunks
 
 log = logging.getLogger("ray.serve")
 IDLE_CLOSE_S = 5.0  # a pool closes a subscription that carried no hop for this long
@@ -438,7 +438,7 @@ class MuxClient:
         self._subs[k] = asyncio.ensure_future(self._subscription(k))
 
     async def _subscription(self, k: tuple[str, str]) -> None:
-        got = broken = closing = False
+        got = broken = closing = gone = False
         acked = 0
         self.subscriptions += 1
         stream = None
@@ -472,6 +472,7 @@ class MuxClient:
         except Exception as e:  # noqa: BLE001 - replica gone or full: its hops say so on their own calls
             log.info("token stream from %s %s ended (%s)", k[0], k[1], e.__class__.__name__)
             got, broken = False, True
+            gone = e.__class__.__name__ in REPLICA_GONE_ERRORS
         finally:
             self._subs.pop(k, None)
             # Broken (not closed by the pool, which sends what it holds first and the rest of its
@@ -480,8 +481,9 @@ class MuxClient:
             # Closed: its hops still missing runs after their calls ended learn it now (`Inbox.get`).
             for inbox in list(self._inboxes.values()):
                 if inbox.source == k and not inbox._done():
-                    if broken:
-                        inbox.fail(ConnectionError(f"token stream from {k[0]} {k[1]} broke"))
+                    if broken:  # (with its replica's death, the hop's failure is that news too)
+                        inbox.fail((ReplicaGoneError if gone else ConnectionError)(
+                            f"token stream from {k[0]} {k[1]} broke"))
                     else:
                         inbox._wake.set()
         if not got:  # refused (another replica took the call), full or gone: not again at once

@@ -24,9 +24,9 @@ from keyacc_ray.policies import LoadView, PoolLoad, RequestView, make_policy
 from keyacc_ray.policies.base import HOLD, OutputLengths
 from keyacc_ray.policies.hysteresis import cpu_full, cpu_place_for_new, fits, gpu_has_room, has_place
 from keyacc_ray.serve.aio import wait_at_most
-from keyacc_ray.serve.driver import FAILOVER, MAX_RECOVERIES, MAX_STALLS, REPLICA_GONE_ERRORS, error_item as _err
+from keyacc_ray.serve.driver import FAILOVER, MAX_RECOVERIES, MAX_STALLS, error_item as _err
 from keyacc_ray.serve.heap import freeze_startup_heap
-from keyacc_ray.serve.messages import HopEnd, Ticket
+from keyacc_ray.serve.messages import REPLICA_GONE_ERRORS, HopEnd, Ticket
 from keyacc_ray.serve.monitor import MONITOR_NAME, MONITOR_NAMESPACE, LoadMonitor, mean_measured
 from keyacc_ray.serve.prefix_affinity import PREFIX_BLOCK, TIER_ORDER, PoolPrefixes
 
@@ -50,7 +50,7 @@ RECALL_HOLD_S = 2.0
 # gone for every move there (a policy's too) until a hop ends there after running (it takes calls
 # again), the snapshot shows a replica of it not seen at the stall (its replacement), or this long
 # passed. (The kill soak: a policy move to a CPU pool whose replica had just died waited 17 s.)
-# A hop that failed with its replica's actor gone (driver.REPLICA_GONE_ERRORS) is the same news.
+# A hop that failed with its replica's actor gone (messages.REPLICA_GONE_ERRORS) is the same news.
 # (The 2x kill soak: after a CPU replica was killed, the new requests the policy sent there waited
 # 20 s in Serve's queue for the replacement, and past its 64 the rest got a 503, the GPU pool live.)
 STALL_MEMORY_S = 30.0

@@ -281,6 +281,43 @@ def test_a_token_stream_lost_mid_hop_fails_the_hop_and_it_goes_on_elsewhere_from
     assert settled(router)
 
 
+class ActorDiedError(Exception):  # what Ray raises where a replica's actor died (matched by name)
+    pass
+
+
+@pytest.mark.parametrize("error, news", [(ActorDiedError, True), (RuntimeError, False)])
+def test_a_token_stream_broken_by_its_replicas_death_fails_the_hop_with_that_news(muxed, error, news):
+    """A replica's token stream breaks with its actor gone before the hop's own call says so:
+    the hop fails as a replica death (ReplicaGoneError), which the router takes as news of the
+    pool (a plain break, as before: a ConnectionError, no news). Either way it goes on elsewhere
+    with every token once."""
+    driver, router, pools = make()
+    gpu = pools["gpu_decode"]
+    real_run, real_subscribe = type(gpu)._run, gpu.subscribe.remote
+    state = {"n": 0, "dead": False}
+
+    async def dying(sub):
+        async for batch in real_subscribe(sub):
+            yield batch
+            if state["dead"]:
+                raise error("the replica's actor died")
+
+    async def run_and_die(self, req, handoff, export_after):
+        async for items in real_run(self, req, handoff, export_after):
+            yield items
+            state["n"] += 1
+            state["dead"] = state["dead"] or state["n"] == 4
+            await asyncio.sleep(0)
+
+    gpu.subscribe.remote = dying
+    gpu._run = run_and_die.__get__(gpu)
+    tokens, errors, trace = asyncio.run(collect(driver, request(10)))
+    assert tokens == [100 + i for i in range(10)] and not errors
+    assert any(s.get("failed") for s in trace["segments"])
+    assert router._stalled_lately("gpu_decode") is news
+    assert settled(router)
+
+
 def test_the_request_router_sends_a_subscription_to_the_replica_it_names():
     pytest.importorskip("ray.serve")
     from keyacc_ray.serve.request_router import _target
