@@ -24,8 +24,8 @@ import time
 
 from keyacc_ray.serve.aio import wait_at_most
 from keyacc_ray.serve.mux import MuxClient
-from keyacc_ray.serve.messages import (REPLICA_GONE_ERRORS, ErrorItem, GenerateRequest, Handoff, HopAccepted, HopEnd, SegmentStart,
-                                       Ticket, TicketUpdate, TokenChunk, Trace, Withdrawn)
+from keyacc_ray.serve.messages import (REPLICA_GONE_ERRORS, ErrorItem, GenerateRequest, Handoff, HopAccepted, HopEnd,
+                                       SegmentStart, Ticket, TicketUpdate, TokenChunk, Trace, Withdrawn)
 
 log = logging.getLogger("ray.serve")
 ROUTER_TIMEOUT_S = 10.0

@@ -190,7 +190,6 @@ class TicketUpdate:
     ticket: Ticket
 
 
-
 # A hop that failed with one of these: its replica's actor died or cannot be reached (Ray's, by
 # class name: no Ray import here; ReplicaGoneError: the replica's multiplexed token stream broke
 # with one of Ray's, serve/mux.py).

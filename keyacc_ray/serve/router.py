@@ -366,11 +366,10 @@ class Router:
                 if room or self._cpu_gone():
                     return "gpu_decode"
             return other
-        cpus = dict(zip(self.cpu_keys, self._cpu_loads))
-        for k in self.cpu_keys:
+        for k, c in zip(self.cpu_keys, self._cpu_loads):
             seen = len(self._replicas_seen.get(self.deployment_of[k], ()))
             live = self._live_replicas(k)
-            if live and seen and not self._stalled_lately(k) and has_place(replace(cpus[k], slots=cpus[k].slots * live // seen)):
+            if live and seen and not self._stalled_lately(k) and has_place(replace(c, slots=c.slots * live // seen)):
                 return "cpu_decode"  # (`_enter` picks the deployment: live ones first)
         if self._gpu_gone() and any(self._live_replicas(k) and not self._stalled_lately(k) for k in self.cpu_keys):
             return "cpu_decode"
