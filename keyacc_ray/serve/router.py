@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from keyacc_ray.policies import LoadView, PoolLoad, RequestView, make_policy
 from keyacc_ray.policies.base import HOLD, OutputLengths
@@ -358,18 +358,16 @@ class Router:
         other = FAILOVER[kind]
         load = self.load_view()
         if other == "cpu_decode":  # from a GPU replica: the GPU decode deployment's other replicas
-            seen = len(self._replicas_seen.get(self.deployment_of["gpu_decode"], ()))
-            live = self._live_replicas("gpu_decode")
-            if live and seen and not self._stalled_lately("gpu_decode"):
-                dec = load.gpu_decode  # (its slots shared by the replicas seen, the dead among them)
-                room = has_place(replace(dec, slots=dec.slots * live // seen)) and fits(self._view(t, 0), dec)
-                if room or self._cpu_gone():
+            if self._live_replicas("gpu_decode") and not self._stalled_lately("gpu_decode"):
+                # (the dead replica's slots and blocks are in the view until the monitor drops it,
+                # and so are its streams in the in-flight count until each has failed over: a place
+                # here is one for a stream of it; the blocks each takes count at once, `_decode_on`)
+                dec = load.gpu_decode
+                if (has_place(dec) and fits(self._view(t, 0), dec)) or self._cpu_gone():
                     return "gpu_decode"
             return other
         for k, c in zip(self.cpu_keys, self._cpu_loads):
-            seen = len(self._replicas_seen.get(self.deployment_of[k], ()))
-            live = self._live_replicas(k)
-            if live and seen and not self._stalled_lately(k) and has_place(replace(c, slots=c.slots * live // seen)):
+            if self._live_replicas(k) and not self._stalled_lately(k) and has_place(c):
                 return "cpu_decode"  # (`_enter` picks the deployment: live ones first)
         if self._gpu_gone() and any(self._live_replicas(k) and not self._stalled_lately(k) for k in self.cpu_keys):
             return "cpu_decode"
@@ -443,8 +441,8 @@ class Router:
     # ---- requests: decisions (the ingress's RequestDriver streams the tokens) --------------
     def _decode_on(self, t: Ticket, hop: str, end: HopEnd) -> Ticket:
         """A stream under way goes on decoding on `hop` (gpu_decode or cpu_decode), from its
-        hand-off: on the GPU its blocks counted as taken until the next snapshot; on the CPU for a
-        policy period."""
+        hand-off (or, its replica dead, from what its client has): on the GPU its blocks counted
+        as taken until the next snapshot; on the CPU for a policy period."""
         if hop == "gpu_decode":
             self._pending_blocks[hop] += self.load_view().gpu_decode.blocks_for(
                 self._view(t, end.num_output_tokens).total_tokens)
@@ -758,8 +756,9 @@ class Router:
             log.warning("hop %s of %s failed (%s); continuing on %s after %d tokens", t.hop, t.request_id,
                         end.error, nxt, end.num_output_tokens)
             self._count(f"recoveries_total|hop={kind}")
-            t.last_cpu = None
-            return self._enter(t, nxt, self._cpu_period(t) if nxt == "cpu_decode" else None)
+            # (on the GPU its blocks count as taken at once: a dead replica's streams fail over
+            # together, and each must see what the ones before it took there)
+            return self._decode_on(t, nxt, end)
         if end.outcome == "withdrawn":  # recalled from a CPU queue before it ran
             # The recall was the decision (the GPU had a place for it, held since in the in-flight
             # count): it goes there. Routed again instead, it met a GPU queue made of the requests

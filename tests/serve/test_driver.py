@@ -1616,6 +1616,34 @@ def test_one_of_several_gpu_replicas_dying_leaves_the_gpu_pool_serving(gpu_repli
     asyncio.run(run())
 
 
+def test_streams_of_a_dead_gpu_replica_fail_over_to_the_other_while_its_blocks_last():
+    """A GPU replica dies under two streams at once; the other replica's free blocks hold one of
+    them: the first goes on there (its blocks counted as taken at once), the second on the CPU."""
+    from keyacc_ray.serve.monitor import Snapshot
+
+    async def answer(since):
+        snap = three_pools_snapshot()
+        snap = Snapshot(0.0, {**snap.deployments, "GpuDecode": _view("GpuDecode", "gpu", 16, 40, replicas=2)},
+                        version=1)
+        snap.replicas = [{"deployment": d, "replica": x} for d, x in
+                         (("CpuDecode", "c0"), ("GpuDecode", "g0"), ("GpuDecode", "g1"))]
+        return snap
+    r = Router(["CpuDecode"], "full_offload", {}, monitor=FakeMonitor(answer), colocated_gpu=True)
+
+    async def run():
+        await r.snapshot_dict()
+        ts = [Ticket(rid, 64, 200) for rid in ("a", "b")]  # 17 blocks each; 20 free on one replica
+        for t in ts:
+            r._enter(t, "gpu_decode", None)
+        hops = [(await r.advance(t, HopEnd("failed", 0.2, 5, True, "ActorDiedError", replica="g0"))).hop
+                for t in ts]
+        assert hops == ["gpu_decode", "cpu_decode/0"]
+        for t in ts:
+            await r.finish(t, HopEnd("done", 0.5, 200, finished=True))
+        assert settled(r)
+    asyncio.run(run())
+
+
 def test_a_stream_whose_cpu_replica_died_goes_on_on_another_live_cpu_deployment():
     """With a CPU decode deployment per NUMA node, a stream whose CPU replica died goes on on the
     other node's deployment where it has a place (the GPU pool takes it only when no CPU node does),
