@@ -355,6 +355,11 @@ class RequestDriver:
                 self._untaken.get(t.hop, {}).pop(id(waiting), None)
                 if hop is not None:
                     hop.close()
+            if outcome in ("failed", "stalled") and finish_reason in ("stop", "length"):
+                # its last token reached the client before the hop's end did (its replica died in
+                # between): the request is complete, nothing to go on with (a recovery from every
+                # token it may make was refused as "no tokens left": the 2x kill soak's cut streams)
+                outcome = "done"
             end = HopEnd(outcome, time.monotonic() - started, len(generated), handoff is not None, err_name,
                          finished=finish_reason in ("stop", "length"),
                          replica=trace.segments[-1]["replica"] if segment_started and outcome == "failed" else "")

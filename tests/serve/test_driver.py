@@ -1585,6 +1585,28 @@ def test_a_hop_failed_with_its_replica_gone_is_news_of_its_pool_as_a_stall_is(er
     asyncio.run(run())
 
 
+def test_a_replica_dying_after_a_streams_last_token_ends_the_request_not_a_recovery():
+    """The replica dies after the request's last token reached the client but before its hop
+    ended: the request is complete (its finish reason came with that token); going on elsewhere
+    from every token it may make was refused by the next engine ("no tokens left to generate")
+    and cut the stream with an error."""
+    driver, router, pools = make("full_offload")
+    router.policy.route = lambda *a: "cpu"
+    cpu = pools["cpu_decode/0"]
+    real_run = type(cpu)._run
+
+    async def die_after_the_last(self, req, handoff, export_after):
+        async for items in real_run(self, req, handoff, export_after):
+            yield items
+        raise ActorUnavailableError("replica died")
+
+    cpu._run = die_after_the_last.__get__(cpu)
+    tokens, errors, trace = asyncio.run(collect(driver, request(6)))
+    assert tokens == [100 + i for i in range(6)] and not errors
+    assert [s["pool"] for s in trace["segments"]] == ["cpu"] and len(pools["gpu_decode"].calls) == 0
+    assert settled(router)
+
+
 @pytest.mark.parametrize("gpu_replicas", [1, 2])
 def test_one_of_several_gpu_replicas_dying_leaves_the_gpu_pool_serving(gpu_replicas):
     """A GPU decode hop fails with its replica's actor gone. With another live replica of the GPU
