@@ -43,6 +43,12 @@ HOP_START_BOUND_S = 1.0
 # its own pool) waits this long too. (A live pool's full queue is bounded: Serve refuses past it, a clear 503.)
 NEW_HOP_START_BOUND_S = 20.0
 MAX_STALLS = 4  # hops of one request not taken in time: past it a 503, never a wait without end
+# A stream under way that every pool it may go to refused (their bounded queues full; the other
+# pool full or gone) asks the same pool again this long after each refusal, for up to
+# REFUSED_WAIT_S in all, before a 503 cuts it (its client has tokens: the 2x kill soak cut such
+# streams after their first token, the CPU replica dead and the GPU's queue full).
+REFUSED_RETRY_S = 0.5
+REFUSED_WAIT_S = 20.0
 # At the bound of a stream under way the router is asked first whether the stream should wait on
 # where it is (`Router.keep_waiting`: its pool alive, the other full too); this long at most. (At
 # twice the capacity its answers took 0.3 s on average to reach the ingress, over 1 s in the tail:
@@ -381,7 +387,10 @@ class RequestDriver:
                                    len(req.prompt_token_ids), req.params, None, emitted_chars)
                            if generated else None)
                 end.has_handoff = handoff is not None
+            refused = t.hop.split("/")[0] if outcome == "backpressure" else None
             t = await self._ask(t, end)
+            if refused is not None and t.hop is not None and t.hop.split("/")[0] == refused:
+                await asyncio.sleep(REFUSED_RETRY_S)  # the same pool again: give its queue a moment
         if t.error is not None:
             yield [t.error]
             return

@@ -161,6 +161,7 @@ class Ticket:
     last_cpu: str | None = None  # the CPU deployment of the last CPU period (stay there if possible)
     recoveries: int = 0
     backpressured: bool = False
+    refused_since: float = -1.0  # (router's clock) a stream under way refused by full queues since then
     stalls: int = 0  # hops of it not taken in time (past MAX_STALLS: a 503, not a wait without end)
     # its last hop was not taken in time: this one waits for its pool up to NEW_HOP_START_BOUND_S
     # (the hops after it, HOP_START_BOUND_S again: a stream under way)

@@ -24,7 +24,7 @@ from keyacc_ray.policies import LoadView, PoolLoad, RequestView, make_policy
 from keyacc_ray.policies.base import HOLD, OutputLengths
 from keyacc_ray.policies.hysteresis import cpu_full, cpu_place_for_new, fits, gpu_has_room, has_place
 from keyacc_ray.serve.aio import wait_at_most
-from keyacc_ray.serve.driver import FAILOVER, MAX_RECOVERIES, MAX_STALLS, error_item as _err
+from keyacc_ray.serve.driver import FAILOVER, MAX_RECOVERIES, MAX_STALLS, REFUSED_WAIT_S, error_item as _err
 from keyacc_ray.serve.heap import freeze_startup_heap
 from keyacc_ray.serve.messages import REPLICA_GONE_ERRORS, HopEnd, Ticket
 from keyacc_ray.serve.monitor import MONITOR_NAME, MONITOR_NAMESPACE, LoadMonitor, mean_measured
@@ -697,6 +697,8 @@ class Router:
         # go, not back to the engine that just ran out of blocks.
         after_prefill = t.prefill_check and kind == "gpu_decode" and (end.in_place or t.pinned_route is not None)
         t.prefill_check = False
+        if end.outcome != "backpressure":
+            t.refused_since = -1.0  # (taken: a later refusal waits its own REFUSED_WAIT_S)
         if end.outcome == "backpressure":  # the pool's bounded queue is full: not a fault
             self._count(f"rejected_total|hop={kind}")
             other = "cpu_decode" if kind == "gpu_decode" else "gpu_decode" if kind == "cpu_decode" else None
@@ -707,6 +709,15 @@ class Router:
                 t.backpressured = True
                 self._count(f"moves_total|from={kind[:3]},to={other[:3]},reason=backpressure")
                 return self._decode_on(t, other, end)
+            if other and end.has_handoff:
+                # a stream under way with nowhere else to go (moved once already, pinned, or the
+                # other pool gone): the same pool again, after REFUSED_RETRY_S (the driver waits),
+                # up to REFUSED_WAIT_S, before the 503 that cuts it
+                now = self.clock()
+                t.refused_since = now if t.refused_since < 0 else t.refused_since
+                if now - t.refused_since < REFUSED_WAIT_S:
+                    self._count(f"refused_retries_total|hop={kind}")
+                    return self._decode_on(t, kind, end)
             return self._stop(t, _err(503, f"the {kind} pool is overloaded; retry later", "overloaded_error"))
         if end.outcome == "stalled":
             # a hop its pool did not take within the driver's bound (the replica is dead and being

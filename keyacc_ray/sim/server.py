@@ -18,6 +18,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from keyacc_ray.engine.request import SeqStatus
+from keyacc_ray.serve.driver import REFUSED_RETRY_S
 from keyacc_ray.serve.messages import HopEnd, Ticket
 from keyacc_ray.serve.monitor import LoadState
 from keyacc_ray.serve.router import REFRESH_EVERY_S, Router
@@ -207,13 +208,21 @@ class SimServer:
         if not e.add(live.req.rid, live.req.prompt_tokens, live.generated, live.req.max_tokens, with_kv,
                      movable=t.move_on_preempt):
             end = HopEnd("backpressure", 0.0, live.generated, has_handoff=with_kv)
-            self._call(self.router.advance(t, end), self._enter, live)
+            self._call(self.router.advance(t, end), self._refused, live, t.hop.split("/")[0])
             return
         if live.segments and live.segments[-1][0] != e.pool:
             live.moves += 1
         live.ticket, live.hop_t, live.produced, live.export_after = t, self.now, 0, t.export_after
         live.segments.append([e.pool, 0])
         self._kick(e)
+
+    def _refused(self, t: Ticket, live: Live, kind: str) -> None:
+        """The router's answer to a refusal: the same pool again after REFUSED_RETRY_S (as the
+        ingress's driver waits), any other hop at once."""
+        if t.error is None and t.hop is not None and t.hop.split("/")[0] == kind:
+            self.at(self.now + REFUSED_RETRY_S, self._enter, t, live)
+        else:
+            self._enter(t, live)
 
     def _pick(self, hop: str) -> SimEngine:
         """The replica a hop's request goes to: the one with the fewest sequences (Serve's

@@ -163,8 +163,8 @@ class FakePool:
         return mux_hop(gen, hop_sender(self.channels, mux))
 
     async def _run(self, req, handoff, export_after):
-        if self.backpressure:
-            self.backpressure = False
+        if self.backpressure:  # True: once; a number: that many times
+            self.backpressure = False if self.backpressure is True else self.backpressure - 1
             raise BackPressureError("full")
         if self.start_delay:
             delay, self.start_delay = self.start_delay, 0.0
@@ -453,10 +453,15 @@ def test_full_gpu_decode_queue_moves_the_decode_to_the_cpu_pool():
     assert settled(router)
 
 
-def test_a_stream_under_way_refused_by_a_full_cpu_queue_goes_on_on_the_gpu_and_only_then_gets_a_503():
+def test_a_stream_under_way_refused_by_a_full_cpu_queue_goes_on_on_the_gpu_and_only_then_gets_a_503(monkeypatch):
     """A decode on its way to the CPU pool (its client has the first token) whose CPU queue is
     full goes on on the GPU decode pool from what the client has, instead of a 503 mid-stream;
-    refused there too (once each), the 503 is the answer."""
+    refused there too, it asks the GPU pool again every REFUSED_RETRY_S, and the 503 that cuts
+    it comes only after REFUSED_WAIT_S of refusals."""
+    from keyacc_ray.serve import driver as driver_mod, router as router_mod
+
+    monkeypatch.setattr(driver_mod, "REFUSED_RETRY_S", 0.05)
+    monkeypatch.setattr(router_mod, "REFUSED_WAIT_S", 0.5)
     driver, router, pools = make("stage_offload", {"decode_period_tokens": 100})
     router.policy.route = lambda *a: "stage"  # (the policy's decision under load: decode on the CPU)
     pools["cpu_decode/0"].backpressure = True
@@ -467,10 +472,17 @@ def test_a_stream_under_way_refused_by_a_full_cpu_queue_goes_on_on_the_gpu_and_o
     assert router._counters["moves_total|from=cpu,to=gpu,reason=backpressure"] == 1
     assert router._counters["rejected_total|hop=cpu_decode"] == 1
     assert settled(router)
-    pools["cpu_decode/0"].backpressure = pools["gpu_decode"].backpressure = True
-    tokens, errors, _ = asyncio.run(collect(driver, request(6, rid="r2")))
-    assert tokens == [100] and errors[0].status_code == 503
+    pools["cpu_decode/0"].backpressure, pools["gpu_decode"].backpressure = True, 3
+    tokens, errors, trace = asyncio.run(collect(driver, request(6, rid="r2")))
+    assert tokens == [100 + i for i in range(6)] and not errors  # the GPU's 4th try took it
+    assert [(s["pool"], s["tokens"]) for s in trace["segments"]] == [("gpu", 1), ("gpu", 5)]
     assert router._counters["moves_total|from=cpu,to=gpu,reason=backpressure"] == 2
+    assert router._counters["refused_retries_total|hop=gpu_decode"] == 3
+    assert settled(router)
+    pools["cpu_decode/0"].backpressure, pools["gpu_decode"].backpressure = True, 10**6
+    t0 = time.monotonic()
+    tokens, errors, _ = asyncio.run(collect(driver, request(6, rid="r3")))
+    assert tokens == [100] and errors[0].status_code == 503 and time.monotonic() - t0 >= 0.5
     assert settled(router)
 
 
