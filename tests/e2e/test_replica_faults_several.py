@@ -20,13 +20,13 @@ from tests.e2e.test_replica_faults import stream_chunks, wait_healthy
 from tests.helpers import PROMPTS, hf_greedy, hf_model
 
 MODEL = "tiny-qwen3"
-N = 640  # tokens a stream makes: it must still run when the kill comes, on any machine
+N = 900  # tokens a stream makes: it must still run when the kill comes, on any machine (the served context: 1024)
 
 
 @pytest.fixture(scope="module")
 def two_gpu_replicas(app_url):
     serve.run(build_app({**APP_ARGS, "policy": "full_offload",
-                         "gpu": {"replicas": 2, "num_cpus": 0.25, "device": "auto", "num_kv_blocks": 96}}),
+                         "gpu": {"replicas": 2, "num_cpus": 0.25, "device": "auto", "num_kv_blocks": 128}}),
               name="keyacc", route_prefix="/")
     wait_for_monitor(app_url)
     yield app_url
