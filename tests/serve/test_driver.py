@@ -1678,21 +1678,28 @@ def test_streams_of_a_dead_gpu_replica_fail_over_to_the_other_while_its_blocks_l
     asyncio.run(run())
 
 
-def test_a_stream_whose_cpu_replica_died_goes_on_on_another_live_cpu_deployment():
-    """With a CPU decode deployment per NUMA node, a stream whose CPU replica died goes on on the
-    other node's deployment where it has a place (the GPU pool takes it only when no CPU node does),
-    and new requests the policy sends to the CPU pool go there too."""
+def two_cpu_deployments_router(replicas: list | None = None) -> Router:
+    """A full_offload router (its policy sends new requests to the CPU pool) over a CPU decode
+    deployment per NUMA node, CpuDecode0 and CpuDecode1, every pool alive in the monitor's snapshot
+    (with `replicas`: (deployment, replica) pairs)."""
     from keyacc_ray.serve.monitor import Snapshot
 
     async def answer(since):
         snap = three_pools_snapshot()
         cpu = snap.deployments.pop("CpuDecode")
         snap = Snapshot(0.0, {**snap.deployments, "CpuDecode0": cpu, "CpuDecode1": cpu}, version=1)
-        snap.replicas = [{"deployment": d, "replica": x} for d, x in
-                         (("CpuDecode0", "c0"), ("CpuDecode1", "c1"), ("GpuDecode", "g0"))]
+        snap.replicas = [{"deployment": d, "replica": x} for d, x in replicas or ()]
         return snap
     r = Router(["CpuDecode0", "CpuDecode1"], "full_offload", {}, monitor=FakeMonitor(answer), colocated_gpu=True)
     r.policy.route = lambda *a: "cpu"
+    return r
+
+
+def test_a_stream_whose_cpu_replica_died_goes_on_on_another_live_cpu_deployment():
+    """With a CPU decode deployment per NUMA node, a stream whose CPU replica died goes on on the
+    other node's deployment where it has a place (the GPU pool takes it only when no CPU node does),
+    and new requests the policy sends to the CPU pool go there too."""
+    r = two_cpu_deployments_router([("CpuDecode0", "c0"), ("CpuDecode1", "c1"), ("GpuDecode", "g0")])
 
     async def run():
         await r.snapshot_dict()
@@ -1710,14 +1717,7 @@ def test_a_stream_whose_cpu_replica_died_goes_on_on_another_live_cpu_deployment(
 def test_a_stall_on_one_cpu_deployment_sends_moves_to_another_not_to_the_gpu():
     """With a CPU decode deployment per NUMA node, one whose hop stalled is passed over while
     another is live; the CPU pool as a whole is not gone."""
-    from keyacc_ray.serve.monitor import Snapshot
-
-    async def answer(since):
-        snap = three_pools_snapshot()
-        cpu = snap.deployments.pop("CpuDecode")
-        return Snapshot(0.0, {**snap.deployments, "CpuDecode0": cpu, "CpuDecode1": cpu}, version=1)
-    r = Router(["CpuDecode0", "CpuDecode1"], "full_offload", {}, monitor=FakeMonitor(answer), colocated_gpu=True)
-    r.policy.route = lambda *a: "cpu"
+    r = two_cpu_deployments_router()
 
     async def run():
         await r.snapshot_dict()
