@@ -28,6 +28,7 @@ its lag, and the guess at it, leave the gap counts.
     python scripts/soak.py --minutes 3 --tiers
     python scripts/soak.py --minutes 1 --tiers --policy-options '{"cpu_reserved_places": 4}'
     python scripts/soak.py --minutes 1.5 --tiers --kill-every-s 100000 --rate 75
+    python scripts/soak.py --minutes 1.5 --tiers --gpu-engine '{"replicas": 2}' --kill-only GpuDecode
 """
 from __future__ import annotations
 
