@@ -366,11 +366,10 @@ class Router:
                 if (has_place(dec) and fits(self._view(t, 0), dec)) or self._cpu_gone():
                     return "gpu_decode"
             return other
-        for k, c in zip(self.cpu_keys, self._cpu_loads):
-            if self._live_replicas(k) and not self._stalled_lately(k) and has_place(c):
-                return "cpu_decode"  # (`_enter` picks the deployment: live ones first)
-        if self._gpu_gone() and any(self._live_replicas(k) and not self._stalled_lately(k) for k in self.cpu_keys):
-            return "cpu_decode"
+        live = [c for k, c in zip(self.cpu_keys, self._cpu_loads)
+                if self._live_replicas(k) and not self._stalled_lately(k)]
+        if any(has_place(c) for c in live) or (live and self._gpu_gone()):
+            return "cpu_decode"  # (`_enter` picks the deployment: live ones first)
         return other
 
     def _hop_ended(self, t: Ticket, end: HopEnd) -> None:
@@ -755,7 +754,8 @@ class Router:
                             "reason=stalled")
             return self._decode_on(t, other, end)
         if end.outcome == "failed":
-            if end.error in REPLICA_GONE_ERRORS:
+            gone = end.error in REPLICA_GONE_ERRORS
+            if gone:
                 self._replica_gone(t.hop, end.replica)
             if t.recoveries >= MAX_RECOVERIES:
                 log.error("hop %s of %s failed (%s); giving up", t.hop, t.request_id, end.error)
@@ -763,7 +763,7 @@ class Router:
                                                "and recovery failed", "unavailable"))
             t.recoveries += 1
             self.prefixes.forget(t.hop)  # (its replacement caches nothing)
-            nxt = self._failover(t, kind) if end.error in REPLICA_GONE_ERRORS else FAILOVER[kind]
+            nxt = self._failover(t, kind) if gone else FAILOVER[kind]
             log.warning("hop %s of %s failed (%s); continuing on %s after %d tokens", t.hop, t.request_id,
                         end.error, nxt, end.num_output_tokens)
             self._count(f"recoveries_total|hop={kind}")
