@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 
+import keyacc_ray
 from keyacc_ray.config import env_api_keys, env_operator_keys
 from keyacc_ray.errors import InvalidRequest, KeyaccError
 from keyacc_ray.serve import metrics as prom
@@ -206,6 +207,11 @@ class Ingress:
     @app.get("/health")
     async def health(self):
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version(self):
+        """As vLLM's server: the serving software's version (no key needed, as /health)."""
+        return {"version": keyacc_ray.__version__}
 
     @app.get("/v1/models")
     async def models(self, request: Request):

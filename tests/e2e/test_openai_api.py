@@ -11,6 +11,7 @@ import openai
 import pytest
 import torch
 
+import keyacc_ray
 from tests.conftest import tiny_model
 from tests.e2e.conftest import replica_counter
 from tests.helpers import PROMPTS, hf_greedy, hf_model
@@ -55,6 +56,7 @@ def test_models_and_health(app_url, client):
         client.models.retrieve("no-such-model")
     assert e.value.body["code"] == "model_not_found"
     assert httpx.get(f"{app_url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{app_url}/version").json() == {"version": keyacc_ray.__version__}  # as vLLM's /version
 
 
 def test_http_reaches_the_ingress_through_serve_haproxy(app_url):
