@@ -57,6 +57,10 @@ COOLDOWN_S = 30.0
 LOST_AFTER_S = 10.0
 LATE_LIMIT_S = 120.0
 RESUBSCRIBE_AFTER_S = 2.0  # an ingress waits this long before subscribing again to a replica that refused
+# A hop that ended whole (its MuxEnd and every run read) before its call's own end arrived: the
+# call is left to end by itself for up to this long. Cancelling it there cost a cancellation RPC and
+# the replica's cancellation path for nothing (21 of 64 requests against the default app).
+CALL_END_WAIT_S = 5.0
 
 
 @dataclass
@@ -310,6 +314,10 @@ class Inbox:
             return self._total is not None and self._next >= self._total
         return self._ended
 
+    def whole(self) -> bool:
+        """Everything of the hop came and was read, with no error."""
+        return self._done() and self._error is None and not self._ready
+
     async def get(self) -> list | None:
         """The next items in order (consecutive token chunks merged); None at the hop's end.
         Raises what broke the hop's call, after the items that came before it."""
@@ -398,8 +406,13 @@ class MuxHop:
 
     def close(self) -> None:
         self.client._inboxes.pop(self.key, None)
-        if self._reader is not None and not self._reader.done():
-            self._reader.cancel()
+        reader = self._reader
+        if reader is None or reader.done():
+            return
+        if self.inbox.whole():  # only the call's end is still on its way
+            asyncio.get_running_loop().call_later(CALL_END_WAIT_S, reader.cancel)
+        else:  # the client went away, or the hop broke: its replica stops it
+            reader.cancel()
 
 
 class MuxClient:

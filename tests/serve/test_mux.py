@@ -318,6 +318,45 @@ def test_a_token_stream_broken_by_its_replicas_death_fails_the_hop_with_that_new
     assert settled(router)
 
 
+@pytest.mark.parametrize("never_ends", [False, True])
+def test_a_hop_read_whole_before_its_calls_end_leaves_the_call_to_end_by_itself(muxed, monkeypatch, never_ends):
+    """Every run and the MuxEnd of a hop read before its call's own end arrives: the driver is
+    done with it, and the call is left to end by itself (cancelling it cost a cancellation RPC and
+    the replica's cancellation path: 21 of 64 requests against the default app), within
+    CALL_END_WAIT_S; a call that never ends is cancelled then."""
+    monkeypatch.setattr(mux_mod, "CALL_END_WAIT_S", 0.2)
+    driver, router, pools = make()
+    cpu = pools["cpu_decode/0"]
+    real = type(cpu).muxed
+    seen = {"ended": 0, "cancelled": 0}
+
+    async def late_end(gen):
+        async for items in gen:
+            yield items
+        try:
+            await asyncio.sleep(30 if never_ends else 0.05)  # the call's end, after its MuxEnd
+            seen["ended"] += 1
+        except asyncio.CancelledError:
+            seen["cancelled"] += 1
+            raise
+
+    async def go():
+        await collect_cold(driver, request(6, route="cpu", rid="a"))  # (the first hop subscribes)
+        await asyncio.sleep(0.05)
+        cpu.muxed = lambda gen, mux: late_end(real(cpu, gen, mux))
+        before = dict(seen)
+        got = await collect_cold(driver, request(6, route="cpu", rid="b"))
+        assert seen == before  # the request is done; its call not cancelled meanwhile
+        await asyncio.sleep(0.5)
+        return got, before
+
+    got, before = asyncio.run(go())
+    assert got == [100 + i for i in range(6)] and driver.mux.batches > 0
+    assert seen["ended"] - before["ended"] == (0 if never_ends else 1)
+    assert seen["cancelled"] - before["cancelled"] == (1 if never_ends else 0)
+    assert not driver.mux._inboxes and settled(router)
+
+
 def test_the_request_router_sends_a_subscription_to_the_replica_it_names():
     pytest.importorskip("ray.serve")
     from keyacc_ray.serve.request_router import _target
