@@ -139,6 +139,7 @@ class EnginePool:
         self._router_handle = None  # the Router deployment's handle, for period checks, made on first use
         self._unstarted: dict[str, tuple[Ticket, float]] = {}  # engine id -> (ticket, since): queued, no token yet
         self._recaller: asyncio.Task | None = None
+        self._late_checks: set[asyncio.Task] = set()  # period checks still asking when their hop ended
         self._muxes: dict[str, Channel] = {}  # ingress replica -> its open token stream from here
         self.loop = AsyncEngine(self.engine, on_export=self._to_handoff, stream_interval_s=stream_interval_ms / 1e3)
         label = ("EMULATED GPU: runs on CPU cores with an emulated KV budget of "
@@ -286,8 +287,13 @@ class EnginePool:
                 yield list(updates)
         finally:
             self._unstarted.pop(rid, None)
+            state["ended"] = True
             if check is not None and not check.done():
-                check.cancel()
+                # The router has the call and answers it anyway (a request it saw finish: a late
+                # check); cancelling it cost a cancellation RPC and a log line for one request in
+                # six here. Its answer is dropped: the engine id may come back on a later hop.
+                self._late_checks.add(check)
+                check.add_done_callback(self._late_checks.discard)
 
     async def _recall_loop(self) -> None:
         """While requests wait here unstarted: every RECALL_EVERY_S, offer those waiting for
@@ -326,6 +332,8 @@ class EnginePool:
         except Exception as e:  # noqa: BLE001 - router restarting or gone: keep decoding here
             log.warning("period check of %s failed (%s); decoding on here", t.request_id, e.__class__.__name__)
             self._router_handle = None
+            return
+        if state.get("ended"):  # the hop ended while the router answered: nothing here to act on
             return
         state["ticket"], state["started"] = nt, time.monotonic()
         if not self.loop.note(rid, TicketUpdate(nt)):  # at once in its stream; or, if it has ended, after it
