@@ -34,8 +34,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # stopped (an update, a scale-down, `serve shutdown`) stays reachable for 5 s instead of Ray 2.60's
 # 30 s before it refuses new connections and drains: the window is for the load balancer in front
 # of it to drop it, and that is Serve's own HAProxy, which reloads within a second of the
-# controller's change (0.1 s coalescing plus a control-loop period); a stale HAProxy worker that
-# still sends a request after it is refused at connect and retried on another replica. 30 s made
+# controller's change (0.1 s coalescing plus a control-loop period); a request a stale HAProxy
+# worker still sends after that is refused at connect and retried on another replica. 30 s made
 # every app update or shutdown wait that long for nothing.
 CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
                "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5"}
