@@ -38,6 +38,7 @@ def test_requests_need_a_valid_key(app_url, keys):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{app_url}/v1/models", timeout=10).status_code == 401
     assert httpx.get(f"{app_url}/health", timeout=10).status_code == 200  # liveness stays open
+    assert httpx.get(f"{app_url}/version", timeout=10).status_code == 200  # as vLLM's, without a key
     c = openai.OpenAI(base_url=f"{app_url}/v1", api_key=client_key, max_retries=0, timeout=30)
     assert c.completions.create(model=MODEL, prompt="Hello", max_tokens=4).usage.completion_tokens == 4
     with pytest.raises(openai.AuthenticationError):
