@@ -330,7 +330,8 @@ class EnginePool:
             nt = await wait_at_most(self._router().options(_by_reference=False).advance.remote(t, end),
                                     ROUTER_CHECK_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - router restarting or gone: keep decoding here
-            log.warning("period check of %s failed (%s); decoding on here", t.request_id, e.__class__.__name__)
+            if not state.get("ended"):
+                log.warning("period check of %s failed (%s); decoding on here", t.request_id, e.__class__.__name__)
             self._router_handle = None
             return
         if state.get("ended"):  # the hop ended while the router answered: nothing here to act on
