@@ -696,8 +696,6 @@ class Router:
         # go, not back to the engine that just ran out of blocks.
         after_prefill = t.prefill_check and kind == "gpu_decode" and (end.in_place or t.pinned_route is not None)
         t.prefill_check = False
-        if end.outcome != "backpressure":
-            t.refused_since = -1.0  # (taken: a later refusal waits its own REFUSED_WAIT_S)
         if end.outcome == "backpressure":  # the pool's bounded queue is full: not a fault
             self._count(f"rejected_total|hop={kind}")
             other = "cpu_decode" if kind == "gpu_decode" else "gpu_decode" if kind == "cpu_decode" else None
@@ -718,6 +716,7 @@ class Router:
                     self._count(f"refused_retries_total|hop={kind}")
                     return self._decode_on(t, kind, end)
             return self._stop(t, _err(503, f"the {kind} pool is overloaded; retry later", "overloaded_error"))
+        t.refused_since = -1.0  # (taken: a later refusal waits its own REFUSED_WAIT_S)
         if end.outcome == "stalled":
             # a hop its pool did not take within the driver's bound (the replica is dead and being
             # replaced, or full): the other pool; pinned, the same pool once more first
