@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -475,6 +476,20 @@ def test_migrate_back_streams_without_gap_or_repeat(client, route):
     else:
         assert pools == [("cpu", 7), ("gpu", 23)]
     assert trace["moves"] == len(pools) - 1
+
+
+def test_random_requests_get_the_same_answer_on_every_route(app_url):
+    """keyacc_ray/bench/route_fuzz.py: random combinations of sampling settings, penalties, logit
+    bias, min_tokens, stops, logprobs, echo and n, each sent at once down gpu, cpu, stage, and stage
+    and cpu with a move back, and streamed once; three cases at a time, so the pools batch, preempt
+    and hand off under each other's load. Every answer equals the first (float32 model)."""
+    from keyacc_ray.bench import route_fuzz
+
+    vocab = json.loads((Path(tiny_model("qwen3")) / "config.json").read_text())["vocab_size"]
+    rep = route_fuzz.run(app_url, MODEL, vocab, cases=15, seed=11, concurrent_cases=3, timeout_s=120)
+    assert rep.requests == 15 * 6
+    assert rep.errors <= 3, rep.errors  # the cases are valid requests: a 4xx everywhere is the rare exception
+    assert not rep.mismatches, [m.to_dict() for m in rep.mismatches[:3]]
 
 
 def test_sixteen_concurrent_requests(client):
