@@ -33,6 +33,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrent", type=int, default=3, help="cases at once (six requests each)")
     ap.add_argument("--greedy", action="store_true", help="temperature 0 only")
+    ap.add_argument("--unpinned", type=int, default=0, help="copies of each case sent with no pin (the policy's route)")
     ap.add_argument("--port", type=int, default=8051)
     args = ap.parse_args()
     if not args.url and not args.launch:
@@ -52,7 +53,8 @@ def main() -> int:
         import httpx
 
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-        rep = route_fuzz.run(url, model, vocab, args.cases, args.seed, args.concurrent, args.greedy, log=print)
+        rep = route_fuzz.run(url, model, vocab, args.cases, args.seed, args.concurrent, args.greedy, log=print,
+                              unpinned=args.unpinned)
     finally:
         if args.launch:
             import ray

@@ -4,7 +4,8 @@
 makes together: each case is a random prompt (text or token ids) with random sampling settings
 (greedy, or seeded temperature with top-p / top-k / min-p), penalties, a logit bias, min_tokens,
 stop strings, logprobs, echo, n, and is sent pinned to `gpu`, `cpu`, `stage`, and `stage` and
-`cpu` with `migrate_back_after` (two hand-offs), plus once more streamed on one of those routes.
+`cpu` with `migrate_back_after` (two hand-offs), plus once more streamed on one of those routes,
+and optionally unpinned copies that go where the server's policy sends them.
 Every answer must equal the first one: the text, token ids, finish reason and logprob tokens of
 each choice exactly, the logprob values within `LOGPROB_TOL`, and the usage counts; an error must
 be the same error everywhere. Several cases run at once, so the pools batch, preempt and hand off
@@ -92,10 +93,11 @@ def random_case(rng: random.Random, vocab: int, max_prompt: int = 200, greedy_on
     return prompt, p
 
 
-def routes_for(rng: random.Random, max_tokens: int) -> list[dict]:
+def routes_for(rng: random.Random, max_tokens: int, unpinned: int = 0) -> list[dict]:
+    """The pinned routes, then `unpinned` copies with no pin ({}: where the policy sends it)."""
     k = rng.randint(1, max(1, max_tokens - 1))
     return [{"route": "gpu"}, {"route": "cpu"}, {"route": "stage"},
-            {"route": "stage", "migrate_back_after": k}, {"route": "cpu", "migrate_back_after": k}]
+            {"route": "stage", "migrate_back_after": k}, {"route": "cpu", "migrate_back_after": k}] + [{}] * unpinned
 
 
 def _choices(items: dict) -> list:
@@ -161,22 +163,24 @@ def same(got, want) -> bool:
 
 
 def run(base: str, model: str, vocab: int, cases: int, seed: int = 0, concurrent_cases: int = 3,
-        greedy_only: bool = False, timeout_s: float = 300, log=None) -> Report:
+        greedy_only: bool = False, timeout_s: float = 300, log=None, unpinned: int = 0) -> Report:
     """`cases` random cases against the server at `base` serving `model` (token ids below
-    `vocab`), `concurrent_cases` at a time."""
+    `vocab`), `concurrent_cases` at a time; `unpinned` more copies of each go where the server's
+    policy sends them (with enough cases at once, some move between the pools)."""
     rng = random.Random(seed)
     plan = []
     for case in range(cases):
         prompt, params = random_case(rng, vocab, greedy_only=greedy_only)
-        routes = routes_for(rng, params["max_tokens"])
+        routes = routes_for(rng, params["max_tokens"], unpinned)
         plan.append((case, prompt, params, [(r, False) for r in routes] + [(rng.choice(routes), True)]))
     report = Report()
     with httpx.Client(timeout=timeout_s) as client, \
-            cf.ThreadPoolExecutor(concurrent_cases * 6) as pool, cf.ThreadPoolExecutor(concurrent_cases) as outer:
+            cf.ThreadPoolExecutor(concurrent_cases * (6 + unpinned)) as pool, cf.ThreadPoolExecutor(concurrent_cases) as outer:
         def one(job):
             prompt, params, (route, stream) = job
-            body = {**params, "model": model, "prompt": prompt, "return_token_ids": True, "keyacc": route,
-                    "stream": stream}
+            body = {**params, "model": model, "prompt": prompt, "return_token_ids": True, "stream": stream}
+            if route:
+                body["keyacc"] = route
             if stream:
                 body["stream_options"] = {"include_usage": True}
             return complete(client, base, body)
