@@ -84,4 +84,4 @@ class TokenSourceEngine:
     def stats(self) -> EngineStats:
         return EngineStats(len(self.seqs), len(self.waiting), self.blocks.num_free_blocks, self.blocks.num_blocks,
                            self.blocks.block_size, self.config.max_num_seqs, self.tokens_generated,
-                           self.runner.device_label())
+                           self.runner.device_label(), max_waiting=self.config.max_waiting)

@@ -68,6 +68,7 @@ class EngineStats:
     kv_export_skipped_tokens: int = 0
     kv_import_cached_tokens: int = 0
     kv_import_recomputed_tokens: int = 0
+    max_waiting: int = 0  # the bound of its waiting queue: past it a fresh prompt is refused (503)
 
 
 @dataclass(slots=True)
@@ -715,7 +716,8 @@ class LLMEngine:
                            self.blocks.num_cached_blocks, self.blocks.evictions, self._tier_stats(),
                            {name: h.to_dict() for name, h in self.histograms.items()}, self.prefill_rate.tokens_per_s,
                            self.steps_launched_ahead, self.kv_export_skipped_tokens,
-                           self.scheduler.import_cached_tokens, self.scheduler.import_recomputed_tokens)
+                           self.scheduler.import_cached_tokens, self.scheduler.import_recomputed_tokens,
+                           self.scheduler.max_waiting)
 
     def _tier_stats(self) -> dict | None:
         t = self.tiers

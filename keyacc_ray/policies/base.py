@@ -80,6 +80,11 @@ class PoolLoad:
     known: bool = False  # False until the monitor has heard from it
     tokens_per_s: float = 0.0  # what the pool produced lately (monitor); 0 = not known yet
     prefill_tokens_per_s: float = 0.0  # how fast a prompt goes through one replica lately; 0 = not known
+    queue_bound: int = 0  # the most requests its replicas' queues hold (past it a new one is refused); 0 = not known
+
+    def refuses_new(self) -> bool:
+        """A new request sent here now would be refused: its queue is at its bound."""
+        return 0 < self.queue_bound <= self.queue
 
     def drain_s(self, extra_queue: int = 0) -> float | None:
         """Rough seconds to work off this queue at the pool's recent rate (None: rate unknown).
@@ -101,6 +106,11 @@ class LoadView:
     @property
     def gpu_queue(self) -> int:
         return self.gpu_decode.queue if self.colocated else self.gpu_prefill.queue + self.gpu_decode.queue
+
+    @property
+    def gpu_entry(self) -> PoolLoad:
+        """The GPU deployment a new request enters (colocated: the one GPU engine)."""
+        return self.gpu_decode if self.colocated else self.gpu_prefill
 
     @property
     def gpu_inflight(self) -> int:

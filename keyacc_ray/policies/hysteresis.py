@@ -208,7 +208,10 @@ def whole_request_route(policy: Policy, gpu_overloaded: bool, cpu_gate: PoolGate
     GPU pool without room) waits at the router instead, for up to `max_hold_s` (HOLD): admitted
     to a pool's queue it would wait there for that pool's first free place, which, with
     requests of similar lengths, can be a whole CPU request lifetime while the GPU turns over
-    several; held, it takes the first place either pool frees."""
+    several; held, it takes the first place either pool frees.
+
+    And a pool whose waiting queue is at its bound (its replicas would refuse the request, a 503)
+    is not chosen while the other's is not: the request queues there instead."""
     flood = flooded(policy, req, load)
     if not gpu_overloaded and not flood:
         return "gpu"
@@ -224,6 +227,10 @@ def whole_request_route(policy: Policy, gpu_overloaded: bool, cpu_gate: PoolGate
         return "gpu"
     if full and req.held_s < policy.options["max_hold_s"]:
         return HOLD
+    cpu_refuses, gpu_refuses = load.cpu.refuses_new(), load.gpu_entry.refuses_new()
+    if cpu_refuses != gpu_refuses:  # one pool's queue is at its bound (it would refuse: a 503)
+        policy.count("queue_bound_to_gpu" if cpu_refuses else "queue_bound_to_cpu")
+        return "gpu" if cpu_refuses else "cpu"
     if not cpu_gate.overloaded:
         if not gpu_overloaded:
             policy.count("overflow_to_cpu")

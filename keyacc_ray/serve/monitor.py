@@ -58,6 +58,7 @@ class ReplicaReport:
     kv_export_skipped_tokens: int = 0
     kv_import_cached_tokens: int = 0
     kv_import_recomputed_tokens: int = 0
+    max_waiting: int = 0  # its engine's waiting-queue bound (EngineStats.max_waiting; 0: not told)
     # the node's shared KV tier its engine reads and writes: "<Ray node id>:<directory>" ("": none);
     # replicas with the same one share each other's blocks
     node_tier: str = ""
@@ -86,6 +87,7 @@ class DeploymentView:
     num_total_blocks: int = 0
     block_size: int = 16
     max_num_seqs: int = 0
+    max_waiting: int = 0  # its replicas' waiting-queue bounds, summed (0: not told)
     max_free_blocks: int = 0  # the most free blocks on one replica: what one request can get
     tokens_per_s: float = 0.0
     emulated: bool = False
@@ -221,6 +223,7 @@ class LoadState:
             v.num_free_blocks += r.num_free_blocks
             v.num_total_blocks += r.num_total_blocks
             v.max_num_seqs += r.max_num_seqs
+            v.max_waiting += r.max_waiting
             v.max_free_blocks = max(v.max_free_blocks, r.num_free_blocks)
             v.tokens_per_s += r.tokens_per_s
             prefill_rates.setdefault(r.deployment, []).append(r.prefill_tokens_per_s)

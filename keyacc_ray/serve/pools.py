@@ -423,7 +423,7 @@ class EnginePool:
                              steps_launched_ahead=s.steps_launched_ahead,
                              kv_export_skipped_tokens=s.kv_export_skipped_tokens,
                              kv_import_cached_tokens=s.kv_import_cached_tokens,
-                             kv_import_recomputed_tokens=s.kv_import_recomputed_tokens,
+                             kv_import_recomputed_tokens=s.kv_import_recomputed_tokens, max_waiting=s.max_waiting,
                              node_tier=f"{self.node_id}:{s.kv_tiers['node_dir']}"
                              if s.kv_tiers and s.kv_tiers.get("node_dir") else "")
 

@@ -287,7 +287,8 @@ class Router:
                                   running=v.num_running,
                                   free_blocks=max(0, v.max_free_blocks - self._pending_blocks[hop]),
                                   total_blocks=v.num_total_blocks, block_size=v.block_size, known=True,
-                                  tokens_per_s=v.tokens_per_s, prefill_tokens_per_s=v.prefill_tokens_per_s)
+                                  tokens_per_s=v.tokens_per_s, prefill_tokens_per_s=v.prefill_tokens_per_s,
+                                  queue_bound=v.max_waiting)
         free = None
         if gpu.get("available"):
             free = min(g["mem_free_bytes"] for g in gpu["gpus"])
@@ -298,7 +299,8 @@ class Router:
                        free_blocks=max(c.free_blocks for c in cpus), total_blocks=sum(c.total_blocks for c in cpus),
                        block_size=cpus[0].block_size, known=any(c.known for c in cpus),
                        tokens_per_s=sum(c.tokens_per_s for c in cpus),
-                       prefill_tokens_per_s=mean_measured([c.prefill_tokens_per_s for c in cpus]))
+                       prefill_tokens_per_s=mean_measured([c.prefill_tokens_per_s for c in cpus]),
+                       queue_bound=sum(c.queue_bound for c in cpus) if all(c.queue_bound for c in cpus) else 0)
         self._cpu_loads = cpus
         if self.colocated:  # the GPU engine's queue is its prefill queue too
             return LoadView(loads["gpu_decode"], loads["gpu_decode"], cpu, free, colocated=True)

@@ -115,4 +115,5 @@ class SimEngine:
                              self.blocks.num_blocks, self.blocks.block_size, self.max_num_seqs,
                              self.tokens_per_s(now), self.tokens_generated, False, self.pool,
                              num_preemptions=self.scheduler.num_preemptions,
-                             prefill_tokens_per_s=round(self.prefill_rate.tokens_per_s, 1))
+                             prefill_tokens_per_s=round(self.prefill_rate.tokens_per_s, 1),
+                             max_waiting=self.scheduler.max_waiting)

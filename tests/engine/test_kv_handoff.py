@@ -75,6 +75,8 @@ def test_an_engine_whose_waiting_queue_is_full_still_takes_a_stream_under_way(qw
         dst.step()
     with pytest.raises(Overloaded):
         dst.add_request("f3", dst.tokenize(PROMPTS[4]), params)
+    s = dst.stats()  # what the router reads to send no more there (policies: PoolLoad.refuses_new)
+    assert (s.num_waiting, s.max_waiting) == (2, 2)
     dst.import_request(pkg)
     assert [s.request_id for s in dst.scheduler.waiting][0] == "p3"
     rest = drain(dst)

@@ -384,3 +384,32 @@ def test_a_cpu_decode_moves_back_only_to_a_free_gpu_place(name):
     assert p.after_period(req, calm(7)) == "gpu"
     assert p.after_period(req, calm(8)) == "cpu"
     assert p.counters["moves_kept_gpu_full"] == 1
+
+
+@pytest.mark.parametrize("name", ["full_offload", "auto"])
+def test_a_new_request_goes_to_the_pool_whose_queue_is_not_at_its_bound(name):
+    """A pool's replicas refuse a fresh prompt once their waiting queues hold `max_waiting` (a
+    503); with the other pool's queue below its bound the request queues there instead, whatever
+    the drain times say. Bounds not known (0), or both at theirs: as before."""
+    clock = Clock()
+    p = make_policy(name, {"trigger_window_s": 0.2, "return_window_s": 5.0, "max_hold_s": 0}, clock=clock)
+    drive(p, clock, lambda t: view(gpu_queue=30, prefill_queue=30, cpu_queue=6), 0.5)  # both gates flip on
+
+    def now(gpu_q, cpu_q, gpu_bound, cpu_bound):
+        v = view(gpu_queue=gpu_q, prefill_queue=gpu_q, cpu_queue=cpu_q)
+        v.gpu_decode.tokens_per_s, v.cpu.tokens_per_s = 100.0, 200.0  # the CPU drains sooner
+        v.gpu_prefill.queue_bound = v.gpu_decode.queue_bound = gpu_bound
+        v.cpu.queue_bound = cpu_bound
+        return v
+    assert p.route(REQ, now(30, 6, 0, 0)) == "cpu"  # bounds unknown: where it drains sooner
+    assert p.route(REQ, now(30, 64, 64, 64)) == "gpu"  # the CPU queue is full: the GPU's is not
+    assert p.counters["queue_bound_to_gpu"] == 1
+    assert p.route(REQ, now(64, 6, 64, 64)) == "cpu"
+    p.counters.clear()
+    # the GPU's would drain sooner, but its queue is full
+    fast = now(64, 30, 64, 64)
+    fast.gpu_decode.tokens_per_s = 5000.0
+    assert p.route(REQ, fast) == "cpu" and p.counters["queue_bound_to_cpu"] == 1
+    assert p.route(REQ, now(64, 64, 64, 64)) in ("gpu", "cpu")  # both full: a 503 either way
+    assert not now(63, 0, 64, 0).gpu_decode.refuses_new() and now(64, 0, 64, 0).gpu_decode.refuses_new()
+    assert not now(0, 500, 0, 0).cpu.refuses_new()  # no bound known

@@ -1945,3 +1945,30 @@ def test_the_router_finishes_many_as_it_finishes_each():
         return busy, sum(r.inflight.values())
     assert asyncio.run(run()) == (2, 0)
     assert settled(r)
+
+
+def test_a_burst_past_the_cpu_pools_queue_bound_queues_on_the_gpu_instead_of_being_refused():
+    """The replicas tell the monitor their waiting-queue bound (`max_waiting`): a burst that the
+    policy sends to the CPU pool goes on to the GPU's queue once the router's own count puts the
+    CPU's queue at its bound (sent there, the engine would refuse it: a 503)."""
+    from keyacc_ray.serve.monitor import Snapshot
+
+    r = Router(["CpuDecode"], "full_offload", {"trigger_window_s": 30.0}, monitor=_Unreachable())
+    cpu = _view("CpuDecode", "cpu", 4, 4000)
+    cpu.max_waiting = 3
+    gpu = _view("GpuDecode", "gpu", 8, 40)
+    gpu.max_waiting = 64
+    r.snapshot = Snapshot(0.0, {"GpuPrefill": _view("GpuPrefill", "gpu", 8, 40), "GpuDecode": gpu, "CpuDecode": cpu})
+    routes = []
+
+    async def burst():
+        from keyacc_ray.serve.messages import Ticket
+
+        for i in range(20):
+            routes.append((await r.begin(Ticket(f"b{i}", 64, 96))).route)
+    asyncio.run(burst())
+    assert r.load_view().cpu.queue_bound == 3
+    # 9 on the GPU (its batch of 4, 4 queued and one), then the CPU pool's 4 slots and 3 queued,
+    # then the GPU's queue again, not a CPU queue past its bound
+    assert routes == ["gpu"] * 9 + ["cpu"] * 7 + ["gpu"] * 4, routes
+    assert r.policy.counters["queue_bound_to_gpu"] == 4

@@ -28,6 +28,9 @@ def test_views_add_up_replicas_of_a_deployment():
     assert (v.replicas, v.num_waiting, v.num_running, v.num_free_blocks, v.max_free_blocks) == (2, 3, 12, 80, 50)
     assert v.tokens_per_s == 30.0 and v.max_num_seqs == 64 and v.free_slots == 64 - 12 - 3
     assert s.snapshot().deployments["GpuDecode"].num_running == 3
+    s.report(ReplicaReport(**{**report("a").as_dict(), "max_waiting": 64}))
+    s.report(ReplicaReport(**{**report("b").as_dict(), "max_waiting": 32}))
+    assert s.snapshot().deployments["CpuDecode"].max_waiting == 96  # the queue bounds add up too
 
 
 def test_a_deployments_prefill_rate_is_the_mean_of_its_replicas_that_measured_it():
