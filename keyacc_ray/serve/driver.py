@@ -79,6 +79,13 @@ def error_item(status: int, message: str, type_: str = "internal_error") -> Erro
     return ErrorItem(status, {"error": {"message": message, "type": type_, "param": None, "code": None}})
 
 
+def refused_new(items: list) -> bool:
+    """A new request's first hop answered only that its engine's waiting queue is full
+    (`Overloaded`, a 503): backpressure, as Serve's own queue gives it, for the router to decide."""
+    return (len(items) == 1 and isinstance(items[0], ErrorItem) and items[0].status_code == 503
+            and items[0].body.get("error", {}).get("type") == "overloaded_error")
+
+
 def is_backpressure(e: BaseException) -> bool:
     """Serve's BackPressureError (a pool's bounded queue is full), by name: no Ray import here."""
     return type(e).__name__ == "BackPressureError"
@@ -255,6 +262,7 @@ class RequestDriver:
             had = len(generated)  # tokens the client had when this hop began
             next_handoff = None
             outcome, err_name = "done", ""
+            refused_here = False  # a new request its engine's full queue refused
             stream = hop = None
             segment_started = False  # this hop's replica said where it runs
             decided: Ticket | None = None  # the pool's check after a CPU period chose the next hop
@@ -324,6 +332,11 @@ class RequestDriver:
                                 emitted_chars += len(it.text)
                                 finish_reason = it.finish_reason or finish_reason
                             out.append(it)
+                    if not generated and handoff is None and t.pinned_route is None and refused_new(out):
+                        refused_here = True  # the router may send it elsewhere (the call ends by itself)
+                        if segment_started:
+                            trace.segments[-1]["refused"] = True
+                        continue
                     if out:
                         yield out
                     if any(isinstance(i, ErrorItem) for i in out):
@@ -331,6 +344,8 @@ class RequestDriver:
                         return
                 if next_handoff is not None:
                     outcome = "handoff"
+                elif refused_here:
+                    outcome, err_name = "backpressure", "Overloaded"
             except (asyncio.CancelledError, GeneratorExit):  # the client went away
                 if stream is not None:
                     stream.cancel()  # the pool aborts the sequence and frees its blocks

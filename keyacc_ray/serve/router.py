@@ -586,6 +586,21 @@ class Router:
             return "cpu"
         return route
 
+    def _reroute_new(self, t: Ticket, kind: str) -> Ticket:
+        """A new request that `kind`'s queue refused (full: the router's view was behind): the
+        policy's route once more, with that pool's queue at its bound in the view, so a policy that
+        uses both pools sends it to the other (`whole_request_route`); the same pool again: a 503."""
+        t.backpressured = True
+        load = self.load_view()
+        pool = load.cpu if kind == "cpu_decode" else load.gpu_entry
+        pool.queue = pool.queue_bound = max(pool.queue, pool.queue_bound, 1)
+        route = self.policy.route(self._view(t, 0), load)
+        if route not in ("gpu", "stage", "cpu") or (route == "cpu") == (kind == "cpu_decode"):
+            return self._stop(t, _err(503, f"the {kind} pool is overloaded; retry later", "overloaded_error"))
+        self._count("requests_rerouted_total|reason=queue_full")
+        t.route = route
+        return self._enter_first_hop(t)
+
     def _start(self, t: Ticket, why: str) -> Ticket:
         """Count the request as started and enter the first hop of its route."""
         self._count(f"requests_started_total|route={t.route},reason={why}")
@@ -717,6 +732,8 @@ class Router:
                 if now - t.refused_since < REFUSED_WAIT_S:
                     self._count(f"refused_retries_total|hop={kind}")
                     return self._decode_on(t, kind, end)
+            if not end.has_handoff and t.pinned_route is None and not t.backpressured:
+                return self._reroute_new(t, kind)
             return self._stop(t, _err(503, f"the {kind} pool is overloaded; retry later", "overloaded_error"))
         t.refused_since = -1.0  # (taken: a later refusal waits its own REFUSED_WAIT_S)
         if end.outcome == "stalled":

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from keyacc_ray.errors import Overloaded
 from keyacc_ray.serve.driver import RequestDriver
 from keyacc_ray.serve.messages import (ErrorItem, GenerateRequest, Handoff, HopAccepted, HopEnd, SegmentStart,
                                        Ticket, TicketUpdate, TokenChunk, Trace, Withdrawn)
@@ -133,6 +134,7 @@ class FakePool:
         self.fail_after: int | None = None  # raise after this many tokens (once)
         self.fail_with = RuntimeError  # ... this
         self.backpressure = False  # raise BackPressureError (once)
+        self.refuse_new = 0  # this many new requests: taken, then refused by the engine's full queue
         self.preempt_after: int | None = None  # a movable sequence is preempted and handed off (once)
         self.movable: list[bool] = []  # what each call was told
         self.start_delay = 0.0  # the next call waits this long before the pool takes it (Serve's queue; once)
@@ -173,6 +175,10 @@ class FakePool:
         start = SegmentStart(self.pool, phase, self.name + "-r0", self.name)
         if handoff is None:  # as EnginePool: a new request's acceptance comes with its start
             yield [HopAccepted(), start]
+            if self.refuse_new:  # as the engine loop: its add_request raised Overloaded
+                self.refuse_new -= 1
+                yield [ErrorItem(503, Overloaded("the engine's waiting queue is full (2)").to_dict())]
+                return
         else:  # a hand-off's first, then its KV import
             yield [HopAccepted()]
             if self.receive_delay:
@@ -493,6 +499,36 @@ def test_full_prefill_queue_is_a_503():
     assert tokens == [] and errors[0].status_code == 503
     assert errors[0].body["error"]["type"] == "overloaded_error"
     assert settled(router)
+
+
+def test_a_new_request_refused_by_a_full_engine_queue_goes_where_the_policy_sends_it_next():
+    """The router's view was behind and the engine's waiting queue was full: the hop answers
+    with the engine's 503. Nothing streamed yet, so the router asks the policy again with that
+    pool's queue at its bound: an offload policy sends it to the other pool; `gpu_only`, or the
+    other pool refusing too, or a pinned route: the 503, as before."""
+    driver, router, pools = make("full_offload", {"trigger_window_s": 0.0})
+    router.policy.gpu.flag.state = True  # overloaded: new requests start on the CPU
+    pools["cpu_decode/0"].refuse_new = 1
+    tokens, errors, trace = asyncio.run(collect(driver, request(6)))
+    assert tokens == [100 + i for i in range(6)] and not errors
+    assert [(s["pool"], s["tokens"], s.get("refused", False)) for s in trace["segments"]][0] == ("cpu", 0, True)
+    assert trace["segments"][-1]["pool"] == "gpu" and sum(s["tokens"] for s in trace["segments"]) == 6
+    assert router._counters["requests_rerouted_total|reason=queue_full"] == 1
+    assert router._counters["rejected_total|hop=cpu_decode"] == 1
+    assert settled(router)
+    pools["cpu_decode/0"].refuse_new, pools["gpu_prefill"].refuse_new = 1, 1  # both pools refuse it
+    tokens, errors, _ = asyncio.run(collect(driver, request(6, rid="r2")))
+    assert tokens == [] and errors[0].status_code == 503 and errors[0].body["error"]["type"] == "overloaded_error"
+    assert router._counters["requests_rerouted_total|reason=queue_full"] == 2 and settled(router)
+    pools["cpu_decode/0"].refuse_new = 1  # pinned: where it was pinned, or a 503
+    tokens, errors, _ = asyncio.run(collect(driver, request(6, rid="r3", route="cpu")))
+    assert tokens == [] and errors[0].status_code == 503 and settled(router)
+    assert router._counters["requests_rerouted_total|reason=queue_full"] == 2
+    driver, router, pools = make()  # gpu_only: the GPU or nothing
+    pools["gpu_prefill"].refuse_new = 1
+    tokens, errors, _ = asyncio.run(collect(driver, request(6)))
+    assert tokens == [] and errors[0].status_code == 503 and settled(router)
+    assert "requests_rerouted_total|reason=queue_full" not in router._counters
 
 
 def test_pinning_refused_when_turned_off():
