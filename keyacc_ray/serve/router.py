@@ -586,6 +586,9 @@ class Router:
             return "cpu"
         return route
 
+    def _overloaded(self, t: Ticket, kind: str) -> Ticket:
+        return self._stop(t, _err(503, f"the {kind} pool is overloaded; retry later", "overloaded_error"))
+
     def _reroute_new(self, t: Ticket, kind: str) -> Ticket:
         """A new request that `kind`'s queue refused (full: the router's view was behind): the
         policy's route once more, with that pool's queue at its bound in the view, so a policy that
@@ -596,7 +599,7 @@ class Router:
         pool.queue = pool.queue_bound = max(pool.queue, pool.queue_bound, 1)
         route = self.policy.route(self._view(t, 0), load)
         if route not in ("gpu", "stage", "cpu") or (route == "cpu") == (kind == "cpu_decode"):
-            return self._stop(t, _err(503, f"the {kind} pool is overloaded; retry later", "overloaded_error"))
+            return self._overloaded(t, kind)
         self._count("requests_rerouted_total|reason=queue_full")
         t.route = route
         return self._enter_first_hop(t)
@@ -734,7 +737,7 @@ class Router:
                     return self._decode_on(t, kind, end)
             if not end.has_handoff and t.pinned_route is None and not t.backpressured:
                 return self._reroute_new(t, kind)
-            return self._stop(t, _err(503, f"the {kind} pool is overloaded; retry later", "overloaded_error"))
+            return self._overloaded(t, kind)
         t.refused_since = -1.0  # (taken: a later refusal waits its own REFUSED_WAIT_S)
         if end.outcome == "stalled":
             # a hop its pool did not take within the driver's bound (the replica is dead and being
