@@ -94,3 +94,36 @@ def test_two_ingress_replicas_share_one_router(app_url):
     finally:
         serve.run(build_app(APP_ARGS), name="keyacc", route_prefix="/")
         wait_for_monitor(app_url)
+
+
+def test_a_burst_the_cpu_pools_queue_cannot_hold_queues_on_the_gpu_instead_of_503s(app_url):
+    """`full_offload` overflows a burst to the CPU pool; that pool's engine queue holds 2 here
+    (`max_waiting`), the GPU's 64. Every request has a place somewhere, so none gets a 503: the
+    router stops sending new requests to a pool whose queue is at its bound (the replicas report
+    it), and one the engine refuses anyway goes by the policy to the other pool."""
+    cpu = {"max_num_seqs": 2, "max_waiting": 2, "num_threads": 1, "num_cpus": 0.5}
+    serve.run(build_app({**APP_ARGS, "policy": "full_offload", "cpu": cpu}), name="keyacc", route_prefix="/")
+    try:
+        wait_for_monitor(app_url)
+        _, tok = hf_model(tiny_model("qwen3"))
+
+        def one(i):
+            prompt = PROMPTS[i % len(PROMPTS)]
+            return prompt, httpx.post(f"{app_url}/v1/completions", timeout=300, json={
+                "model": "tiny-qwen3", "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True})
+
+        with cf.ThreadPoolExecutor(24) as ex:
+            results = list(ex.map(one, range(24)))
+        assert [r.status_code for _, r in results] == [200] * 24, [r.text[:200] for _, r in results if r.status_code != 200]
+        for p, r in results:
+            assert r.json()["choices"][0]["token_ids"] == hf_greedy(tiny_model("qwen3"), tok(p)["input_ids"], 48)
+        pools = [{s["pool"] for s in r.json()["keyacc"]["segments"] if s["tokens"]} for _, r in results]
+        assert sum("cpu" in p for p in pools) >= 2 and sum("gpu" in p for p in pools) >= 2  # both pools took some
+        text = httpx.get(f"{app_url}/metrics", timeout=10).text
+        kept = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(("keyacc_policy_queue_bound_to_gpu_total", "keyacc_requests_rerouted_total")))
+        assert kept >= 1, "the burst never met the CPU queue's bound: the test shows nothing"
+    finally:
+        serve.run(build_app(APP_ARGS), name="keyacc", route_prefix="/")
+        wait_for_monitor(app_url)
