@@ -565,13 +565,14 @@ class Router:
         t.route = route
         return self._start(t, "policy")
 
-    def _route(self, t: Ticket, held_s: float) -> str:
+    def _route(self, t: Ticket, held_s: float, load: LoadView | None = None) -> str:
         """The policy's route for a new request, except that while the monitor shows no live CPU
         decode replica (killed, its replacement starting) a request it sends to the CPU pool goes
         to the GPU pool instead: its queue is bounded (a clear 503 when full), where Serve's queue
         for a dead deployment waits for the replacement, and a pool killed again and again left
-        requests there past their clients' timeouts (the kill soak's lost requests)."""
-        route = self.policy.route(self._view(t, 0, held_s=held_s), self.load_view())
+        requests there past their clients' timeouts (the kill soak's lost requests). `load`: the
+        view to decide on, if not the router's own."""
+        route = self.policy.route(self._view(t, 0, held_s=held_s), self.load_view() if load is None else load)
         if route == "cpu" and self._cpu_gone():
             self._count("requests_rerouted_total|reason=cpu_unavailable")
             return "gpu"
@@ -591,13 +592,14 @@ class Router:
 
     def _reroute_new(self, t: Ticket, kind: str) -> Ticket:
         """A new request that `kind`'s queue refused (full: the router's view was behind): the
-        policy's route once more, with that pool's queue at its bound in the view, so a policy that
-        uses both pools sends it to the other (`whole_request_route`); the same pool again: a 503."""
+        policy's route once more (`_route`), with that pool's queue at its bound in the view, so a
+        policy that uses both pools sends it to the other (`whole_request_route`); the same pool
+        again: a 503."""
         t.backpressured = True
         load = self.load_view()
         pool = load.cpu if kind == "cpu_decode" else load.gpu_entry
         pool.queue = pool.queue_bound = max(pool.queue, pool.queue_bound, 1)
-        route = self.policy.route(self._view(t, 0), load)
+        route = self._route(t, 0.0, load)
         if route not in ("gpu", "stage", "cpu") or (route == "cpu") == (kind == "cpu_decode"):
             return self._overloaded(t, kind)
         self._count("requests_rerouted_total|reason=queue_full")
