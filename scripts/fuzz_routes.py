@@ -6,6 +6,7 @@ equality (bf16 diverges at near-ties, the tie-aware rule).
 
     python scripts/fuzz_routes.py --launch --model models/tiny-qwen3 --cases 100
     python scripts/fuzz_routes.py --url http://127.0.0.1:8000 --cases 300 --seed 7
+    python scripts/fuzz_routes.py --launch --api chat --cases 60     # conversations, tools, JSON
 
 With --launch it starts the default graph on this box (deployments/app.yaml's pools) with the
 given model and stops it after. Each mismatch is printed as one JSON line; the last line is one
@@ -34,6 +35,8 @@ def main() -> int:
     ap.add_argument("--concurrent", type=int, default=3, help="cases at once (six requests each)")
     ap.add_argument("--greedy", action="store_true", help="temperature 0 only")
     ap.add_argument("--unpinned", type=int, default=0, help="copies of each case sent with no pin (the policy's route)")
+    ap.add_argument("--api", choices=["completions", "chat", "both"], default="completions",
+                    help="chat: conversations with tools, response formats and top logprobs (a chat template needed)")
     ap.add_argument("--port", type=int, default=8051)
     args = ap.parse_args()
     if not args.url and not args.launch:
@@ -54,7 +57,7 @@ def main() -> int:
 
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         rep = route_fuzz.run(url, model, vocab, args.cases, args.seed, args.concurrent, args.greedy, log=print,
-                              unpinned=args.unpinned)
+                              unpinned=args.unpinned, api=args.api)
     finally:
         if args.launch:
             import ray
@@ -63,7 +66,7 @@ def main() -> int:
             serve.shutdown()
             ray.shutdown()
     print(json.dumps({"cases": rep.cases, "requests": rep.requests, "refused_everywhere": rep.errors,
-                      "mismatches": len(rep.mismatches), "seed": args.seed, "model": args.model}))
+                      "mismatches": len(rep.mismatches), "seed": args.seed, "api": args.api, "model": args.model}))
     return 1 if rep.mismatches else 0
 
 

@@ -5,7 +5,9 @@ makes together: each case is a random prompt (text or token ids) with random sam
 (greedy, or seeded temperature with top-p / top-k / min-p), penalties, a logit bias, min_tokens,
 stop strings, logprobs, echo, n, and is sent pinned to `gpu`, `cpu`, `stage`, and `stage` and
 `cpu` with `migrate_back_after` (two hand-offs), plus once more streamed on one of those routes,
-and optionally unpinned copies that go where the server's policy sends them.
+and optionally unpinned copies that go where the server's policy sends them. `api="chat"` (or
+"both") makes chat cases instead (`chat_fuzz.py`: conversations with tools, tool choices,
+response formats, structured outputs, top logprobs).
 Every answer must equal the first one: the text, token ids, finish reason and logprob tokens of
 each choice exactly, the logprob values within `LOGPROB_TOL`, and the usage counts; an error must
 be the same error everywhere. Several cases run at once, so the pools batch, preempt and hand off
@@ -51,6 +53,7 @@ class Report:
     cases: int = 0
     requests: int = 0
     errors: int = 0  # cases every route refused alike (a bad combination: the same 4xx everywhere)
+    refusals: list = field(default_factory=list)  # (case, the first route's error) of those
     mismatches: list[Mismatch] = field(default_factory=list)
 
 
@@ -143,57 +146,76 @@ def complete(client: httpx.Client, base: str, body: dict):
     return (_choices(out), usage and usage["completion_tokens"], usage and usage["prompt_tokens"])
 
 
+def _near(x, y) -> bool:
+    """Logprob values (a list of floats or None, or a list of such lists) within LOGPROB_TOL."""
+    if (x is None) != (y is None):  # a choice with logprobs over no tokens: null in one answer, absent in a stream
+        return not (x or y)
+    if x is None:
+        return True
+    if isinstance(x, (int, float)) or isinstance(y, (int, float)):
+        return isinstance(x, (int, float)) and isinstance(y, (int, float)) and abs(x - y) <= LOGPROB_TOL
+    return len(x) == len(y) and all(_near(a, b) for a, b in zip(x, y))
+
+
 def same(got, want) -> bool:
+    """Per choice the first four fields exactly (text or content, token ids or tool calls, finish
+    reason, logprob tokens), the rest (logprob values) within LOGPROB_TOL; the usage exactly."""
     if got[0] == "error" or want[0] == "error":
         return got == want
     if got[1:] != want[1:] or len(got[0]) != len(want[0]):
         return False
     for a, b in zip(got[0], want[0]):
-        if a[:4] != b[:4]:
-            return False
-        la, lb = a[4], b[4]
-        if (la is None) != (lb is None):  # a streamed choice with logprobs over no tokens has none
-            if (la or lb):
-                return False
-            continue
-        if la is not None and (len(la) != len(lb) or any(
-                (x is None) != (y is None) or (x is not None and abs(x - y) > LOGPROB_TOL) for x, y in zip(la, lb))):
+        if a[:4] != b[:4] or len(a) != len(b) or not all(_near(x, y) for x, y in zip(a[4:], b[4:])):
             return False
     return True
 
 
 def run(base: str, model: str, vocab: int, cases: int, seed: int = 0, concurrent_cases: int = 3,
-        greedy_only: bool = False, timeout_s: float = 300, log=None, unpinned: int = 0) -> Report:
+        greedy_only: bool = False, timeout_s: float = 300, log=None, unpinned: int = 0, api: str = "completions") -> Report:
     """`cases` random cases against the server at `base` serving `model` (token ids below
     `vocab`), `concurrent_cases` at a time; `unpinned` more copies of each go where the server's
-    policy sends them (with enough cases at once, some move between the pools)."""
+    policy sends them (with enough cases at once, some move between the pools). `api`:
+    "completions", "chat" (`chat_fuzz`: conversations, tools, structured outputs) or "both"
+    (alternate cases)."""
+    from keyacc_ray.bench import chat_fuzz
+
     rng = random.Random(seed)
     plan = []
     for case in range(cases):
-        prompt, params = random_case(rng, vocab, greedy_only=greedy_only)
+        chat = api == "chat" or (api == "both" and case % 2 == 1)
+        if chat:
+            msgs, params = chat_fuzz.random_case(rng, vocab, WORDS, greedy_only=greedy_only)
+            body = {**params, "messages": msgs}
+        else:
+            prompt, params = random_case(rng, vocab, greedy_only=greedy_only)
+            body = {**params, "prompt": prompt, "return_token_ids": True}
         routes = routes_for(rng, params["max_tokens"], unpinned)
-        plan.append((case, prompt, params, [(r, False) for r in routes] + [(rng.choice(routes), True)]))
+        plan.append((case, chat, body, [(r, False) for r in routes] + [(rng.choice(routes), True)]))
     report = Report()
     with httpx.Client(timeout=timeout_s) as client, \
             cf.ThreadPoolExecutor(concurrent_cases * (6 + unpinned)) as pool, cf.ThreadPoolExecutor(concurrent_cases) as outer:
         def one(job):
-            prompt, params, (route, stream) = job
-            body = {**params, "model": model, "prompt": prompt, "return_token_ids": True, "stream": stream}
+            chat, body, (route, stream) = job
+            body = {**body, "model": model, "stream": stream}
             if route:
                 body["keyacc"] = route
             if stream:
                 body["stream_options"] = {"include_usage": True}
-            return complete(client, base, body)
+            return (chat_fuzz.ask if chat else complete)(client, base, body)
 
         def one_case(c):
-            _, prompt, params, jobs = c
-            return c, list(pool.map(one, [(prompt, params, j) for j in jobs]))
+            _, chat, body, jobs = c
+            return c, list(pool.map(one, [(chat, body, j) for j in jobs]))
 
-        for (case, prompt, params, jobs), outs in outer.map(one_case, plan):
+        for (case, chat, body, jobs), outs in outer.map(one_case, plan):
             report.cases += 1
             report.requests += len(outs)
             want = outs[0]
-            report.errors += all(o[0] == "error" for o in outs)
+            if all(o[0] == "error" for o in outs):
+                report.errors += 1
+                report.refusals.append((case, want))
+            prompt = body.get("messages") if chat else body["prompt"]
+            params = {k: v for k, v in body.items() if k not in ("messages", "prompt")}
             for (route, stream), got in zip(jobs[1:], outs[1:]):
                 if not same(got, want):
                     m = Mismatch(case, route, stream, params, prompt, got, want)
