@@ -38,3 +38,19 @@ PROMPTS = [
     "x", "How vexingly quick daft zebras jump!", "Explain how a transformer model predicts the next token",
     "for i in range(10):", "Pack my box with five dozen liquor jugs",
 ]
+
+
+def tie_aware_equal(ref_engine, prompt: list[int], ref: list[int], got: list[int], ulps: int = 3) -> bool:
+    """The bf16 rule (../shared/NOTES.md): where two runs first differ, `got`'s token must be
+    within `ulps` bf16 rounding steps (at the top logit's magnitude, at least 0.05) of the best
+    logit of `ref_engine`'s model at that point. Each kernel rounds its products to bf16, so a tie
+    at that resolution can go either way; anything further apart is a real difference. (A fixed
+    margin would be below one bf16 step for a model whose logits pass 8.)"""
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a != b:
+            with torch.inference_mode():
+                logits = ref_engine.runner.model(torch.tensor([prompt + ref[:i]])).logits[0, -1].float()
+            top = float(logits.max())
+            step = 2.0 ** (torch.floor(torch.log2(torch.tensor(abs(top) + 1e-6))).item() - 7)
+            return float(top - logits[b]) <= max(0.05, ulps * step)
+    return len(ref) == len(got)

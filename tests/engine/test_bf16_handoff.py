@@ -1,7 +1,7 @@
 """bf16: a hand-off mid-decode continues by the tie-aware rule (../shared/NOTES.md): where the
 moved run and the uninterrupted run first differ, the moved run's token must be the reference's
-argmax or within a small margin of it (bf16 kernels round differently; exactness is a float32
-property)."""
+argmax or within a few bf16 rounding steps of it (`tests.helpers.tie_aware_equal`; bf16 kernels
+round differently; exactness is a float32 property)."""
 import subprocess
 import sys
 
@@ -12,9 +12,7 @@ from keyacc_ray.config import EngineConfig
 from keyacc_ray.engine.llm_engine import LLMEngine
 from keyacc_ray.engine.request import SamplingParams
 from tests.conftest import ROOT
-from tests.helpers import PROMPTS
-
-MARGIN = 0.05  # logit units; bf16 has ~3 significant digits
+from tests.helpers import PROMPTS, tie_aware_equal
 
 
 @pytest.fixture(scope="module")
@@ -24,15 +22,6 @@ def bf16_path():
         subprocess.run([sys.executable, str(ROOT / "scripts/make_tiny_model.py"), "--arch", "llama", "--dtype",
                         "bfloat16", "--out", str(out)], check=True, timeout=300)
     return str(out)
-
-
-def tie_aware_equal(engine: LLMEngine, prompt: list[int], ref: list[int], got: list[int]) -> bool:
-    for i, (a, b) in enumerate(zip(ref, got)):
-        if a != b:
-            with torch.inference_mode():
-                logits = engine.runner.model(torch.tensor([prompt + ref[:i]])).logits[0, -1].float()
-            return bool(logits.max() - logits[b] <= MARGIN)
-    return len(ref) == len(got)
 
 
 @pytest.mark.parametrize("k", [1, 9])

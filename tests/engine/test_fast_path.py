@@ -13,24 +13,9 @@ from keyacc_ray.kernels.fastpath import PackedLinear
 from tests.conftest import tiny_model
 from tests.engine.test_bf16_handoff import bf16_path  # noqa: F401 - fixture
 from tests.engine.test_kv_handoff import drain, run_until
-from tests.helpers import PROMPTS
+from tests.helpers import PROMPTS, tie_aware_equal
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-
-
-def tie_aware_equal(ref_engine, prompt, ref, got, ulps: int = 3) -> bool:
-    """bf16 rule across different kernels: where the runs first differ, the fast path's token must
-    be within `ulps` bf16 rounding steps (at the top logit's magnitude) of the reference
-    forward's best logit. Every kernel rounds each product to bf16, so a tie at that resolution
-    can go either way; anything further apart is a real difference."""
-    for i, (a, b) in enumerate(zip(ref, got)):
-        if a != b:
-            with torch.inference_mode():
-                logits = ref_engine.runner.model(torch.tensor([prompt + ref[:i]])).logits[0, -1].float()
-            top = float(logits.max())
-            step = 2.0 ** (torch.floor(torch.log2(torch.tensor(abs(top) + 1e-6))).item() - 7)
-            return float(top - logits[b]) <= max(0.05, ulps * step)
-    return len(ref) == len(got)
 
 
 def engine(path, kernels_mode, **kw):
