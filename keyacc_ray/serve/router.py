@@ -58,6 +58,11 @@ STALL_MEMORY_S = 30.0
 # way whose hop there was not taken within the driver's bound waits on for it (`keep_waiting`)
 # while the other pool would make it wait too.
 LIVE_REPORT_S = 1.0
+# A pool's engine that refused a request with its waiting queue full is fresher news than the
+# snapshot (the replica reports every 0.2 s, the router refreshes every 0.1 s): that hop counts at
+# its queue bound in the load view for this long, so the next new requests go where the policy
+# would send them past a full queue instead of each being refused there first.
+QUEUE_FULL_NEWS_S = 0.5
 NODE_TIER = "node_tier/"  # PoolPrefixes' names for the nodes' shared KV tiers (not hops), + the tier's id
 
 
@@ -120,6 +125,7 @@ class Router:
         self.kv_handoff_skip = kv_handoff_skip
         self._replicas_seen: dict[str, set] = {}  # deployment -> its replicas in the last snapshot
         self._stalled: dict[str, tuple[float, frozenset]] = {}  # hop -> (when a hop there stalled, its replicas then)
+        self._queue_full: dict[str, float] = {}  # hop -> when its engine last refused a request, queue full
         self._dead: dict[str, set] = {}  # deployment -> its replicas a hop failed on with the actor gone
         self._cpu_loads: list[PoolLoad] = [PoolLoad() for _ in self.cpu_keys]
         self.snapshot = None
@@ -289,6 +295,8 @@ class Router:
                                   total_blocks=v.num_total_blocks, block_size=v.block_size, known=True,
                                   tokens_per_s=v.tokens_per_s, prefill_tokens_per_s=v.prefill_tokens_per_s,
                                   queue_bound=v.max_waiting)
+        if self._queue_full:
+            self._mark_full_queues(loads)
         free = None
         if gpu.get("available"):
             free = min(g["mem_free_bytes"] for g in gpu["gpus"])
@@ -305,6 +313,17 @@ class Router:
         if self.colocated:  # the GPU engine's queue is its prefill queue too
             return LoadView(loads["gpu_decode"], loads["gpu_decode"], cpu, free, colocated=True)
         return LoadView(loads["gpu_prefill"], loads["gpu_decode"], cpu, free)
+
+    def _mark_full_queues(self, loads: dict[str, PoolLoad]) -> None:
+        """The hops whose engine refused a request with its queue full in the last
+        QUEUE_FULL_NEWS_S: at their queue bound in the view, whatever the snapshot says."""
+        now = self.clock()
+        for hop, at in list(self._queue_full.items()):
+            if now - at >= QUEUE_FULL_NEWS_S or hop not in loads:
+                del self._queue_full[hop]
+                continue
+            pool = loads[hop]
+            pool.queue = pool.queue_bound = max(pool.queue, pool.queue_bound, 1)
 
     def _pick_cpu(self, prefer: str | None = None) -> str:
         """One CPU decode deployment (NUMA node): stay where the sequence is (or go where its
@@ -590,17 +609,22 @@ class Router:
     def _overloaded(self, t: Ticket, kind: str) -> Ticket:
         return self._stop(t, _err(503, f"the {kind} pool is overloaded; retry later", "overloaded_error"))
 
-    def _reroute_new(self, t: Ticket, kind: str) -> Ticket:
-        """A new request that `kind`'s queue refused (full: the router's view was behind): the
-        policy's route once more (`_route`), with that pool's queue at its bound in the view, so a
-        policy that uses both pools sends it to the other (`whole_request_route`); the same pool
-        again: a 503."""
+    async def _reroute_new(self, t: Ticket, kind: str) -> Ticket:
+        """A new request that its hop's queue refused (full: the router's view was behind; the
+        view now has that hop at its queue bound, `_mark_full_queues`): the policy's route once
+        more (`_route`), so a policy that uses both pools sends it to the other
+        (`whole_request_route`), or to another CPU deployment with room; where the policy holds
+        new requests (`max_hold_s`), HOLD waits here for a place as a new request would; the same
+        hop again: a 503."""
         t.backpressured = True
-        load = self.load_view()
-        pool = load.cpu if kind == "cpu_decode" else load.gpu_entry
-        pool.queue = pool.queue_bound = max(pool.queue, pool.queue_bound, 1)
-        route = self._route(t, 0.0, load)
-        if route not in ("gpu", "stage", "cpu") or (route == "cpu") == (kind == "cpu_decode"):
+        refused = t.hop
+        route = self._route(t, 0.0)
+        if route == HOLD:
+            self._count("requests_rerouted_total|reason=queue_full")
+            return await self._hold(t)
+        if route not in ("gpu", "stage", "cpu"):
+            return self._overloaded(t, kind)
+        if (route == "cpu") == (kind == "cpu_decode") and (route != "cpu" or self._pick_cpu() == refused):
             return self._overloaded(t, kind)
         self._count("requests_rerouted_total|reason=queue_full")
         t.route = route
@@ -720,6 +744,7 @@ class Router:
         t.prefill_check = False
         if end.outcome == "backpressure":  # the pool's bounded queue is full: not a fault
             self._count(f"rejected_total|hop={kind}")
+            self._queue_full[t.hop] = self.clock()
             other = "cpu_decode" if kind == "gpu_decode" else "gpu_decode" if kind == "cpu_decode" else None
             if (other and t.pinned_route is None and end.has_handoff and not t.backpressured
                     and not self._decode_gone(other)):
@@ -738,7 +763,7 @@ class Router:
                     self._count(f"refused_retries_total|hop={kind}")
                     return self._decode_on(t, kind, end)
             if not end.has_handoff and t.pinned_route is None and not t.backpressured:
-                return self._reroute_new(t, kind)
+                return await self._reroute_new(t, kind)
             return self._overloaded(t, kind)
         t.refused_since = -1.0  # (taken: a later refusal waits its own REFUSED_WAIT_S)
         if end.outcome == "stalled":

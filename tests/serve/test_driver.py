@@ -531,6 +531,65 @@ def test_a_new_request_refused_by_a_full_engine_queue_goes_where_the_policy_send
     assert "requests_rerouted_total|reason=queue_full" not in router._counters
 
 
+def test_after_a_full_queue_refused_a_request_the_next_new_ones_go_elsewhere_at_once():
+    """The refusal is news the snapshot has not caught up with: for QUEUE_FULL_NEWS_S that hop
+    counts at its queue bound, so the next new request goes where the policy sends it past a full
+    queue (the GPU) without being refused first; once the news lapses, the snapshot decides
+    again (the CPU, here)."""
+    from keyacc_ray.serve import router as router_mod
+
+    driver, router, pools = make("full_offload", {"trigger_window_s": 0.0})
+    router.policy.gpu.flag.state = True  # overloaded: new requests start on the CPU
+    pools["cpu_decode/0"].refuse_new = 1
+    _, errors, trace = asyncio.run(collect(driver, request(6)))
+    assert not errors and [s["pool"] for s in trace["segments"]][:2] == ["cpu", "gpu"]
+    assert router._queue_full.keys() == {"cpu_decode/0"}
+    calls = len(pools["cpu_decode/0"].calls)
+    tokens, errors, trace = asyncio.run(collect(driver, request(6, rid="r2")))
+    assert tokens == [100 + i for i in range(6)] and not errors
+    assert trace["segments"][0]["pool"] == "gpu" and not any(s.get("refused") for s in trace["segments"])
+    assert len(pools["cpu_decode/0"].calls) == calls  # not tried there
+    assert router._counters["rejected_total|hop=cpu_decode"] == 1
+    assert router._counters["requests_rerouted_total|reason=queue_full"] == 1
+    router._queue_full["cpu_decode/0"] -= router_mod.QUEUE_FULL_NEWS_S  # the news lapsed
+    _, errors, trace = asyncio.run(collect(driver, request(6, rid="r3")))
+    assert not errors and trace["segments"][0]["pool"] == "cpu" and not router._queue_full
+    assert settled(router)
+
+
+def test_a_refused_new_request_waits_at_the_router_where_the_policy_holds_new_requests():
+    """With `max_hold_s`, a new request that a full CPU queue refused while the GPU has no room
+    either waits at the router as a new request would (HOLD), instead of the 503, and takes the
+    first place that frees once the refusal's news has lapsed."""
+    from keyacc_ray.serve import router as router_mod
+    from keyacc_ray.serve.monitor import Snapshot
+
+    async def unchanged(since):
+        return None
+
+    r = Router(["CpuDecode"], "full_offload", {"trigger_window_s": 30.0, "max_hold_s": 5.0},
+               monitor=FakeMonitor(unchanged))
+    r.snapshot = Snapshot(0.0, {"GpuPrefill": _view("GpuPrefill", "gpu", 8, 40),
+                                "GpuDecode": _view("GpuDecode", "gpu", 8, 40),
+                                "CpuDecode": _view("CpuDecode", "cpu", 2, 4000)})
+
+    async def run():
+        first = [await r.begin(Ticket(f"b{i}", 64, 96)) for i in range(10)]
+        assert [t.route for t in first] == ["gpu"] * 9 + ["cpu"]
+        t = await r.begin(Ticket("x", 64, 96))
+        assert t.hop == "cpu_decode/0"
+        nxt = asyncio.create_task(r.advance(t, HopEnd("backpressure", 0.0, 0)))  # the engine's queue was full
+        await asyncio.sleep(0.05)
+        assert not nxt.done() and len(r._held) == 1
+        assert r._counters["requests_rerouted_total|reason=queue_full"] == 1
+        await r.finish(first[9], HopEnd("done", 1.0, 96, finished=True))  # a CPU place frees
+        moved = await asyncio.wait_for(nxt, router_mod.QUEUE_FULL_NEWS_S + 2.0)
+        assert moved.hop == "cpu_decode/0" and not r._held
+        assert r._counters.get("requests_held_total", 0) + r.monitor.counted.get("requests_held_total", 0) == 1
+
+    asyncio.run(run())
+
+
 def test_pinning_refused_when_turned_off():
     driver, router, _ = make(allow_pinning=False)
     tokens, errors, _ = asyncio.run(collect(driver, request(4, route="cpu")))
