@@ -9,6 +9,10 @@ residual-add+norm -> gate|up product -> SiLU-multiply -> down product -> residua
 It is built only from a model whose layers have that shape after `fastpath.apply` (fused norms,
 fused gate|up MLP), and the engine uses it only after it reproduced the model's own decode
 logits on a probe (`ModelRunner._check_fused_step`). Anything else keeps transformers' forward.
+
+Where every product is a packed one (bf16 or int8 weights), the loop
+over the layers runs in C++ (`decode_layers`: the same kernel calls in the same order, the same
+bits) without coming back to Python, and to the GIL, between a layer's calls.
 """
 from __future__ import annotations
 
@@ -30,12 +34,23 @@ def _linear(mod: nn.Module):
     return None
 
 
+_NONE = torch.empty(0)  # decode_layers' "this layer has none"
+
+
+def _packed(mod: nn.Module) -> tuple | None:
+    """A packed product's (weights, int8 scales, bias, width) as decode_layers takes them."""
+    if not isinstance(mod, PackedLinear):
+        return None
+    bias = _NONE if mod.bias is None else mod.bias.detach()
+    return mod.packed, _NONE if mod.scales is None else mod.scales, bias, mod.out_features
+
+
 def _fused_qkv(attn: nn.Module):
     """One product for q, k and v where all three are packed alike (bf16, or int8 with scales)
     with widths that are whole 64-row groups: their packed weights are concatenated (the packed
     layout is per group of 64 output rows, so the concatenation is the packing of the stacked
     weight) and each module keeps a view of its part, so no weight is held twice. Returns
-    (product, q width, k width), or None. At batch 1 this is a third fewer kernel calls a layer,
+    (product, q width, k width, its `_packed` tuple), or None. At batch 1 this is a third fewer kernel calls a layer,
     and one longer weight stream instead of three short ones."""
     mods = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
     if not all(isinstance(m, PackedLinear) for m in mods):
@@ -60,12 +75,13 @@ def _fused_qkv(attn: nn.Module):
         fn = lambda x: kern.linear_int8(x, packed, scales, n, bias)  # noqa: E731
     else:
         fn = lambda x: kern.linear_bf16(x, packed, n, bias)  # noqa: E731
-    return fn, q.out_features, k.out_features
+    raw = (packed, _NONE if scales is None else scales, _NONE if bias is None else bias, n)
+    return fn, q.out_features, k.out_features, raw
 
 
 class _Layer:
     __slots__ = ("ln1", "ln2", "q", "k", "v", "qkv", "nq", "nk", "o", "qn", "kn", "qk_eps", "gate_up", "down",
-                 "scale", "kind", "idx")
+                 "scale", "kind", "idx", "packed")  # packed: `_packed` tuples of (q|k|v or q, k, v, o, gate|up, down), or None
 
 
 class FusedDecodeStep:
@@ -73,6 +89,27 @@ class FusedDecodeStep:
         self.k = kernels
         self.embed, self.rotary, self.layers, self.norm, self.lm_head = embed, rotary, layers, norm, lm_head
         self.dtype = dtype
+        self.native = self._native_args()  # decode_layers' per-layer arguments, or None: the Python loop
+        self.in_order = [L.idx for L in layers] == list(range(len(layers)))
+
+    def _native_args(self) -> tuple | None:
+        if not hasattr(self.k, "decode_layers") or any(L.packed is None for L in self.layers):
+            return None
+        w, iv, fv = [], [], []
+        for j, L in enumerate(self.layers):
+            (qkv, qs, qb, nqkv), kp, vp, (o, os_, ob, no), (gu, gs, gb, ngu), (dn, ds, db, nd) = L.packed
+            nxt = self.layers[j + 1].ln1 if j + 1 < len(self.layers) else self.norm
+            w += [qkv, qs, qb, _NONE if L.qn is None else L.qn, _NONE if L.kn is None else L.kn, o, os_, ob,
+                  L.ln2.weight, gu, gs, gb, dn, ds, db, nxt.weight]
+            if kp is None:  # one q|k|v product
+                w += [_NONE] * 6
+                iv += [L.nq, L.nk, nqkv - L.nq - L.nk]
+            else:  # q (above), k and v separate
+                w += [*kp[:3], *vp[:3]]
+                iv += [nqkv, kp[3], vp[3]]
+            iv += [no, ngu, nd]
+            fv += [float(L.ln2.eps), float(nxt.eps), float(L.qk_eps), float(L.scale)]
+        return [t.detach() for t in w], iv, fv
 
     @classmethod
     def build(cls, model: nn.Module, kernels) -> "FusedDecodeStep | None":
@@ -114,7 +151,10 @@ class FusedDecodeStep:
         out.ln1, out.ln2 = ln1, ln2
         out.q, out.k, out.v, out.o = projs
         fused = _fused_qkv(attn)
-        out.qkv, out.nq, out.nk = fused if fused is not None else (None, 0, 0)
+        out.qkv, out.nq, out.nk, raw = fused if fused is not None else (None, 0, 0, None)
+        sep = [_packed(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj")] if raw is None else [raw, None, None]
+        rest = [_packed(m) for m in (attn.o_proj, mlp.gate_up, mlp.down_proj)]
+        out.packed = None if sep[0] is None or None in rest or (raw is None and None in sep) else (*sep, *rest)
         out.qn = None if qn is None else qn.weight
         out.kn = None if kn is None else kn.weight
         out.qk_eps = 0.0 if qn is None else qn.eps
@@ -137,6 +177,14 @@ class FusedDecodeStep:
         cos, sin = cos.reshape(B, -1).to(h.dtype), sin.reshape(B, -1).to(h.dtype)
         res = h.contiguous()
         x = K.rms_norm(res, self.layers[0].ln1.weight, self.layers[0].ln1.eps)
+        if self.native is not None:
+            if self.in_order and len(kpools) == len(self.layers):
+                kp, vp, win = kpools, vpools, [int(w) for w in windows]
+            else:
+                kp, vp = [kpools[L.idx] for L in self.layers], [vpools[L.idx] for L in self.layers]
+                win = [int(windows[L.idx]) for L in self.layers]
+            x = K.decode_layers(x, res, cos, sin, *self.native, kp, vp, win, tables, ctx, off, blk)
+            return self.lm_head(x)
         n = len(self.layers)
         for j, L in enumerate(self.layers):
             kb, vb = kpools[L.idx], vpools[L.idx]

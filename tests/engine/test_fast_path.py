@@ -8,6 +8,7 @@ from keyacc_ray import kernels
 from keyacc_ray.config import EngineConfig
 from keyacc_ray.engine.llm_engine import LLMEngine
 from keyacc_ray.engine.request import SamplingParams
+from keyacc_ray.engine.runner import StepItem
 from keyacc_ray.errors import ModelLoadError
 from keyacc_ray.kernels.fastpath import PackedLinear
 from tests.conftest import tiny_model
@@ -176,3 +177,37 @@ def test_decode_rows_from_the_block_array_equal_those_from_the_tables(qwen3_path
     for r, it in enumerate(items):
         need = it.start // bs + 1
         assert fast[4][r, :need].tolist() == slow[4][r, :need].tolist() == it.blocks[:need]
+
+
+@pytest.mark.parametrize("case", ["llama-bf16", "qwen3-as-bf16", "llama-int8", "qwen3-windows-bf16"])
+def test_the_native_layer_loop_is_the_python_loop_bit_for_bit(bf16_path, tmp_path, case):  # noqa: F811
+    """decode_layers (the loop over the layers in C++) against fused_step.py's Python loop on the
+    same decode rows (mixed lengths, several blocks): the same logits and the same K/V written,
+    bit for bit, for bf16 and int8 weights, q/k norms and per-layer sliding windows."""
+    kw = {"cpu_weight_quant": "int8"} if case == "llama-int8" else {}
+    if case.startswith("qwen3-windows"):
+        path = _random_model(tmp_path, "Qwen3Config", head_dim=16, layer_types=["sliding_attention", "full_attention"],
+                             sliding_window=8, use_sliding_window=True)
+        kw["dtype"] = "bfloat16"
+    elif case == "qwen3-as-bf16":
+        path, kw["dtype"] = tiny_model("qwen3"), "bfloat16"
+    else:
+        path = bf16_path
+    eng = engine(path, "on", **kw)
+    r, fs = eng.runner, eng.runner.fused_step
+    assert fs is not None and fs.native is not None, "every product packed: the native loop should be on"
+    items = r._probe_items()
+    r.forward(items)
+    rows = r._decode_rows([StepItem([7], len(it.tokens), it.blocks) for it in items])
+    before = [t.clone() for t in r.cache.k + r.cache.v]
+    outs = []
+    for native in (fs.native, None):
+        for t, b in zip(r.cache.k + r.cache.v, before):
+            t.copy_(b)
+        fs.native = native
+        with torch.inference_mode():
+            logits = fs(*rows, r.cache.k, r.cache.v, r.windows)
+        outs.append((logits.clone(), [t.clone() for t in r.cache.k + r.cache.v]))
+    (a, ka), (b, kb) = outs
+    assert torch.equal(a, b)
+    assert all(torch.equal(x, y) for x, y in zip(ka, kb)) and not all(torch.equal(x, y) for x, y in zip(ka, before))

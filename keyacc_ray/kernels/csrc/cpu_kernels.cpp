@@ -1989,6 +1989,57 @@ std::vector<torch::Tensor> decode_inputs(torch::Tensor ids, torch::Tensor pos, t
   return {out[0], out[1], out[2], out[3], tables, out[4]};
 }
 
+// ---------------------------------------------------------------------------------------------
+// A decode step's layers in one call: fused_step.py's loop over the layers, the same kernels in
+// the same order with the same arguments (so the same bits), without going back to Python after
+// each of a layer's nine kernel calls. That return cost Python time, and in a replica it cost a
+// GIL reacquired ~200 times a step: with another thread holding the GIL 40% of the time (a busy
+// event loop) a batch-1 step of the 24-layer bench model took 1.5x as long.
+// Per layer, DL_T tensors in `w` (an empty tensor where the layer has none): q|k|v packed, its
+// int8 scales, its bias (or q's alone, where q, k and v are separate products); q norm, k norm;
+// o packed, scales, bias; the post-attention norm; gate|up packed, scales, bias; down packed,
+// scales, bias; the next norm (the next layer's input norm, the model's final norm after the
+// last); k's and v's packed, scales, bias where separate (else empty); DL_I ints: q, k, v, o,
+// gate|up and down widths; DL_F doubles: the post-attention norm's eps, the next norm's eps, the q/k
+// norms' eps, the attention scale. Per call, per layer: its K and V pools and its window.
+// Returns the last layer's output through the final norm; `res` is updated in place.
+constexpr size_t DL_T = 22, DL_I = 6, DL_F = 4;
+
+torch::Tensor decode_layers(torch::Tensor x, torch::Tensor res, torch::Tensor cos, torch::Tensor sin,
+                            std::vector<torch::Tensor> w, std::vector<int64_t> iv, std::vector<double> fv,
+                            std::vector<torch::Tensor> kpools, std::vector<torch::Tensor> vpools,
+                            std::vector<int64_t> windows, torch::Tensor tables, torch::Tensor ctx, torch::Tensor off,
+                            torch::Tensor blk) {
+  const size_t n = w.size() / DL_T;
+  TORCH_CHECK(n > 0 && w.size() == n * DL_T && iv.size() == n * DL_I && fv.size() == n * DL_F && kpools.size() == n &&
+                  vpools.size() == n && windows.size() == n,
+              "decode_layers: per-layer arguments");
+  auto opt = [](const torch::Tensor& t) { return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt; };
+  auto lin = [&](const torch::Tensor& in, const torch::Tensor* t, int64_t N) {  // t: packed, scales, bias
+    return t[1].numel() ? linear_int8(in, t[0], t[1], N, opt(t[2])) : linear_bf16(in, t[0], N, opt(t[2]));
+  };
+  const int64_t B = x.size(0);
+  for (size_t j = 0; j < n; ++j) {
+    const torch::Tensor* t = &w[j * DL_T];
+    const int64_t* I = &iv[j * DL_I];
+    const double* F = &fv[j * DL_F];
+    const int64_t nq = I[0], nk = I[1], nv = I[2];
+    torch::Tensor qx, kx, vx;
+    if (t[16].numel()) {  // q, k and v separate
+      qx = lin(x, t, nq), kx = lin(x, t + 16, nk), vx = lin(x, t + 19, nv);
+    } else {
+      auto y = lin(x, t, nq + nk + nv);
+      qx = y.narrow(1, 0, nq), kx = y.narrow(1, nq, nk), vx = y.narrow(1, nq + nk, nv);
+    }
+    auto q = rope_kv_write(qx, kx, vx, opt(t[3]), opt(t[4]), F[2], cos, sin, kpools[j], vpools[j], off, blk);
+    auto a = paged_decode_attention(q, kpools[j], vpools[j], tables, ctx, windows[j], F[3]);
+    x = add_rms_norm(lin(a.view({B, -1}), t + 5, I[3]), res, t[8], F[0]);
+    auto m = lin(silu_mul(lin(x, t + 9, I[4])), t + 12, I[5]);
+    x = add_rms_norm(m, res, t[15], F[1]);
+  }
+  return x;
+}
+
 torch::Tensor sample_rows(torch::Tensor x, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
                           torch::Tensor min_p, torch::Tensor u, torch::Tensor e);
 torch::Tensor argmax_rows(torch::Tensor x);
@@ -2026,6 +2077,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "sample_rows with each row's uniform made from its premixed seed and position (sampling.uniforms' rule)");
   m.def("penalize_at", &penalize_at, nogil, "x[i] = x[i] < 0 ? x[i] * p : x[i] / p at flat indices (the repetition penalty)");
   m.def("subtract_at", &subtract_at, nogil, "x[idx[j]] -= v[j] at flat indices (presence and frequency penalties)");
+  m.def("decode_layers", &decode_layers, nogil,
+        "a decode step's layers in one call (fused_step.py's loop: the same kernels, the same order)");
   m.def("decode_inputs", &decode_inputs, nogil,
         "a decode step's ids, positions, blocks, rows in block, block tables (int32) and context lengths");
   m.def("sampling_isa", &sampling_isa, "the variant the sampling kernels run (avx512 | avx2 | portable)");
