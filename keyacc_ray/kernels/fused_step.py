@@ -10,8 +10,7 @@ It is built only from a model whose layers have that shape after `fastpath.apply
 fused gate|up MLP), and the engine uses it only after it reproduced the model's own decode
 logits on a probe (`ModelRunner._check_fused_step`). Anything else keeps transformers' forward.
 
-Where every product is a packed one (bf16 or int8 weights), the loop
-over the layers runs in C++ (`decode_layers`: the same kernel calls in the same order, the same
+The loop over the layers runs in C++ (`decode_layers`: the same kernel calls in the same order, the same
 bits) without coming back to Python, and to the GIL, between a layer's calls.
 """
 from __future__ import annotations
@@ -38,11 +37,14 @@ _NONE = torch.empty(0)  # decode_layers' "this layer has none"
 
 
 def _packed(mod: nn.Module) -> tuple | None:
-    """A packed product's (weights, int8 scales, bias, width) as decode_layers takes them."""
-    if not isinstance(mod, PackedLinear):
-        return None
-    bias = _NONE if mod.bias is None else mod.bias.detach()
-    return mod.packed, _NONE if mod.scales is None else mod.scales, bias, mod.out_features
+    """A product's (weights, int8 scales, bias, width) as decode_layers takes them: packed
+    weights, or a plain weight (torch's own linear there, as `_linear`'s)."""
+    bias = _NONE if getattr(mod, "bias", None) is None else mod.bias.detach()
+    if isinstance(mod, PackedLinear):
+        return mod.packed, _NONE if mod.scales is None else mod.scales, bias, mod.out_features
+    if isinstance(mod, (nn.Linear, DenseLinear)):
+        return mod.weight.detach(), _NONE, bias, mod.out_features
+    return None
 
 
 def _fused_qkv(attn: nn.Module):
@@ -89,10 +91,11 @@ class FusedDecodeStep:
         self.k = kernels
         self.embed, self.rotary, self.layers, self.norm, self.lm_head = embed, rotary, layers, norm, lm_head
         self.dtype = dtype
-        self.native = self._native_args()  # decode_layers' per-layer arguments, or None: the Python loop
+        self.native = self.native_args()  # decode_layers' per-layer arguments, or None: the Python loop
         self.in_order = [L.idx for L in layers] == list(range(len(layers)))
 
-    def _native_args(self) -> tuple | None:
+    def native_args(self) -> tuple | None:
+        """decode_layers' per-layer arguments, from the layers as they are now (None: no such kernel)."""
         if not hasattr(self.k, "decode_layers") or any(L.packed is None for L in self.layers):
             return None
         w, iv, fv = [], [], []

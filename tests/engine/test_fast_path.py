@@ -92,6 +92,7 @@ def test_check_refuses_a_step_that_does_not_reproduce_the_model(qwen3_path):
     step = FusedDecodeStep.build(eng.runner.model, kernels.load())
     assert eng.runner._check_fused_step(step)
     step.layers[1].scale *= 1.5  # a model whose attention scales differently
+    step.native = step.native_args()
     assert not eng.runner._check_fused_step(step)
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks  # the probe holds no block
 
@@ -179,11 +180,13 @@ def test_decode_rows_from_the_block_array_equal_those_from_the_tables(qwen3_path
         assert fast[4][r, :need].tolist() == slow[4][r, :need].tolist() == it.blocks[:need]
 
 
-@pytest.mark.parametrize("case", ["llama-bf16", "qwen3-as-bf16", "llama-int8", "qwen3-windows-bf16"])
+@pytest.mark.parametrize("case", ["llama-bf16", "qwen3-as-bf16", "llama-int8", "qwen3-windows-bf16", "qwen3-float32",
+                                  "llama-float32"])
 def test_the_native_layer_loop_is_the_python_loop_bit_for_bit(bf16_path, tmp_path, case):  # noqa: F811
     """decode_layers (the loop over the layers in C++) against fused_step.py's Python loop on the
     same decode rows (mixed lengths, several blocks): the same logits and the same K/V written,
-    bit for bit, for bf16 and int8 weights, q/k norms and per-layer sliding windows."""
+    bit for bit, for bf16 and int8 weights, float32 weights (not packed), q/k norms and per-layer
+    sliding windows."""
     kw = {"cpu_weight_quant": "int8"} if case == "llama-int8" else {}
     if case.startswith("qwen3-windows"):
         path = _random_model(tmp_path, "Qwen3Config", head_dim=16, layer_types=["sliding_attention", "full_attention"],
@@ -191,11 +194,13 @@ def test_the_native_layer_loop_is_the_python_loop_bit_for_bit(bf16_path, tmp_pat
         kw["dtype"] = "bfloat16"
     elif case == "qwen3-as-bf16":
         path, kw["dtype"] = tiny_model("qwen3"), "bfloat16"
+    elif case.endswith("float32"):  # plain weights: torch's own products inside the loop
+        path = tiny_model(case.split("-")[0])
     else:
         path = bf16_path
     eng = engine(path, "on", **kw)
     r, fs = eng.runner, eng.runner.fused_step
-    assert fs is not None and fs.native is not None, "every product packed: the native loop should be on"
+    assert fs is not None and fs.native is not None, "the native loop should be on"
     items = r._probe_items()
     r.forward(items)
     rows = r._decode_rows([StepItem([7], len(it.tokens), it.blocks) for it in items])

@@ -1996,7 +1996,8 @@ std::vector<torch::Tensor> decode_inputs(torch::Tensor ids, torch::Tensor pos, t
 // GIL reacquired ~200 times a step: with another thread holding the GIL 40% of the time (a busy
 // event loop) a batch-1 step of the 24-layer bench model took 1.5x as long.
 // Per layer, DL_T tensors in `w` (an empty tensor where the layer has none): q|k|v packed, its
-// int8 scales, its bias (or q's alone, where q, k and v are separate products); q norm, k norm;
+// int8 scales, its bias (or q's alone, where q, k and v are separate products; a plain [N, K]
+// weight where the product is not packed: float32 models, torch's own linear); q norm, k norm;
 // o packed, scales, bias; the post-attention norm; gate|up packed, scales, bias; down packed,
 // scales, bias; the next norm (the next layer's input norm, the model's final norm after the
 // last); k's and v's packed, scales, bias where separate (else empty); DL_I ints: q, k, v, o,
@@ -2016,6 +2017,7 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor res, torch::Tensor co
               "decode_layers: per-layer arguments");
   auto opt = [](const torch::Tensor& t) { return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt; };
   auto lin = [&](const torch::Tensor& in, const torch::Tensor* t, int64_t N) {  // t: packed, scales, bias
+    if (t[0].dim() == 2) return at::linear(in, t[0], opt(t[2]));  // a plain weight: torch's own product
     return t[1].numel() ? linear_int8(in, t[0], t[1], N, opt(t[2])) : linear_bf16(in, t[0], N, opt(t[2]));
   };
   const int64_t B = x.size(0);
