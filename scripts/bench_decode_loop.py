@@ -8,6 +8,7 @@ so both see the same contexts; medians of --steps steps each.
 
     python scripts/bench_decode_loop.py --model models/bench-qwen3 --batch 1 8 32
     KEYACC_CPU_ISA=avx2 python scripts/bench_decode_loop.py --batch 1
+    python scripts/bench_decode_loop.py --model models/medium-qwen3 --dtype float32 --threads 1
 
 The last line is one JSON object: {"b1": {"python_ms": .., "native_ms": .., "python_gil_ms": ..,
 "native_gil_ms": ..}, ...}.
@@ -50,7 +51,8 @@ class GilHolder:
         self._th.join()
 
 
-def measure(model: str, batch: int, steps: int, threads: int, hold_us: int, free_us: int) -> dict:
+def measure(model: str, batch: int, steps: int, threads: int, hold_us: int, free_us: int,
+            dtype: str = "bfloat16") -> dict:
     import torch
 
     from keyacc_ray.config import EngineConfig
@@ -58,7 +60,7 @@ def measure(model: str, batch: int, steps: int, threads: int, hold_us: int, free
     from keyacc_ray.engine.request import SamplingParams
 
     torch.set_num_threads(threads)
-    eng = LLMEngine(EngineConfig(model=model, dtype="bfloat16", max_num_seqs=max(8, batch),
+    eng = LLMEngine(EngineConfig(model=model, dtype=dtype, max_num_seqs=max(8, batch),
                                  max_model_len=128 + 3 * steps + 16, num_threads=threads, cpu_kernels="on"))
     fs = eng.runner.fused_step
     if fs is None or fs.native is None:
@@ -96,13 +98,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--steps", type=int, default=20, help="steps of each loop per measurement")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16", help="float32: plain weights, torch's own products in the loop")
     ap.add_argument("--hold-us", type=int, default=200, help="the GIL holder's hold, of every hold + free")
     ap.add_argument("--free-us", type=int, default=300)
     args = ap.parse_args()
     out = {}
     print(f"{'batch':>5} {'python ms':>10} {'native ms':>10} {'python, GIL held':>17} {'native, GIL held':>17}")
     for b in args.batch:
-        r = out[f"b{b}"] = measure(args.model, b, args.steps, args.threads, args.hold_us, args.free_us)
+        r = out[f"b{b}"] = measure(args.model, b, args.steps, args.threads, args.hold_us, args.free_us, args.dtype)
         print(f"{b:>5} {r['python_ms']:>10} {r['native_ms']:>10} {r['python_gil_ms']:>17} {r['native_gil_ms']:>17}",
               flush=True)
     out["gil_held_fraction"] = round(args.hold_us / (args.hold_us + args.free_us), 2)
