@@ -16,6 +16,8 @@ import random
 
 import httpx
 
+from keyacc_ray.bench import route_fuzz
+
 # small schemas: a random model spends about a token per character of its arguments
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": {
@@ -91,21 +93,7 @@ def random_case(rng: random.Random, vocab: int, words: tuple, greedy_only: bool 
             p["structured_outputs"] = {"choice": rng.sample(["yes", "no", "maybe", "later"], rng.randint(2, 4))}
         else:
             p["structured_outputs"] = {"regex": r"[a-c]{1,4}-[0-9]{2}"}
-    p["temperature"] = 0 if greedy_only else rng.choice([0, 0, 0.7, 1.3])
-    if p["temperature"] > 0:
-        p["seed"] = rng.randrange(1 << 30)
-        if rng.random() < 0.4:
-            p["top_p"] = rng.choice([0.5, 0.9, 0.95])
-        if rng.random() < 0.4:
-            p["top_k"] = rng.choice([1, 5, 20, 50])
-        if rng.random() < 0.3:
-            p["n"] = rng.randint(2, 3)
-    if rng.random() < 0.2:
-        p["presence_penalty"] = rng.choice([-0.5, 0.5, 1.5])
-    if rng.random() < 0.2:
-        p["frequency_penalty"] = rng.choice([-0.5, 0.5, 1.0])
-    if rng.random() < 0.15:
-        p["logit_bias"] = {str(rng.randrange(5, vocab)): rng.choice([-100, -5, 5]) for _ in range(rng.randint(1, 3))}
+    p.update(route_fuzz.random_sampling(rng, vocab, greedy_only))
     if rng.random() < 0.15 and "tools" not in p:
         p["stop"] = [rng.choice(words) for _ in range(rng.randint(1, 2))]
     if rng.random() < 0.3:
@@ -141,37 +129,30 @@ def ask(client: httpx.Client, base: str, body: dict):
             out[c["index"]] = (c["message"].get("content") or None, _calls(c["message"].get("tool_calls")), c["finish_reason"],
                                *lp)
         return ([out[k] for k in sorted(out)], j["usage"]["completion_tokens"], j["usage"]["prompt_tokens"])
+    events = route_fuzz.sse_events(client, f"{base}/v1/chat/completions", body)
+    if isinstance(events, tuple):  # ("error", status, body)
+        return events
     text: dict = {}
     calls: dict = {}
     fin: dict = {}
     lps: dict = {}
     seen: set = set()
-    usage = None
-    with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            return ("error", r.status_code, json.loads(r.read()))
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            j = json.loads(line[6:])
-            if "error" in j:
-                return ("error", "in stream", j)
-            usage = j.get("usage") or usage
-            for c in j["choices"]:
-                k = c["index"]
-                seen.add(k)
-                d = c.get("delta") or {}
-                if d.get("content") is not None:
-                    text[k] = text.get(k, "") + d["content"]
-                for tc in d.get("tool_calls") or []:
-                    got = calls.setdefault(k, {}).setdefault(tc["index"], ["", ""])
-                    got[0] += (tc.get("function") or {}).get("name") or ""
-                    got[1] += (tc.get("function") or {}).get("arguments") or ""
-                fin[k] = c.get("finish_reason") or fin.get(k)
-                if c.get("logprobs") and c["logprobs"].get("content") is not None:
-                    lps.setdefault(k, []).extend(c["logprobs"]["content"])
+    for j in events:
+        for c in j["choices"]:
+            k = c["index"]
+            seen.add(k)
+            d = c.get("delta") or {}
+            if d.get("content") is not None:
+                text[k] = text.get(k, "") + d["content"]
+            for tc in d.get("tool_calls") or []:
+                got = calls.setdefault(k, {}).setdefault(tc["index"], ["", ""])
+                got[0] += (tc.get("function") or {}).get("name") or ""
+                got[1] += (tc.get("function") or {}).get("arguments") or ""
+            fin[k] = c.get("finish_reason") or fin.get(k)
+            if c.get("logprobs") and c["logprobs"].get("content") is not None:
+                lps.setdefault(k, []).extend(c["logprobs"]["content"])
     out = {}
     for k in seen:
         tcs = tuple(tuple(v) for _, v in sorted(calls[k].items())) if k in calls else None
         out[k] = (text.get(k) or None, tcs, fin.get(k), *_lp(lps.get(k)))
-    return ([out[k] for k in sorted(out)], usage and usage["completion_tokens"], usage and usage["prompt_tokens"])
+    return ([out[k] for k in sorted(out)], *route_fuzz.usage_of(events))

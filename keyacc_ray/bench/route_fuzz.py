@@ -57,13 +57,10 @@ class Report:
     mismatches: list[Mismatch] = field(default_factory=list)
 
 
-def random_case(rng: random.Random, vocab: int, max_prompt: int = 200, greedy_only: bool = False) -> tuple:
-    """(prompt, params) of one case."""
-    if rng.random() < 0.3:
-        prompt = [rng.randrange(5, vocab) for _ in range(rng.randint(1, max_prompt))]
-    else:
-        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, max_prompt * 3 // 4)))
-    p: dict = {"max_tokens": rng.randint(1, 60)}
+def random_sampling(rng: random.Random, vocab: int, greedy_only: bool = False) -> dict:
+    """Random sampling settings (greedy, or seeded temperature with top-p / top-k / min-p, n),
+    penalties and a logit bias: the part both kinds of case (completions, chat) draw alike."""
+    p: dict = {}
     p["temperature"] = 0 if greedy_only else rng.choice([0, 0, 0.7, 1.3])
     if p["temperature"] > 0:
         p["seed"] = rng.randrange(1 << 30)
@@ -83,6 +80,17 @@ def random_case(rng: random.Random, vocab: int, max_prompt: int = 200, greedy_on
         p["repetition_penalty"] = rng.choice([0.9, 1.1, 1.3])
     if rng.random() < 0.2:
         p["logit_bias"] = {str(rng.randrange(5, vocab)): rng.choice([-100, -5, 5, 100]) for _ in range(rng.randint(1, 4))}
+    return p
+
+
+def random_case(rng: random.Random, vocab: int, max_prompt: int = 200, greedy_only: bool = False) -> tuple:
+    """(prompt, params) of one case."""
+    if rng.random() < 0.3:
+        prompt = [rng.randrange(5, vocab) for _ in range(rng.randint(1, max_prompt))]
+    else:
+        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, max_prompt * 3 // 4)))
+    p: dict = {"max_tokens": rng.randint(1, 60)}
+    p.update(random_sampling(rng, vocab, greedy_only))
     if rng.random() < 0.2:
         p["min_tokens"] = rng.randint(0, p["max_tokens"])
     if rng.random() < 0.3:
@@ -118,13 +126,32 @@ def complete(client: httpx.Client, base: str, body: dict):
         out = {c["index"]: (c["text"], c.get("token_ids"), c["finish_reason"], (c.get("logprobs") or {}).get("tokens"),
                             (c.get("logprobs") or {}).get("token_logprobs")) for c in j["choices"]}
         return (_choices(out), j["usage"]["completion_tokens"], j["usage"]["prompt_tokens"])
+    events = sse_events(client, f"{base}/v1/completions", body)
+    if isinstance(events, tuple):  # ("error", status, body)
+        return events
     text: dict = {}
     ids: dict = {}
     fin: dict = {}
     toks: dict = {}
     lps: dict = {}
-    usage = None
-    with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+    for j in events:
+        for c in j["choices"]:
+            k = c["index"]
+            text[k] = text.get(k, "") + c["text"]
+            ids.setdefault(k, []).extend(c.get("token_ids") or [])
+            fin[k] = c.get("finish_reason") or fin.get(k)
+            if c.get("logprobs"):
+                toks.setdefault(k, []).extend(c["logprobs"].get("tokens") or [])
+                lps.setdefault(k, []).extend(c["logprobs"].get("token_logprobs") or [])
+    out = {k: (text[k], ids.get(k), fin.get(k), toks.get(k), lps.get(k)) for k in text}
+    return (_choices(out), *usage_of(events))
+
+
+def sse_events(client: httpx.Client, url: str, body: dict):
+    """A streamed answer's events, parsed (the list), or ("error", status, body) for a refusal
+    or an error event in the stream."""
+    events = []
+    with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
             return ("error", r.status_code, json.loads(r.read()))
         for line in r.iter_lines():
@@ -133,17 +160,14 @@ def complete(client: httpx.Client, base: str, body: dict):
             j = json.loads(line[6:])
             if "error" in j:
                 return ("error", "in stream", j)
-            usage = j.get("usage") or usage
-            for c in j["choices"]:
-                k = c["index"]
-                text[k] = text.get(k, "") + c["text"]
-                ids.setdefault(k, []).extend(c.get("token_ids") or [])
-                fin[k] = c.get("finish_reason") or fin.get(k)
-                if c.get("logprobs"):
-                    toks.setdefault(k, []).extend(c["logprobs"].get("tokens") or [])
-                    lps.setdefault(k, []).extend(c["logprobs"].get("token_logprobs") or [])
-    out = {k: (text[k], ids.get(k), fin.get(k), toks.get(k), lps.get(k)) for k in text}
-    return (_choices(out), usage and usage["completion_tokens"], usage and usage["prompt_tokens"])
+            events.append(j)
+    return events
+
+
+def usage_of(events: list) -> tuple:
+    """(completion tokens, prompt tokens) of a stream's last usage, or (None, None)."""
+    usage = next((j["usage"] for j in reversed(events) if j.get("usage")), None)
+    return (usage and usage["completion_tokens"], usage and usage["prompt_tokens"])
 
 
 def _near(x, y) -> bool:

@@ -495,12 +495,13 @@ def test_random_requests_get_the_same_answer_on_every_route(app_url):
 def test_random_chat_requests_get_the_same_answer_on_every_route(app_url):
     """The same for chat (keyacc_ray/bench/chat_fuzz.py): conversations with system, developer,
     assistant and tool turns, tools with every tool_choice, json_object / json_schema response
-    formats, structured_outputs choice and regex, top logprobs, n; the tool calls' names and
-    arguments, the content, finish reasons and logprobs equal on every route."""
+    formats, structured_outputs choice and regex, top logprobs, n (seed 31's cases have each of
+    these); the tool calls' names and arguments, the content, finish reasons and logprobs equal
+    on every route."""
     from keyacc_ray.bench import route_fuzz
 
     vocab = json.loads((Path(tiny_model("qwen3")) / "config.json").read_text())["vocab_size"]
-    rep = route_fuzz.run(app_url, MODEL, vocab, cases=12, seed=46, concurrent_cases=3, timeout_s=120, api="chat")
+    rep = route_fuzz.run(app_url, MODEL, vocab, cases=12, seed=31, concurrent_cases=3, timeout_s=120, api="chat")
     assert rep.requests == 12 * 6
     assert rep.errors <= 2, rep.refusals
     assert not rep.mismatches, [m.to_dict() for m in rep.mismatches[:3]]
