@@ -33,7 +33,8 @@ TOOLS = [
 SCHEMAS = [
     {"type": "object", "additionalProperties": False, "required": ["ok"], "properties": {"ok": {"type": "boolean"}}},
     {"type": "object", "additionalProperties": False, "required": ["city", "days"],
-     "properties": {"city": {"type": "string", "maxLength": 6}, "days": {"type": "integer", "minimum": 1, "maximum": 14}}},
+     "properties": {"city": {"type": "string", "maxLength": 6},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 14}}},
     {"type": "array", "maxItems": 3, "items": {"enum": ["a", "b", "c"]}},
 ]
 
@@ -63,7 +64,8 @@ def random_case(rng: random.Random, vocab: int, words: tuple, greedy_only: bool 
             fn = tools[0]["function"]["name"]
             msgs.append({"role": "assistant", "content": None, "tool_calls": [
                 {"id": f"call_{turn}", "type": "function", "function": {"name": fn, "arguments": "{}"}}]})
-            msgs.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": json.dumps({"v": rng.randint(0, 99)})})
+            msgs.append({"role": "tool", "tool_call_id": f"call_{turn}",
+                         "content": json.dumps({"v": rng.randint(0, 99)})})
             msgs.append({"role": "assistant", "content": _text(rng, words, 6)})
         elif rng.random() < 0.5:
             msgs.append({"role": "assistant", "content": _text(rng, words, 8)})
@@ -126,8 +128,8 @@ def ask(client: httpx.Client, base: str, body: dict):
         out = {}
         for c in j["choices"]:
             lp = _lp((c.get("logprobs") or {}).get("content"))
-            out[c["index"]] = (c["message"].get("content") or None, _calls(c["message"].get("tool_calls")), c["finish_reason"],
-                               *lp)
+            msg = c["message"]
+            out[c["index"]] = (msg.get("content") or None, _calls(msg.get("tool_calls")), c["finish_reason"], *lp)
         return ([out[k] for k in sorted(out)], j["usage"]["completion_tokens"], j["usage"]["prompt_tokens"])
     events = route_fuzz.sse_events(client, f"{base}/v1/chat/completions", body)
     if isinstance(events, tuple):  # ("error", status, body)

@@ -10,8 +10,8 @@ It is built only from a model whose layers have that shape after `fastpath.apply
 fused gate|up MLP), and the engine uses it only after it reproduced the model's own decode
 logits on a probe (`ModelRunner._check_fused_step`). Anything else keeps transformers' forward.
 
-The loop over the layers runs in C++ (`decode_layers`: the same kernel calls in the same order, the same
-bits) without coming back to Python, and to the GIL, between a layer's calls.
+The loop over the layers runs in C++ (`decode_layers`: the same kernel calls in the same order,
+the same bits) without coming back to Python, and to the GIL, between a layer's calls.
 """
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ def _fused_qkv(attn: nn.Module):
     with widths that are whole 64-row groups: their packed weights are concatenated (the packed
     layout is per group of 64 output rows, so the concatenation is the packing of the stacked
     weight) and each module keeps a view of its part, so no weight is held twice. Returns
-    (product, q width, k width, its `_packed` tuple), or None. At batch 1 this is a third fewer kernel calls a layer,
-    and one longer weight stream instead of three short ones."""
+    (product, q width, k width, its `_packed` tuple), or None. At batch 1 this is a third fewer
+    kernel calls a layer, and one longer weight stream instead of three short ones."""
     mods = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
     if not all(isinstance(m, PackedLinear) for m in mods):
         return None
@@ -82,8 +82,9 @@ def _fused_qkv(attn: nn.Module):
 
 
 class _Layer:
+    # packed: `_packed` tuples of (q|k|v or q, k or None, v or None, o, gate|up, down), or None
     __slots__ = ("ln1", "ln2", "q", "k", "v", "qkv", "nq", "nk", "o", "qn", "kn", "qk_eps", "gate_up", "down",
-                 "scale", "kind", "idx", "packed")  # packed: `_packed` tuples of (q|k|v or q, k, v, o, gate|up, down), or None
+                 "scale", "kind", "idx", "packed")
 
 
 class FusedDecodeStep:
