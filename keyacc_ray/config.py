@@ -30,6 +30,12 @@ class EngineConfig:
     kv_block_size: int = 16
     num_kv_blocks: int | None = None  # default: enough for every slot at max_model_len
     max_waiting: int = 256  # bounded waiting queue
+    # sequences whose stream is under way (moved here mid-stream: a hand-off, a failover from a
+    # dead replica) may run past max_num_seqs by this many while KV blocks last, each step slower
+    # for all instead of those streams stalling until places free (a GPU replica's death moves all
+    # its streams at once). None: max_num_seqs where decode steps are not CUDA graphs captured up
+    # to max_num_seqs (CPU engines), else 0. Fresh prompts never use these places.
+    max_num_seqs_under_way: int | None = None
     # prompt tokens fed per step in all (chunked prefill: a longer prompt goes in chunks of what is
     # left, beside the step's decode rows; vLLM's max_num_batched_tokens less the decode rows)
     max_prefill_tokens: int = 4096
@@ -93,6 +99,9 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"EngineConfig.{name} must be an integer >= 1, got {v!r}")
+        v = self.max_num_seqs_under_way
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ConfigError(f"EngineConfig.max_num_seqs_under_way must be None or an integer >= 0, got {v!r}")
         for name in ("max_model_len", "num_kv_blocks", "num_threads"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):

@@ -78,12 +78,14 @@ class GrowthReserve:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_waiting: int,
-                 max_prefill_tokens: int, lazy: bool = False, clock=time.monotonic, growth_reserve: bool = False):
+                 max_prefill_tokens: int, lazy: bool = False, clock=time.monotonic, growth_reserve: bool = False,
+                 under_way: int = 0):
         self.blocks = blocks
         self.lazy = lazy
         self.growth = GrowthReserve() if lazy and growth_reserve else None
         self.num_preemptions = 0
         self.max_num_seqs = max_num_seqs
+        self.under_way = under_way  # places past max_num_seqs for streams under way (EngineConfig)
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
@@ -158,8 +160,12 @@ class Scheduler:
             growth.stepped(bool(out.preempted))
             room = sum(growth.need(s, len(tables[s.request_id]), self.blocks) for s in running) \
                 if self.waiting else 0
-        while self.waiting and len(self.running) < self.max_num_seqs and not out.preempted:
+        while self.waiting and not out.preempted:
             seq = self.waiting[0]
+            # a stream under way (queued ahead of every fresh prompt) may take a place past
+            # max_num_seqs, up to `under_way` more; a fresh prompt waits for one within it
+            if len(self.running) >= self.max_num_seqs + (self.under_way if seq.num_output_tokens else 0):
+                break
             decode = seq.decoding  # came with its KV (a hand-off)
             if hold and not decode:  # a fresh prompt (or a recomputation) waits for the others
                 self.num_held += 1

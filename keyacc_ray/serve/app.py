@@ -137,6 +137,7 @@ class PoolConfig:
     max_ongoing_requests: int = 128
     max_queued_requests: int = 64
     max_waiting: int = 64
+    max_num_seqs_under_way: int | None = None  # places past max_num_seqs for streams moved here mid-stream (EngineConfig's)
     # Prompt tokens each engine step admits (at least one request): on CPU, a smaller budget keeps
     # a wave of arrivals from stalling every running decode for one long step.
     max_prefill_tokens: int = 4096
@@ -288,6 +289,7 @@ class AppConfig:
                                    kv_disk_tier_dir=pool.kv_disk_tier_dir, kv_node_tier_gb=pool.kv_node_tier_gb,
                                    kv_node_tier_dir=pool.kv_node_tier_dir,
                                    max_waiting=pool.max_waiting, max_prefill_tokens=pool.max_prefill_tokens,
+                                   max_num_seqs_under_way=pool.max_num_seqs_under_way,
                                    batched_prefill=pool.batched_prefill,
                                    num_threads=pool.num_threads,
                                    kv_memory_fraction=pool.kv_memory_fraction,

@@ -45,6 +45,7 @@ class PoolSpec:
     # the replica's own CPU per token beyond the engine's step, on the engine's core (streaming each
     # token to the ingress: scripts/bench_pool_host.py measured 0.18-0.21 ms on this box)
     pool_s_per_token: float = 0.0
+    under_way: int | None = None  # EngineConfig.max_num_seqs_under_way (None: its default for the pool's kind)
 
 
 @dataclass
@@ -107,7 +108,7 @@ class SimServer:
         for i in range(max(1, g.replicas)):
             e = SimEngine(f"gpu{i}", "GpuDecode", "gpu", g.steptime, g.max_num_seqs, g.num_blocks, g.block_size,
                           g.max_prefill_tokens, g.lazy, g.max_waiting, spec.max_model_len, g.pool_s_per_token,
-                          g.growth_reserve)
+                          g.growth_reserve, g.under_way)
             self.hops["gpu_decode" if i == 0 else f"gpu_decode#{i}"] = e
             self._replicas.setdefault("gpu_decode", []).append(e)
         c = spec.cpu
@@ -115,7 +116,7 @@ class SimServer:
             e = self.hops[f"cpu_decode/{i}"] = SimEngine(f"cpu{i}", name, "cpu", c.steptime, c.max_num_seqs,
                                                          c.num_blocks, c.block_size, c.max_prefill_tokens, c.lazy,
                                                          c.max_waiting, spec.max_model_len, c.pool_s_per_token,
-                                                         c.growth_reserve)
+                                                         c.growth_reserve, c.under_way)
             self._replicas[f"cpu_decode/{i}"] = [e]
         self.live: dict[str, Live] = {}
         self.done: list[Live] = []

@@ -83,6 +83,44 @@ def test_an_engine_whose_waiting_queue_is_full_still_takes_a_stream_under_way(qw
     assert first + rest["p3"] == hf_greedy(qwen3_path, ids, N_NEW)
 
 
+@pytest.mark.parametrize("under_way", [None, 0])
+def test_streams_under_way_take_places_past_max_num_seqs_and_fresh_prompts_do_not(qwen3_path, under_way):
+    """Streams moved here mid-stream (a failover moves a dead replica's streams at once) run past
+    `max_num_seqs` by up to `max_num_seqs_under_way` (default on CPU: max_num_seqs more) instead
+    of waiting for places; a fresh prompt waits for a place within max_num_seqs. 0: the cap holds
+    for every sequence. Token-identical either way."""
+    src = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=8))
+    dst = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=2, max_num_seqs_under_way=under_way))
+    params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True)
+    moved = {f"m{i}": src.tokenize(PROMPTS[i]) for i in (1, 3, 8)}
+    for rid, ids in moved.items():
+        src.add_request(rid, ids, params)
+    src_outs: dict = {}
+    for rid in moved:
+        run_until(src, rid, 3, src_outs)
+    fresh = {f"f{i}": dst.tokenize(PROMPTS[i]) for i in (2, 5, 6)}
+    outs: dict = {}
+    for rid in ("f2", "f5"):
+        dst.add_request(rid, fresh[rid], params)
+    for o in dst.step():
+        outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    for rid in moved:
+        dst.import_request(src.export_request(rid))
+    dst.add_request("f6", fresh["f6"], params)
+    for o in dst.step():
+        outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    running = {s.request_id for s in dst.scheduler.running}
+    if under_way is None:  # two places more, for two of the three moved streams; f6 waits
+        assert running == {"f2", "f5", "m1", "m3"} and [s.request_id for s in dst.scheduler.waiting] == ["m8", "f6"]
+    else:
+        assert running == {"f2", "f5"}
+    drain(dst, outs)
+    for rid, ids in moved.items():
+        assert src_outs[rid] + outs[rid] == hf_greedy(qwen3_path, ids, N_NEW)
+    for rid, ids in fresh.items():
+        assert outs[rid] == hf_greedy(qwen3_path, ids, N_NEW)
+
+
 def test_seeded_sampling_state_travels(qwen3_path):
     params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=7)
     ref = LLMEngine(EngineConfig(model=qwen3_path)).generate([PROMPTS[0]], params)[0]
