@@ -33,9 +33,10 @@ class EngineConfig:
     # sequences whose stream is under way (moved here mid-stream: a hand-off, a failover from a
     # dead replica) may run past max_num_seqs by this many while KV blocks last, each step slower
     # for all instead of those streams stalling until places free (a GPU replica's death moves all
-    # its streams at once). None: max_num_seqs where decode steps are not CUDA graphs captured up
-    # to max_num_seqs (CPU engines), else 0. Fresh prompts never use these places.
-    max_num_seqs_under_way: int | None = None
+    # its streams at once). Fresh prompts never use these places. Not where decode steps are CUDA
+    # graphs (captured up to max_num_seqs rows). Off by default until a soak's one wrong
+    # completion beside it is understood (docs/benchmarks.md, Soak, "Session 44").
+    max_num_seqs_under_way: int | None = None  # None or 0: off
     # prompt tokens fed per step in all (chunked prefill: a longer prompt goes in chunks of what is
     # left, beside the step's decode rows; vLLM's max_num_batched_tokens less the decode rows)
     max_prefill_tokens: int = 4096

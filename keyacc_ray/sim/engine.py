@@ -32,8 +32,7 @@ class SimEngine:
         self.per_token_s = per_token_s  # the replica's CPU per token beyond the step (PoolSpec.pool_s_per_token)
         per_seq = min(num_blocks, -(-max_model_len // block_size))
         self.blocks = BlockManager(num_blocks, block_size, 0, per_seq)
-        if under_way is None:  # as LLMEngine's default: CPU engines, not a GPU's captured graphs
-            under_way = max_num_seqs if pool == "cpu" else 0
+        under_way = under_way or 0  # (EngineConfig.max_num_seqs_under_way: off by default)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_waiting, max_prefill_tokens, lazy=lazy,
                                    growth_reserve=growth_reserve, under_way=under_way)
         self.max_num_seqs = max_num_seqs

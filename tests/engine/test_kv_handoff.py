@@ -83,12 +83,12 @@ def test_an_engine_whose_waiting_queue_is_full_still_takes_a_stream_under_way(qw
     assert first + rest["p3"] == hf_greedy(qwen3_path, ids, N_NEW)
 
 
-@pytest.mark.parametrize("under_way", [None, 0])
+@pytest.mark.parametrize("under_way", [2, None])
 def test_streams_under_way_take_places_past_max_num_seqs_and_fresh_prompts_do_not(qwen3_path, under_way):
     """Streams moved here mid-stream (a failover moves a dead replica's streams at once) run past
-    `max_num_seqs` by up to `max_num_seqs_under_way` (default on CPU: max_num_seqs more) instead
-    of waiting for places; a fresh prompt waits for a place within max_num_seqs. 0: the cap holds
-    for every sequence. Token-identical either way."""
+    `max_num_seqs` by up to `max_num_seqs_under_way` (off by default) instead of waiting for
+    places; a fresh prompt waits for a place within max_num_seqs. Off: the cap holds for every
+    sequence. Token-identical either way."""
     src = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=8))
     dst = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=2, max_num_seqs_under_way=under_way))
     params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True)
@@ -110,7 +110,7 @@ def test_streams_under_way_take_places_past_max_num_seqs_and_fresh_prompts_do_no
     for o in dst.step():
         outs.setdefault(o.request_id, []).extend(o.new_token_ids)
     running = {s.request_id for s in dst.scheduler.running}
-    if under_way is None:  # two places more, for two of the three moved streams; f6 waits
+    if under_way:  # two places more, for two of the three moved streams; f6 waits
         assert running == {"f2", "f5", "m1", "m3"} and [s.request_id for s in dst.scheduler.waiting] == ["m8", "f6"]
     else:
         assert running == {"f2", "f5"}
