@@ -36,7 +36,7 @@ class EngineConfig:
     # its streams at once). Fresh prompts never use these places. Not where decode steps are CUDA
     # graphs (captured up to max_num_seqs rows). Off by default until a soak's one wrong
     # completion beside it is understood (docs/benchmarks.md, Soak, "Session 44").
-    max_num_seqs_under_way: int | None = None  # None or 0: off
+    max_num_seqs_under_way: int = 0  # 0: off
     # prompt tokens fed per step in all (chunked prefill: a longer prompt goes in chunks of what is
     # left, beside the step's decode rows; vLLM's max_num_batched_tokens less the decode rows)
     max_prefill_tokens: int = 4096
@@ -101,8 +101,8 @@ class EngineConfig:
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"EngineConfig.{name} must be an integer >= 1, got {v!r}")
         v = self.max_num_seqs_under_way
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            raise ConfigError(f"EngineConfig.max_num_seqs_under_way must be None or an integer >= 0, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f"EngineConfig.max_num_seqs_under_way must be an integer >= 0, got {v!r}")
         for name in ("max_model_len", "num_kv_blocks", "num_threads"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):

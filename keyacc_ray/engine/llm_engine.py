@@ -119,7 +119,7 @@ class LLMEngine:
                         self.max_model_len, budget)
             self.max_model_len = budget
         # (CUDA graphs are captured up to max_num_seqs rows: no places past it there)
-        under_way = 0 if self.runner.static_decode is not None else (config.max_num_seqs_under_way or 0)
+        under_way = 0 if self.runner.static_decode is not None else config.max_num_seqs_under_way
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_waiting,
                                    config.max_prefill_tokens, lazy=config.kv_allocation == "lazy",
                                    growth_reserve=config.kv_growth_reserve, under_way=under_way)

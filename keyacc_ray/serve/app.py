@@ -137,7 +137,7 @@ class PoolConfig:
     max_ongoing_requests: int = 128
     max_queued_requests: int = 64
     max_waiting: int = 64
-    max_num_seqs_under_way: int | None = None  # places past max_num_seqs for streams moved here mid-stream (EngineConfig's)
+    max_num_seqs_under_way: int = 0  # places past max_num_seqs for streams moved here mid-stream (EngineConfig's)
     # Prompt tokens each engine step admits (at least one request): on CPU, a smaller budget keeps
     # a wave of arrivals from stalling every running decode for one long step.
     max_prefill_tokens: int = 4096

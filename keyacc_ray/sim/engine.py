@@ -27,12 +27,11 @@ class SimEngine:
     def __init__(self, name: str, deployment: str, pool: str, steptime: StepTime, max_num_seqs: int,
                  num_blocks: int, block_size: int = 16, max_prefill_tokens: int = 4096, lazy: bool = True,
                  max_waiting: int = 1024, max_model_len: int = 1 << 20, per_token_s: float = 0.0,
-                 growth_reserve: bool = False, under_way: int | None = None):
+                 growth_reserve: bool = False, under_way: int = 0):
         self.name, self.deployment, self.pool, self.steptime = name, deployment, pool, steptime
         self.per_token_s = per_token_s  # the replica's CPU per token beyond the step (PoolSpec.pool_s_per_token)
         per_seq = min(num_blocks, -(-max_model_len // block_size))
         self.blocks = BlockManager(num_blocks, block_size, 0, per_seq)
-        under_way = under_way or 0  # (EngineConfig.max_num_seqs_under_way: off by default)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_waiting, max_prefill_tokens, lazy=lazy,
                                    growth_reserve=growth_reserve, under_way=under_way)
         self.max_num_seqs = max_num_seqs

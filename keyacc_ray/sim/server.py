@@ -45,7 +45,7 @@ class PoolSpec:
     # the replica's own CPU per token beyond the engine's step, on the engine's core (streaming each
     # token to the ingress: scripts/bench_pool_host.py measured 0.18-0.21 ms on this box)
     pool_s_per_token: float = 0.0
-    under_way: int | None = None  # EngineConfig.max_num_seqs_under_way (None: off, its default)
+    under_way: int = 0  # EngineConfig.max_num_seqs_under_way (0: off, its default)
 
 
 @dataclass

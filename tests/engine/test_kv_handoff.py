@@ -83,7 +83,7 @@ def test_an_engine_whose_waiting_queue_is_full_still_takes_a_stream_under_way(qw
     assert first + rest["p3"] == hf_greedy(qwen3_path, ids, N_NEW)
 
 
-@pytest.mark.parametrize("under_way", [2, None])
+@pytest.mark.parametrize("under_way", [2, 0])
 def test_streams_under_way_take_places_past_max_num_seqs_and_fresh_prompts_do_not(qwen3_path, under_way):
     """Streams moved here mid-stream (a failover moves a dead replica's streams at once) run past
     `max_num_seqs` by up to `max_num_seqs_under_way` (off by default) instead of waiting for
