@@ -8,10 +8,12 @@ where completed requests went on after their replica died (`failovers`, by deplo
 The GPU pool admits with `kv_growth_reserve`, as deployments/app.yaml's does (`--gpu-engine
 '{"kv_growth_reserve": false}'`: lazy).
 A completion whose tokens differ from transformers' generate() (`completed_wrong`, must be 0) is
-kept in `wrong_examples` (its prompt, where the tokens part, and the request's path); one that
-parts from it only at a float32 near-tie (the server's token within 8 ulps of generate()'s top
-logit there, and generate()'s own continuation after it) counts as `completed_near_tie`, kept in
-`near_tie_examples` with the logit gap.
+kept in `wrong_examples` (its prompt and X-Request-Id, the tokens around where they part and the
+shape of the difference, the logit gap there, and the request's path); one that parts from it
+only at a float32 near-tie (generate()'s top logit within `tests.helpers.TIE_ULPS` float32
+spacings of the server's token there, the spread of two correct computations measured by
+`scripts/logit_spread.py`, and generate()'s own continuation after it) counts as
+`completed_near_tie`, kept in `near_tie_examples` with the gap.
 With --tiers: prompts share a few long heads (prefix caching), the emulated GPU pool's block
 pool holds a fraction of them, host and disk KV tiers under every pool; it also reports the
 longest gap inside a stream and, once idle, any replica whose KV blocks are not all free again.
@@ -35,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import random
 import shutil
@@ -167,7 +168,7 @@ async def good(client, rng, checks, stats, stream: bool, tiers: bool = False):
         for a, b in zip(*[((trace or {}).get("segments") or [])[i:] for i in (0, 1)]):
             if a.get("failed"):  # where a stream went on after its replica died: "GpuDecode->GpuDecode"
                 tally(stats["failovers"], f"{a.get('deployment')}->{b.get('deployment')}")
-        checks.append((prompt, n, stream, ids, trace))  # against generate() once the soak is over
+        checks.append((prompt, n, stream, ids, trace, rid))  # against generate() once the soak is over
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
         # (what the client had: a stream cut or stalled after some tokens, or a request never answered)
         stats["lost"] += 1
@@ -180,7 +181,7 @@ def verify(checks, ref, stats) -> None:
     """Each completion's tokens against generate()'s, after the soak: computed during it, in this
     client's event loop, each generate() held up every stream's reading for its duration (the
     client's own stalls counted as the server's gaps) and took the server's cores."""
-    for prompt, n, stream, ids, trace in checks:
+    for prompt, n, stream, ids, trace, rid in checks:
         want = ref(prompt, n)
         if ids == want:
             stats["completed_correct"] += 1
@@ -188,14 +189,35 @@ def verify(checks, ref, stats) -> None:
         # kept for a look: where the tokens part from generate()'s, and the request's path
         at = next((i for i, (a, b) in enumerate(zip(ids, want)) if a != b), min(len(ids), len(want)))
         example = {"prompt": prompt, "max_tokens": n, "stream": stream, "first_difference_at": at,
-                   "got_len": len(ids), "want_tokens": len(want), "trace": trace}
-        gap = ref.tie_gap(prompt, want, at, ids) if len(ids) == len(want) and at < len(ids) else None
-        if gap is not None:  # float32's near-tie: another summation order may pick either token
+                   "got_len": len(ids), "want_tokens": len(want), "trace": trace, "request_id": rid}
+        part = ref.parting(prompt, want, at, ids) if len(ids) == len(want) and at < len(ids) else None
+        if part is not None and part["near_tie"]:  # float32's near-tie: another order of sums may pick either
             stats["completed_near_tie"] += 1
-            stats["near_tie_examples"] = stats["near_tie_examples"][-2:] + [{**example, "logit_gap": gap}]
+            stats["near_tie_examples"] = stats["near_tie_examples"][-2:] + [{**example, **part}]
         else:
+            # what kind of difference: the tokens around it, a token dropped or repeated (a
+            # stream's bookkeeping) against a token computed wrong (and whether the server's own
+            # continuation of it is generate()'s: one step wrong, its KV right, or KV wrong after)
+            example.update(got_around=ids[max(0, at - 2):at + 6], want_around=want[max(0, at - 2):at + 6],
+                           shape=shape_of(ids, want, at), **(part or {}))
             stats["completed_wrong"] += 1
             stats["wrong_examples"] = stats["wrong_examples"][-4:] + [example]
+
+
+def shape_of(got: list[int], want: list[int], at: int) -> str:
+    """How `got` parts from `want` at `at`: it ends there ("short", "long"), a token dropped or
+    repeated there (the tokens after it shifted by one), two swapped, or other."""
+    if at >= len(got) or at >= len(want):
+        return "short" if len(got) < len(want) else "long"
+    k = min(len(got) - at, len(want) - at - 1)
+    if k > 0 and got[at:at + k] == want[at + 1:at + 1 + k]:
+        return "dropped"
+    k = min(len(got) - at - 1, len(want) - at)
+    if k > 0 and got[at + 1:at + 1 + k] == want[at:at + k]:
+        return "repeated"
+    if at + 1 < min(len(got), len(want)) and (got[at], got[at + 1]) == (want[at + 1], want[at]):
+        return "swapped"
+    return "other"
 
 
 def record_reject(stats, status, content):
@@ -225,7 +247,7 @@ async def bad(client, rng, stats):
 
 async def main_async(args, url):
     from keyacc_ray.bench.loadgen import Workload, closed_loop
-    from tests.helpers import hf_greedy, hf_model
+    from tests.helpers import float32_parting, hf_greedy, hf_model
 
     path = str(ROOT / "models" / "tiny-qwen3")
     _, tok = hf_model(path)
@@ -237,26 +259,13 @@ async def main_async(args, url):
             cache[key] = hf_greedy(path, tok(prompt)["input_ids"], n)
         return cache[key]
 
-    def tie_gap(prompt, want, at, got, ulps=8):
-        """Where the tokens part: generate()'s top logit less that of the token the server chose,
-        if that is within `ulps` of float32's spacing at the top logit (a near-tie, where any other
-        order of summation may pick either); else None (wrong)."""
-        import torch
+    def parting(prompt, want, at, got):
+        """Where the tokens part (tests.helpers.float32_parting): generate()'s top logit less
+        that of the server's token there, whether the rest is generate()'s own continuation from
+        it, and whether that makes it a float32 near-tie."""
+        return float32_parting(path, tok(prompt)["input_ids"], want, got, at)
 
-        model, _ = hf_model(path)
-        ids = tok(prompt)["input_ids"]
-        with torch.inference_mode():
-            logits = model(torch.tensor([ids + want[:at]])).logits[0, -1].float()
-        got_token = got[at]
-        top = float(logits.max())
-        gap = top - float(logits[got_token])
-        if not 0 <= gap <= ulps * 2.0 ** (math.frexp(abs(top))[1] - 24):  # (float32's spacing there)
-            return None
-        # and from the token it chose, the rest is generate()'s own continuation
-        rest = len(want) - at - 1
-        return round(gap, 9) if got[at + 1:] == (hf_greedy(path, ids + got[:at + 1], rest) if rest else []) else None
-
-    ref.tie_gap = tie_gap
+    ref.parting = parting
 
     # capacity on prompts as long as the soak's (with --tiers: a head of ~200 tokens, random here:
     # no cache hits, so the figure errs low)

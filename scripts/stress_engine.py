@@ -8,8 +8,8 @@ with and without the head the receiver is expected to cache left out of the pack
 router asks, and one more block than it holds), waiting ones without KV, and half of a's
 preempted ones with their KV (a colocated pool's `move_on_preempt`); some are aborted on the way.
 Every completion is checked against transformers' generate(): equal, a float32 near-tie
-(generate()'s top logit within `--ulps` float32 spacings of the engine's token there, and
-generate()'s own continuation after it), or wrong. A wrong one is printed with its history in the
+(tests.helpers.float32_parting: generate()'s top logit within `--ulps` float32 spacings of the
+engine's token there, and generate()'s own continuation after it), or wrong. A wrong one is printed with its history in the
 engines (admissions, preemptions, tier loads, hand-offs) and the run exits 1, as it does when a
 block is still held once idle. Last line: one JSON object with the figures.
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import shutil
 import sys
@@ -62,11 +61,11 @@ def main() -> int:
     ap.add_argument("--abort", type=float, default=0.002, help="chance a running request is aborted, per step")
     ap.add_argument("--b-share", type=float, default=0.9, help="share of new requests sent to engine b")
     ap.add_argument("--backlog", type=int, default=96, help="new requests wait while this many are queued")
-    ap.add_argument("--ulps", type=int, default=8)
+    ap.add_argument("--ulps", type=int, default=None, help="the near-tie tolerance (default tests.helpers.TIE_ULPS)")
     args = ap.parse_args()
-    stats, wrong = run(model_path, requests=requests, seed=seed, under_way=under_way,
-                       tiers=not args.no_tiers, caching=not args.no_prefix_caching, handoff=handoff,
-                       abort=abort, b_share=b_share, backlog=backlog, ulps=ulps)
+    stats, wrong = run(args.model, requests=args.requests, seed=args.seed, under_way=args.under_way,
+                       tiers=not args.no_tiers, caching=not args.no_prefix_caching, handoff=args.handoff,
+                       abort=args.abort, b_share=args.b_share, backlog=args.backlog, ulps=args.ulps)
     for w in wrong[:10]:
         print(json.dumps(w))
     print(json.dumps(stats))
@@ -75,16 +74,16 @@ def main() -> int:
 
 def run(model_path: str, requests: int = 300, seed: int = 0, under_way: int = 0, tiers: bool = True,
         caching: bool = True, handoff: float = 0.15, abort: float = 0.002, b_share: float = 0.9, backlog: int = 96,
-        ulps: int = 8, b_blocks: int = 160, b_seqs: int = 16,
+        ulps: int | None = None, b_blocks: int = 160, b_seqs: int = 16,
         a_growth_reserve: bool = True) -> tuple[dict, list[dict]]:
     """The soak (see the module's doc); its figures, and each wrong completion with its history."""
-    import torch
 
     from keyacc_ray.engine.blocks import chain_hashes
     from keyacc_ray.engine.request import SamplingParams
-    from tests.helpers import hf_greedy, hf_model
+    from tests.helpers import TIE_ULPS, float32_parting, hf_greedy, hf_model
 
     rng = random.Random(seed)
+    ulps = TIE_ULPS if ulps is None else ulps
     model, tok = hf_model(model_path)
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -196,8 +195,8 @@ def run(model_path: str, requests: int = 300, seed: int = 0, under_way: int = 0,
     for name, eng in engines.items():
         preempted_seen[name] = eng.scheduler.num_preemptions
 
-    stats = {"sent": sent, "checked": 0, "correct": 0, "near_tie": 0, "wrong": 0, "refused": refused, "aborted": len(aborted), "handoffs": handoffs, "preempt_moves": preempt_moves,
-             "steps": steps, "seconds": round(elapsed, 1), "preemptions": preempted_seen,
+    stats = {"sent": sent, "checked": 0, "correct": 0, "near_tie": 0, "wrong": 0, "refused": refused,
+             "aborted": len(aborted), "handoffs": handoffs, "preempt_moves": preempt_moves, "steps": steps, "seconds": round(elapsed, 1), "preemptions": preempted_seen,
              "most_running": most_running}
     wrong = []
     for rid, (ids, n) in prompts.items():
@@ -209,22 +208,13 @@ def run(model_path: str, requests: int = 300, seed: int = 0, under_way: int = 0,
             stats["correct"] += 1
             continue
         at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-        gap = None
-        if at < min(len(got), len(want)):
-            with torch.inference_mode():
-                logits = model(torch.tensor([ids + want[:at]])).logits[0, -1].float()
-            top = float(logits.max())
-            gap = top - float(logits[got[at]])
-            tie = 0 <= gap <= ulps * 2.0 ** (math.frexp(abs(top))[1] - 24)
-            rest = len(want) - at - 1
-            follows = got[at + 1:] == (hf_greedy(model_path, ids + got[:at + 1], rest) if rest else [])
-            if tie and follows:
-                stats["near_tie"] += 1
-                continue
+        part = float32_parting(model_path, ids, want, got, at, ulps) if len(got) == len(want) else None
+        if part is not None and part["near_tie"]:
+            stats["near_tie"] += 1
+            continue
         stats["wrong"] += 1
         wrong.append({"request": rid, "prompt_tokens": len(ids), "max_tokens": n, "got": len(got),
-                      "first_difference_at": at, "logit_gap": gap, "rest_follows": gap is not None and follows,
-                      "history": history[rid]})
+                      "first_difference_at": at, **(part or {}), "history": history[rid]})
     for name, eng in engines.items():
         free = eng.blocks.num_free_blocks
         stats[f"{name}_blocks_free"] = f"{free}/{eng.blocks.num_blocks}"

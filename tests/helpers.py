@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -54,3 +55,31 @@ def tie_aware_equal(ref_engine, prompt: list[int], ref: list[int], got: list[int
             step = 2.0 ** (torch.floor(torch.log2(torch.tensor(abs(top) + 1e-6))).item() - 7)
             return float(top - logits[b]) <= max(0.05, ulps * step)
     return len(ref) == len(got)
+
+
+# The float32 near-tie tolerance, in float32 spacings at the top logit. Two correct computations of
+# the same next-token logits lie this far apart (`python scripts/logit_spread.py`, the largest
+# difference over the vocabulary: generate()'s own steps against a full forward of the sequence up
+# to 21 on tiny-qwen3 and 55 on medium-qwen3, the engine's up to 32 and 54; the engine against
+# generate() up to about their sum), so where generate()'s two best logits are closer than this,
+# either token is right. A wrong block of KV or a wrong position moves logits by orders more.
+TIE_ULPS = 128
+
+
+def float32_parting(path: str, prompt_ids: list[int], want: list[int], got: list[int], at: int,
+                    ulps: int = TIE_ULPS) -> dict:
+    """Where a float32 completion `got` parts from generate()'s `want` (at index `at`):
+    generate()'s top logit there less that of `got`'s token (a full forward; `gap` and `gap_ulps`,
+    in float32 spacings at the top logit), whether the rest of `got` is generate()'s own
+    continuation from its token (`rest_follows`), and the verdict (`near_tie`: within `ulps` and
+    the rest follows: a tie, not a defect)."""
+    model, _ = hf_model(path)
+    with torch.inference_mode():
+        logits = model(torch.tensor([list(prompt_ids) + want[:at]])).logits[0, -1].float()
+    top = float(logits.max())
+    gap = top - float(logits[got[at]])
+    spacings = gap / 2.0 ** (math.frexp(abs(top))[1] - 24)
+    rest = len(want) - at - 1
+    follows = got[at + 1:] == (hf_greedy(path, list(prompt_ids) + got[:at + 1], rest) if rest > 0 else [])
+    return {"gap": round(gap, 9), "gap_ulps": round(spacings, 1), "rest_follows": follows,
+            "near_tie": 0 <= spacings <= ulps and follows}
