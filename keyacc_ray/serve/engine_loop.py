@@ -67,6 +67,11 @@ def _put_all(items: list) -> None:
 _END = object()
 TPS_BUCKET_S = 0.01  # tokens_per_s's resolution
 TPS_KEEP_S = 5.0  # and the longest window it can answer for
+# A step this slow is logged (at most once per SLOW_STEP_LOG_EVERY_S) with what it held and how much
+# of its time the engine thread had a core for (thread CPU time over wall time): a stream stalls
+# for as long, and the two causes want different mends (a step too big, or a starved process).
+SLOW_STEP_S = 1.0
+SLOW_STEP_LOG_EVERY_S = 10.0
 
 
 class AsyncEngine:
@@ -82,6 +87,8 @@ class AsyncEngine:
         self._stop = False
         self._profiler = StepProfiler.from_env(label=str(getattr(getattr(engine, "runner", None), "device", "")))
         self.error: BaseException | None = None
+        self.slow_steps = 0  # steps over SLOW_STEP_S
+        self._slow_logged = -SLOW_STEP_LOG_EVERY_S
         # (when, tokens) of the last TPS_KEEP_S, oldest first: an entry per TPS_BUCKET_S (the engine
         # thread appends and trims; a rebuilt list of every step's entry was a sixth of a busy
         # replica's CPU at 200 steps a second)
@@ -175,6 +182,7 @@ class AsyncEngine:
             if not self.engine.has_unfinished():
                 self._wake.wait(1.0)  # every command and shutdown set it: no need to poll
                 continue
+            t0, c0 = time.monotonic(), time.thread_time()
             try:
                 outputs = self._profiler.step(self.engine.step) if self._profiler else self.engine.step()
             except BaseException as e:  # noqa: BLE001 - a bug must not hang every stream
@@ -186,6 +194,8 @@ class AsyncEngine:
                 self._deliver()
                 continue
             now = time.monotonic()
+            if now - t0 > SLOW_STEP_S:
+                self._slow_step(now - t0, time.thread_time() - c0, len(outputs))
             window = self._tps_window
             if window and now - window[-1][0] < TPS_BUCKET_S:
                 window[-1][1] += len(outputs)
@@ -208,6 +218,18 @@ class AsyncEngine:
                     self._push(s, Checkpoint(s.produced, o.num_output_tokens))
             self._hand_off_preempted()
             self._deliver()
+
+    def _slow_step(self, wall: float, cpu: float, tokens: int) -> None:
+        self.slow_steps += 1
+        now = time.monotonic()
+        if now - self._slow_logged < SLOW_STEP_LOG_EVERY_S:
+            return
+        self._slow_logged = now
+        sch = self.engine.scheduler
+        log.warning("engine step took %.2f s (its thread on a core %.0f%% of it): %d tokens out, %d running, "
+                    "%d waiting, %d preemptions so far; %d steps over %.1f s since start",
+                    wall, 100 * cpu / wall, tokens, sch.num_running, sch.num_waiting, sch.num_preemptions,
+                    self.slow_steps, SLOW_STEP_S)
 
     def _push(self, stream: _Stream, item) -> None:
         self._out.append((stream, item))

@@ -395,3 +395,26 @@ def test_tokens_per_s_counts_the_last_window_of_steps_and_keeps_few_entries():
         assert len(window) <= took / engine_loop.TPS_BUCKET_S + 2 and len(window) < 150  # fewer than the steps
     finally:
         loop.shutdown()
+
+
+def test_a_slow_step_is_logged_with_its_share_of_a_core(monkeypatch, caplog):
+    """A step over SLOW_STEP_S is counted and logged, with how much of it the engine thread ran
+    (a sleeping step: a starved thread's share, near 0%), at most once per SLOW_STEP_LOG_EVERY_S."""
+    import keyacc_ray.serve.engine_loop as el
+
+    monkeypatch.setattr(el, "SLOW_STEP_S", 0.05)
+    eng = FakeEngine()
+    eng.scheduler = type("S", (), {"num_running": 1, "num_waiting": 0, "num_preemptions": 0})()
+    real_step = eng.step
+    eng.step = lambda: time.sleep(0.06) or real_step()
+    loop = AsyncEngine(eng, on_export=lambda p: p, stream_interval_s=0.0)
+    try:
+        with caplog.at_level("WARNING", logger=el.__name__):
+            assert asyncio.run(asyncio.wait_for(_collect(loop, "r", 3), 10)) == [100, 101, 102]
+        assert loop.slow_steps == 3
+        logged = [r.getMessage() for r in caplog.records if "engine step took" in r.getMessage()]
+        assert len(logged) == 1 and "1 running" in logged[0], logged
+        share = int(logged[0].split("a core ")[1].split("%")[0])
+        assert share < 50, logged  # it slept: the thread had no need of a core
+    finally:
+        loop.shutdown()
