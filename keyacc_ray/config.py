@@ -92,6 +92,12 @@ class EngineConfig:
     # package. Its directory defaults to /dev/shm/keyacc-kv (where it has room). 0: none.
     kv_node_tier_gb: float = 0.0
     kv_node_tier_dir: str | None = None
+    # Blocks a prompt's head finds in a lower tier: "auto" loads them where the cost model finds
+    # that cheaper than computing them again (their bytes over the tier's measured bandwidth
+    # against the engine's measured prefill rate; a tiny model on a fast CPU computes a block
+    # about as fast as a copy's fixed cost, so the choice there goes either way); "always" loads
+    # whatever is found (a pool whose cores are better spent decoding others than recomputing).
+    kv_tier_load: str = "auto"
 
     def __post_init__(self):
         if not self.model:
@@ -131,6 +137,8 @@ class EngineConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1 << 20:
                 raise ConfigError(f"EngineConfig.{name} must be a number of GiB >= 0, got {v!r}")
+        if self.kv_tier_load not in ("auto", "always"):
+            raise ConfigError(f"EngineConfig.kv_tier_load must be auto/always, got {self.kv_tier_load!r}")
         if self.kv_allocation not in ("lazy", "reserve"):
             raise ConfigError(f"EngineConfig.kv_allocation must be lazy/reserve, got {self.kv_allocation!r}")
         if self.cpu_weight_quant not in ("none", "int8"):

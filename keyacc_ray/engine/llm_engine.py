@@ -180,7 +180,8 @@ class LLMEngine:
                                         dtype_name(s.dtype), config.kv_block_size, config.cpu_weight_quant)
             node = node_tier.NodeTier(config.kv_node_tier_dir or node_tier.default_root(node_bytes), space,
                                       block_bytes, node_bytes)
-        tiers = LowerTiers(host, disk, block_bytes, config.kv_block_size, node=node)
+        tiers = LowerTiers(host, disk, block_bytes, config.kv_block_size, node=node,
+                           always_load=config.kv_tier_load == "always")
         store = KVStore(self.runner.cache, tiers, config.kv_disk_tier_dir)
         self.blocks.on_evict = tiers.evicted
         self.scheduler.lower = tiers

@@ -102,10 +102,14 @@ class LowerTiers:
     """The host and disk tiers of one engine, its copy plan for the step, and the load-vs-recompute
     cost model. `block_bytes`: one block's K and V over every layer."""
 
-    def __init__(self, host_slots: int, disk_slots: int, block_bytes: int, block_size: int, node=None):
+    def __init__(self, host_slots: int, disk_slots: int, block_bytes: int, block_size: int, node=None,
+                 always_load: bool = False):
         """`node`: the node's shared tier (node_tier.NodeTier), if any: searched after the host tier,
         before the disk; it is not in this engine's chain of evictions (other engines' writes push
-        its blocks out), it gets every full block the engine computed (`publish`)."""
+        its blocks out), it gets every full block the engine computed (`publish`).
+        `always_load`: what a lower tier holds is loaded, whatever the cost model says
+        (EngineConfig.kv_tier_load "always")."""
+        self.always_load = always_load
         self.tiers = [t for t in (TierIndex("host", host_slots) if host_slots else None,
                                   TierIndex("disk", disk_slots) if disk_slots else None) if t is not None]
         self.node = node
@@ -198,7 +202,7 @@ class LowerTiers:
     # ---- coming back -----------------------------------------------------------------------
     def _worth_loading(self, tier: str) -> bool:
         bw, rate = self.bandwidth[tier], self.prefill.tokens_per_s
-        if not bw or not rate:
+        if self.always_load or not bw or not rate:
             return True
         return self.block_bytes / bw < self.block_size / rate
 

@@ -125,6 +125,7 @@ class PoolConfig:
     # a head computed by one pool is loaded by the other, and hand-offs leave it out of their package
     kv_node_tier_gb: float = 0.0
     kv_node_tier_dir: str | None = None
+    kv_tier_load: str = "auto"  # a lower tier's blocks: loaded where cheaper than computing them, or "always" (EngineConfig's)
     # several replicas: a fresh prompt goes to the replica that last took the longest common head
     # (serve/prefix_affinity.py), unless its queue is `prefix_affinity_imbalance` longer than the shortest
     prefix_affinity: bool = True
@@ -287,7 +288,7 @@ class AppConfig:
                                    enable_prefix_caching=pool.enable_prefix_caching,
                                    kv_host_tier_gb=pool.kv_host_tier_gb, kv_disk_tier_gb=pool.kv_disk_tier_gb,
                                    kv_disk_tier_dir=pool.kv_disk_tier_dir, kv_node_tier_gb=pool.kv_node_tier_gb,
-                                   kv_node_tier_dir=pool.kv_node_tier_dir,
+                                   kv_node_tier_dir=pool.kv_node_tier_dir, kv_tier_load=pool.kv_tier_load,
                                    max_waiting=pool.max_waiting, max_prefill_tokens=pool.max_prefill_tokens,
                                    max_num_seqs_under_way=pool.max_num_seqs_under_way,
                                    batched_prefill=pool.batched_prefill,

@@ -21,7 +21,9 @@ from tests.helpers import PROMPTS, hf_model
 @pytest.fixture(scope="module")
 def client(app_url):
     d = tempfile.mkdtemp(prefix="keyacc-node-tier-")
-    tier = {"kv_node_tier_gb": 0.05, "kv_node_tier_dir": d}
+    # ("always": on a fast CPU the tiny model computes a block about as fast as the node tier reads
+    # one, so the cost model's choice went either way and these tests with it)
+    tier = {"kv_node_tier_gb": 0.05, "kv_node_tier_dir": d, "kv_tier_load": "always"}
     # (a pool's keys override its defaults one by one: the GPU pool keeps its emulated budget)
     serve.run(build_app({**APP_ARGS, "gpu": dict(tier), "cpu": dict(tier)}), name="keyacc", route_prefix="/")
     wait_for_monitor(app_url)

@@ -212,8 +212,8 @@ def test_cached_blocks_taken_while_growing_reach_their_tier_before_the_step_writ
     """A small block pool with a host tier: decodes launched ahead grow into blocks that held a
     cached prompt, which go to the host tier first (their copy made before the step that writes
     the new keys there); the prompt sent again loads them back and gets generate()'s tokens."""
-    eng = engine(qwen3_path, num_kv_blocks=16, max_num_seqs=2, kv_host_tier_gb=0.001)
-    eng.tiers._worth_loading = lambda tier: True  # (the tiny model would rightly recompute)
+    # (kv_tier_load "always": the tiny model computes a block about as fast as a copy)
+    eng = engine(qwen3_path, num_kv_blocks=16, max_num_seqs=2, kv_host_tier_gb=0.001, kv_tier_load="always")
     head = [(53 * k + 7) % 400 + 5 for k in range(32)]  # 8 blocks
     p = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     run(eng, [head], [p])  # its 8 blocks stay cached

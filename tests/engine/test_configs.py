@@ -38,6 +38,10 @@ def test_bad_app_config_names_the_field():
         AppConfig.from_dict({"access_log": "verbose"})
     with pytest.raises(ConfigError, match="max_prefill_tokens"):
         AppConfig.from_dict({}).engine(PoolConfig(max_prefill_tokens=0))
+    with pytest.raises(ConfigError, match="kv_tier_load"):
+        AppConfig.from_dict({}).engine(PoolConfig(kv_tier_load="sometimes"))
+    assert AppConfig.from_dict({"cpu": {"kv_tier_load": "always"}}).engine(PoolConfig(kv_tier_load="always"))[
+        "kv_tier_load"] == "always"
 
 
 def test_pool_prefill_budget_reaches_its_engines():

@@ -149,9 +149,8 @@ def test_plan_publishes_what_the_node_lacks_and_loads_what_it_holds(tmp_path):
 
 # ---- engines sharing it -------------------------------------------------------------------------
 def _sharing(path, root, **cfg):
-    eng = _engine(path, kv_node_tier_gb=0.001, kv_node_tier_dir=str(root), **cfg)
-    eng.tiers._worth_loading = lambda tier: True  # (the tiny model computes faster than a copy's fixed cost)
-    return eng
+    # (kv_tier_load "always": the tiny model computes a block about as fast as a copy's fixed cost)
+    return _engine(path, kv_node_tier_gb=0.001, kv_node_tier_dir=str(root), kv_tier_load="always", **cfg)
 
 
 def test_a_head_one_engine_computed_is_loaded_by_another(qwen3_path, tmp_path):
