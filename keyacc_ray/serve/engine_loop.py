@@ -225,11 +225,11 @@ class AsyncEngine:
         if now - self._slow_logged < SLOW_STEP_LOG_EVERY_S:
             return
         self._slow_logged = now
-        sch = self.engine.scheduler
-        log.warning("engine step took %.2f s (its thread on a core %.0f%% of it): %d tokens out, %d running, "
-                    "%d waiting, %d preemptions so far; %d steps over %.1f s since start",
-                    wall, 100 * cpu / wall, tokens, sch.num_running, sch.num_waiting, sch.num_preemptions,
-                    self.slow_steps, SLOW_STEP_S)
+        sch = getattr(self.engine, "scheduler", None)  # (a stand-in engine, bench/token_source.py, has none)
+        held = "" if sch is None else (f", {sch.num_running} running, {sch.num_waiting} waiting, "
+                                       f"{sch.num_preemptions} preemptions so far")
+        log.warning("engine step took %.2f s (its thread on a core %.0f%% of it): %d tokens out%s; %d steps over "
+                    "%g s since start", wall, 100 * cpu / wall, tokens, held, self.slow_steps, SLOW_STEP_S)
 
     def _push(self, stream: _Stream, item) -> None:
         self._out.append((stream, item))

@@ -403,6 +403,15 @@ def test_a_slow_step_is_logged_with_its_share_of_a_core(monkeypatch, caplog):
     import keyacc_ray.serve.engine_loop as el
 
     monkeypatch.setattr(el, "SLOW_STEP_S", 0.05)
+    eng = FakeEngine()  # (no scheduler, as the benchmarks' stand-in engine: logged without its figures)
+    quiet = AsyncEngine(eng, on_export=lambda p: p, stream_interval_s=0.0)
+    try:
+        real = eng.step
+        eng.step = lambda: time.sleep(0.06) or real()
+        assert asyncio.run(asyncio.wait_for(_collect(quiet, "q", 2), 10)) == [100, 101] and quiet.slow_steps == 2
+    finally:
+        quiet.shutdown()
+    caplog.clear()
     eng = FakeEngine()
     eng.scheduler = type("S", (), {"num_running": 1, "num_waiting": 0, "num_preemptions": 0})()
     real_step = eng.step
