@@ -728,7 +728,8 @@ class LLMEngine:
             return None
         return {"tiers": {x.name: {"hits": t.hits[x.name], "loaded_blocks": t.loaded[x.name],
                                    "stored_blocks": t.stored[x.name], "blocks": len(x), "slots": x.num_slots,
-                                   "evictions": x.evictions, "bandwidth": _two_digits(t.bandwidth[x.name])}
+                                   "evictions": x.evictions, "bandwidth": _two_digits(t.bandwidth[x.name]),
+                                   "reprobes": t.reprobes[x.name]}
                           for x in t.all_tiers()},
                 "recomputed_blocks": t.recomputed, "block_bytes": t.block_bytes,
                 "node_dir": t.node.dir if t.node is not None else None}

@@ -18,12 +18,17 @@ for a load this step are pinned in their tier until the copies ran.
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from keyacc_ray.engine.scheduler import PrefillRate
 
 DEVICE = "device"
+# A tier the cost model last found slower than recomputing is loaded from once more after this
+# long, to measure it again: its bandwidth only moves on loads, so one slow reading (a first read,
+# a busy moment) would otherwise keep the engine recomputing what that tier holds for good.
+REPROBE_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +131,9 @@ class LowerTiers:
         # engine's steps of 64 prompt tokens or more, measured); unknown (None, 0) until measured,
         # and then loading is assumed cheaper
         self.bandwidth: dict[str, float | None] = {n: None for n in names}
+        self.measured_at: dict[str, float] = {}  # when each tier's bandwidth was last measured (monotonic)
+        self.reprobes = {n: 0 for n in names}  # loads made to measure a tier judged slower again
+        self._probing: set[str] = set()  # tiers whose next measurement replaces their estimate
         self.prefill = PrefillRate(min_tokens=64)
         # counters: tokens found per tier, blocks loaded / stored per tier, blocks recomputed by choice
         self.hits = {n: 0 for n in names}
@@ -200,24 +208,35 @@ class LowerTiers:
         self.stored[t.name] += 1
 
     # ---- coming back -----------------------------------------------------------------------
-    def _worth_loading(self, tier: str) -> bool:
+    def _worth_loading(self, tier: str, probing: set) -> bool:
+        """Whether to load blocks of `tier` (a tier in `probing` is being measured again in this
+        find(): all its blocks there are loaded, a batch that measures its bandwidth)."""
         bw, rate = self.bandwidth[tier], self.prefill.tokens_per_s
-        if self.always_load or not bw or not rate:
+        if self.always_load or tier in probing or not bw or not rate:
             return True
-        return self.block_bytes / bw < self.block_size / rate
+        if self.block_bytes / bw < self.block_size / rate:
+            return True
+        now = time.monotonic()
+        if now - self.measured_at.get(tier, now) < REPROBE_S:
+            return False
+        self.measured_at[tier] = now  # (one probe per REPROBE_S, whether or not its copy runs)
+        self.reprobes[tier] += 1
+        probing.add(tier)
+        self._probing.add(tier)
+        return True
 
     def find(self, keys: list[bytes]) -> list[tuple[str, bytes]]:
         """The leading `keys` held in a lower tier and worth loading: (tier, key) each, pinned for
         this step (so that nothing planned after it pushes them out before the copies ran); a
         block of the node's tier is opened now (its bytes are read by the copy)."""
-        found, order = [], self.all_tiers()
+        found, order, probing = [], self.all_tiers(), set()
         if not self.moves:  # (opened for admissions that did not happen: no copy needs them)
             self.close_node_reads()
         for i, key in enumerate(keys):
             t = next((t for t in order if key in t), None)
             if t is None:
                 break
-            if not self._worth_loading(t.name):  # this one and the rest held below: computed again
+            if not self._worth_loading(t.name, probing):  # this one and the rest held below: computed again
                 self.recomputed += sum(1 for k in keys[i:] if any(k in t for t in order))
                 break
             if t is self.node:
@@ -270,5 +289,9 @@ class LowerTiers:
         if seconds > 0 and nbytes > 0:
             bw = nbytes / seconds
             old = self.bandwidth.get(tier)
+            if tier in self._probing:  # measured again after a slow reading: this reading stands
+                self._probing.discard(tier)
+                old = None
             self.bandwidth[tier] = bw if old is None else 0.8 * old + 0.2 * bw
+            self.measured_at[tier] = time.monotonic()
 
