@@ -77,7 +77,6 @@ def run(model_path: str, requests: int = 300, seed: int = 0, under_way: int = 0,
         ulps: int | None = None, b_blocks: int = 160, b_seqs: int = 16,
         a_growth_reserve: bool = True) -> tuple[dict, list[dict]]:
     """The soak (see the module's doc); its figures, and each wrong completion with its history."""
-
     from keyacc_ray.engine.blocks import chain_hashes
     from keyacc_ray.engine.request import SamplingParams
     from tests.helpers import TIE_ULPS, float32_parting, hf_greedy, hf_model
@@ -100,7 +99,6 @@ def run(model_path: str, requests: int = 300, seed: int = 0, under_way: int = 0,
     where: dict[str, str] = {}  # running request -> engine name
     prompts: dict[str, tuple[list[int], int]] = {}
     aborted: set[str] = set()
-    preempted_seen = {k: 0 for k in engines}
     most_running = {k: 0 for k in engines}
 
     # trace each engine's preemptions and admissions per request
@@ -192,8 +190,7 @@ def run(model_path: str, requests: int = 300, seed: int = 0, under_way: int = 0,
                 history[rid].append(f"{name}->{other}@{len(pkg.token_ids) - pkg.num_prompt_tokens} "
                                     f"skip={pkg.meta.kv_start} kv={pkg.meta.num_kv_tokens}")
     elapsed = time.monotonic() - t0
-    for name, eng in engines.items():
-        preempted_seen[name] = eng.scheduler.num_preemptions
+    preempted_seen = {name: eng.scheduler.num_preemptions for name, eng in engines.items()}
 
     stats = {"sent": sent, "checked": 0, "correct": 0, "near_tie": 0, "wrong": 0, "refused": refused,
              "aborted": len(aborted), "handoffs": handoffs, "preempt_moves": preempt_moves, "steps": steps, "seconds": round(elapsed, 1), "preemptions": preempted_seen,
