@@ -190,10 +190,10 @@ def run(model_path: str, requests: int = 300, seed: int = 0, under_way: int = 0,
                 history[rid].append(f"{name}->{other}@{len(pkg.token_ids) - pkg.num_prompt_tokens} "
                                     f"skip={pkg.meta.kv_start} kv={pkg.meta.num_kv_tokens}")
     elapsed = time.monotonic() - t0
-    preempted_seen = {name: eng.scheduler.num_preemptions for name, eng in engines.items()}
-
     stats = {"sent": sent, "checked": 0, "correct": 0, "near_tie": 0, "wrong": 0, "refused": refused,
-             "aborted": len(aborted), "handoffs": handoffs, "preempt_moves": preempt_moves, "steps": steps, "seconds": round(elapsed, 1), "preemptions": preempted_seen,
+             "aborted": len(aborted), "handoffs": handoffs, "preempt_moves": preempt_moves, "steps": steps,
+             "seconds": round(elapsed, 1),
+             "preemptions": {name: eng.scheduler.num_preemptions for name, eng in engines.items()},
              "most_running": most_running}
     wrong = []
     for rid, (ids, n) in prompts.items():
