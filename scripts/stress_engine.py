@@ -9,9 +9,9 @@ router asks, and one more block than it holds), waiting ones without KV, and hal
 preempted ones with their KV (a colocated pool's `move_on_preempt`); some are aborted on the way.
 Every completion is checked against transformers' generate(): equal, a float32 near-tie
 (tests.helpers.float32_parting: generate()'s top logit within `--ulps` float32 spacings of the
-engine's token there, and generate()'s own continuation after it), or wrong. A wrong one is printed with its history in the
-engines (admissions, preemptions, tier loads, hand-offs) and the run exits 1, as it does when a
-block is still held once idle. Last line: one JSON object with the figures.
+engine's token there, and generate()'s own continuation after it), or wrong. A wrong one is
+printed with its history in the engines (admissions, preemptions, tier loads, hand-offs) and the
+run exits 1, as it does when a block is still held once idle. Last line: one JSON object with the figures.
 
     python scripts/stress_engine.py --requests 2000
     python scripts/stress_engine.py --requests 2000 --under-way 16 --seed 3
