@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 from pathlib import Path
@@ -26,11 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 WORDS = "the quick brown fox jumps over a lazy dog while engines decode tokens on every core".split()
-
-
-def ulp(x: float) -> float:
-    """float32's spacing at |x|."""
-    return 2.0 ** (math.frexp(abs(x))[1] - 24)
 
 
 def main() -> None:
@@ -47,7 +41,7 @@ def main() -> None:
     from keyacc_ray.config import EngineConfig
     from keyacc_ray.engine.llm_engine import LLMEngine
     from keyacc_ray.engine.request import SamplingParams
-    from tests.helpers import TIE_ULPS, hf_model
+    from tests.helpers import TIE_ULPS, float32_spacing as ulp, hf_model
 
     model, tok = hf_model(args.model)
     rng = random.Random(args.seed)

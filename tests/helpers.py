@@ -66,6 +66,11 @@ def tie_aware_equal(ref_engine, prompt: list[int], ref: list[int], got: list[int
 TIE_ULPS = 128
 
 
+def float32_spacing(x: float) -> float:
+    """float32's spacing (one ulp) at |x|."""
+    return 2.0 ** (math.frexp(abs(x))[1] - 24)
+
+
 def float32_parting(path: str, prompt_ids: list[int], want: list[int], got: list[int], at: int,
                     ulps: int = TIE_ULPS) -> dict:
     """Where a float32 completion `got` parts from generate()'s `want` (at index `at`):
@@ -78,7 +83,7 @@ def float32_parting(path: str, prompt_ids: list[int], want: list[int], got: list
         logits = model(torch.tensor([list(prompt_ids) + want[:at]])).logits[0, -1].float()
     top = float(logits.max())
     gap = top - float(logits[got[at]])
-    spacings = gap / 2.0 ** (math.frexp(abs(top))[1] - 24)
+    spacings = gap / float32_spacing(top)
     rest = len(want) - at - 1
     follows = got[at + 1:] == (hf_greedy(path, list(prompt_ids) + got[:at + 1], rest) if rest > 0 else [])
     return {"gap": round(gap, 9), "gap_ulps": round(spacings, 1), "rest_follows": follows,
