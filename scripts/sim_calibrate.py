@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
 """Fit the simulator's step-time model (keyacc_ray/sim/steptime.py) for one device from the real
 engine's own steps: LLMEngine.step() timed on a grid of prompt chunks, decode batches and
-context lengths, then least squares (non-negative) of
+context lengths, then least squares (steptime.fit) of
 
-    t = b0 + b_prefill x prompt tokens + b_decode x decode rows + b_kv x KV tokens read
+    t = b0 + b_prefill x prompt tokens + b_prefill_attn x prompt attention pairs
+          + rows(decode rows: piecewise linear through each batch measured) + b_kv x KV tokens read
 
 Writes the profile (with each measured point's relative residual) as JSON and prints it; its
-last line is one JSON object: the coefficients, `residual_mean`, `residual_max`.
+last line is one JSON object: the coefficients, the rows' knots, `residual_mean`, `residual_max`.
 
     python scripts/sim_calibrate.py --model models/medium-qwen3 --device cpu --threads 1 \\
         --out keyacc_ray/sim/profiles/this-box-medium-cpu.json
     python scripts/sim_calibrate.py --model models/bench-qwen3 --device cuda --name h200-bench   # GPU host
+    python scripts/sim_calibrate.py --refit results/X/profile.json --out /tmp/p.json   # fit stored points again
 """
 from __future__ import annotations
 
@@ -28,8 +30,11 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
+from keyacc_ray.sim.steptime import fit  # noqa: E402
+
 PREFILLS = (32, 128, 512)
-DECODES = ((1, 64), (4, 64), (8, 64), (16, 64), (32, 64), (1, 384), (8, 384), (16, 384), (32, 384))  # (rows, context)
+DECODES = ((1, 64), (2, 64), (4, 64), (8, 64), (16, 64), (24, 64), (32, 64), (1, 384), (8, 384), (16, 384),
+           (32, 384))  # (rows, context)
 MIXED = ((8, 64, 64), (31, 64, 64), (16, 128, 128), (31, 128, 256))  # (rows decoding, their context, a prompt joining)
 
 
@@ -95,25 +100,6 @@ def measure(args) -> list[dict]:
     return points
 
 
-def fit(points: list[dict]) -> tuple[list[float], list[float]]:
-    """Non-negative least squares on relative errors (each point weighted by 1/its time), by
-    dropping the most negative coefficient until none is (four unknowns: a few passes)."""
-    X = np.array([[1.0, p["prefill_tokens"], p["decode_rows"], p["kv_tokens"]] for p in points])
-    y = np.array([p["seconds"] for p in points])
-    w = 1.0 / y
-    active = [0, 1, 2, 3]
-    while True:
-        coef = np.zeros(4)
-        sol, *_ = np.linalg.lstsq(X[:, active] * w[:, None], y * w, rcond=None)
-        coef[active] = sol
-        if (coef >= 0).all() or len(active) == 1:
-            break
-        active.remove(int(np.argmin(np.where(np.isin(range(4), active), coef, np.inf))))
-    coef = np.clip(coef, 0, None)
-    pred = X @ coef
-    return coef.tolist(), ((pred - y) / y).tolist()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "models" / "medium-qwen3"))
@@ -124,31 +110,35 @@ def main() -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--name", default=None, help="the profile's name (default: the --out file's stem)")
+    ap.add_argument("--refit", metavar="PROFILE", help="fit the points a profile file holds again; measure nothing")
     ap.add_argument("--out", default=None, help="write the profile here (e.g. keyacc_ray/sim/profiles/NAME.json)")
     args = ap.parse_args()
     if not (Path(args.model) / "config.json").exists() and Path(args.model).name == "medium-qwen3":
         subprocess.run([sys.executable, str(ROOT / "scripts/make_tiny_model.py"), "--size", "medium", "--out",
                         args.model], check=True)
-    points = measure(args)
-    coef, res = fit(points)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    if args.refit:  # the points another run measured, fitted again (by this version of the fit)
+        old = json.loads(Path(args.refit).read_text())
+        points, source = old["points"], old["source"] + " (refitted)"
+    else:
+        points = measure(args)
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip()
+        source = (f"scripts/sim_calibrate.py --model {Path(args.model).name} --device {args.device} "
+                  f"--threads {args.threads} at {commit}")
     name = args.name or (Path(args.out).stem if args.out else f"{Path(args.model).name}-{args.device}")
-    prof = {"name": name, "b0": coef[0], "b_prefill": coef[1], "b_decode": coef[2], "b_kv": coef[3],
-            "source": f"scripts/sim_calibrate.py --model {Path(args.model).name} --device {args.device} "
-                      f"--threads {args.threads} at {commit}",
-            "residuals": {f"p{p['prefill_tokens']}_r{p['decode_rows']}_kv{p['kv_tokens']}": round(r, 4)
-                          for p, r in zip(points, res)},
-            "points": points}
+    st = fit(points, name, source)
+    res = list(st.residuals.values())
+    prof = {**st.to_dict(), "points": points}
     for p, r in zip(points, res):
         print(f"prefill {p['prefill_tokens']:4d}  rows {p['decode_rows']:3d}  kv {p['kv_tokens']:6d}  "
               f"{p['seconds'] * 1e3:9.2f} ms  residual {r:+.3f}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(prof, indent=1) + "\n")
-    print(json.dumps({"name": name, "b0": coef[0], "b_prefill": coef[1], "b_decode": coef[2], "b_kv": coef[3],
+    print(json.dumps({"name": name, "b0": st.b0, "b_prefill": st.b_prefill, "b_prefill_attn": st.b_prefill_attn,
+                      "b_decode": st.b_decode, "b_kv": st.b_kv, "token_knots": st.token_knots,
                       "residual_mean": round(float(np.mean(np.abs(res))), 4),
                       "residual_max": round(float(np.max(np.abs(res))), 4)}))
-
 
 if __name__ == "__main__":
     main()

@@ -81,13 +81,14 @@ class SimEngine:
                 out.preempted_out.append(s)
             else:
                 s.num_cached = 0  # recomputed when readmitted
-        kv = 0
+        kv = attn = 0
         for s in sched.decode:
             kv += s.num_cached
             s.num_cached += 1
             s.token_ids.append(2)
             out.produced.append(s)
         for s, n in sched.prefill:
+            attn += n * s.num_cached + n * (n + 1) // 2  # the chunk's tokens attend what is cached and each other
             s.num_cached += n
             out.prefill_tokens += n
             if s.num_cached == s.num_tokens:
@@ -96,7 +97,7 @@ class SimEngine:
         if not sched.decode and not sched.prefill:
             return None if not out.preempted_out else out
         out.decode_rows = len(sched.decode)
-        out.seconds = self.steptime.seconds(out.prefill_tokens, out.decode_rows, kv)
+        out.seconds = self.steptime.seconds(out.prefill_tokens, out.decode_rows, kv, attn)
         self.prefill_rate.observe(out.prefill_tokens, out.seconds)
         out.seconds += len(out.produced) * self.per_token_s
         self.tokens_generated += len(out.produced)
