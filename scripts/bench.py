@@ -196,7 +196,8 @@ def main() -> None:
         (out / "report.json").write_text(json.dumps(partial, indent=1))
 
     report = side_by_side.run(url, args.model, wl, plan, policy_switcher(options), options,
-                              log=lambda m: print(m, flush=True), cpu_probe=cpu_account.snapshot,
+                              log=lambda m: print(m, flush=True),
+                              cpu_probe=lambda: cpu_account.snapshot(engine_threads=True),
                               checkpoint=checkpoint)
     report["wall_s"] = round(time.time() - t0, 1)
     report["box"] = {"cpus": os.cpu_count(), "gpu": ("as served" if args.url else "CUDA (see env.json)" if args.gpu

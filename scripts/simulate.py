@@ -53,11 +53,11 @@ from keyacc_ray.sim.workload import SimRequest  # noqa: E402
 def this_box(args, gpu: StepTime, cpu: StepTime) -> ServerSpec:
     """scripts/bench.py's graph on this box: the emulated GPU pool (8 sequences, a small KV
     budget) and the CPU pool, one core and one thread each, the serving stack over both cores."""
-    per_token = args.pool_ms_per_token / 1e3
+    per_token, own = args.pool_ms_per_token / 1e3, args.pool_own_cores or {}
     return ServerSpec(PoolSpec(gpu, max_num_seqs=8, num_blocks=args.gpu_kv_blocks, block_size=16,
-                               pool_s_per_token=per_token),
+                               pool_s_per_token=per_token, own_cores=own.get("gpu", 0.0)),
                       PoolSpec(cpu, max_num_seqs=args.cpu_seqs, num_blocks=args.cpu_seqs * 64, block_size=16,
-                               pool_s_per_token=per_token),
+                               pool_s_per_token=per_token, own_cores=own.get("cpu", 0.0)),
                       kv_bytes_per_token=args.kv_bytes_per_token, handoff_bw_bytes_s=args.handoff_gbs * 1e9,
                       handoff_fixed_s=args.handoff_fixed_ms / 1e3, max_model_len=1024,
                       stack_s_per_token=args.stack_ms_per_token / 1e3, stack_cores=args.stack_cores,
@@ -67,23 +67,41 @@ def this_box(args, gpu: StepTime, cpu: StepTime) -> ServerSpec:
 ENGINES = ("gpu_decode", "gpu_prefill", "cpu_decode")
 
 
-def fit_stack(real: dict) -> tuple[float, float, int] | None:
-    """The serving stack's CPU as the real run accounted it (each run's `cores_used`: every
-    process but the engines'), fitted as fixed cores + seconds per token over the runs where both
-    pools worked (where the stack had no idle core to itself); None with fewer than two."""
-    pts = []
-    for lv in real["runs"].values():
-        for r in lv.values():
-            cu = r.get("cores_used") or {}
-            if cu.get("gpu_decode", 0) > 0.3 and cu.get("cpu_decode", 0) > 0.3 and r.get("output_tok_per_s"):
-                pts.append((r["output_tok_per_s"], sum(v for k, v in cu.items() if k not in ENGINES)))
+def fit_stack(real: dict) -> dict | None:
+    """What else the real run's own CPU accounting says took the engines' cores. The serving
+    stack's claim, fitted as fixed cores + seconds per token over the runs where both pools worked
+    (where the stack had no idle core to itself); None with fewer than two such runs. Where the
+    run accounted each replica's engine thread apart (`engine_thread_cores`, newer reports), the
+    claim is every core the two replicas did not get (the stack's processes and any time no
+    process is billed for), and each replica's own other threads (its report loop, streaming,
+    Serve's side: pinned with the engine, so on its core whatever the other core does) are
+    `pool_own_cores` per pool, the mean over the runs where that pool worked. In older reports,
+    the stack's processes' CPU alone, and the replicas' own cost stays --pool-ms-per-token."""
+    cpus = (real.get("box") or {}).get("cpus") or 2
+    runs = [r for lv in real["runs"].values() for r in lv.values()] + ([real["cpu_alone"]] if real.get("cpu_alone")
+                                                                       else [])
+    threads = all(r.get("engine_thread_cores") for r in runs)
+    pts, own = [], {"gpu_decode": [], "cpu_decode": []}
+    for r in runs:
+        cu, et = r.get("cores_used") or {}, r.get("engine_thread_cores") or {}
+        if threads:
+            for k in own:
+                if et.get(k, 0) > 0.3:
+                    own[k].append(cu[k] - et[k])
+        if r is real.get("cpu_alone") or not r.get("output_tok_per_s"):
+            continue
+        if cu.get("gpu_decode", 0) > 0.3 and cu.get("cpu_decode", 0) > 0.3:
+            pts.append((r["output_tok_per_s"], cpus - cu["gpu_decode"] - cu["cpu_decode"] if threads
+                        else sum(v for k, v in cu.items() if k not in ENGINES)))
     if len(pts) < 2:
         return None
     xs, ys = [p[0] for p in pts], [p[1] for p in pts]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
     slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var else 0.0
-    return max(0.0, my - slope * mx), slope, len(pts)
+    return {"fixed_cores": max(0.0, my - slope * mx), "s_per_token": slope, "runs": len(pts),
+            "pool_own_cores": {k.split("_")[0]: round(sum(v) / len(v), 4) for k, v in own.items() if v} if threads
+            else None}
 
 
 def maker(wl: dict, seed: int, route: str | None = None):
@@ -228,6 +246,9 @@ def main() -> None:
                     "scripts/bench_stack.py at 64 streams)")
     ap.add_argument("--pool-ms-per-token", type=float, default=0.2, help="a pool replica's CPU per token beyond "
                     "the engine's step, on its core (scripts/bench_pool_host.py: 0.18-0.21 ms)")
+    ap.add_argument("--pool-own-cores", type=json.loads, default=None, help='each replica\'s own threads beyond '
+                    'its engine\'s, on the engine\'s core while it works, JSON per pool (e.g. \'{"gpu": 0.05, '
+                    '"cpu": 0.05}\'); --validate fits it from a report that accounts the engine threads apart')
     ap.add_argument("--stack-cores", type=float, default=2.0, help="cores the stack shares with the engines")
     ap.add_argument("--stack-fixed-cores", type=float, default=0.11, help="the stack's CPU with no traffic "
                     "(scripts/idle_cpu.py's figure)")
@@ -279,7 +300,9 @@ def main() -> None:
         real = json.loads(Path(args.validate).read_text())
         stack_fit = None if args.no_stack_fit else fit_stack(real)
         if stack_fit:
-            args.stack_fixed_cores, args.stack_ms_per_token = stack_fit[0], stack_fit[1] * 1e3
+            args.stack_fixed_cores, args.stack_ms_per_token = stack_fit["fixed_cores"], stack_fit["s_per_token"] * 1e3
+            if stack_fit["pool_own_cores"]:
+                args.pool_ms_per_token, args.pool_own_cores = 0.0, stack_fit["pool_own_cores"]
     spec = this_box(args, gpu, cpu)
     if args.validate:
         plan = Plan(**{k: v for k, v in real["plan"].items() if k in Plan.__dataclass_fields__})
@@ -288,7 +311,8 @@ def main() -> None:
         out = {**compare(real, sim), "sim_wall_s": round(time.time() - t0, 2), "profile": cpu.name,
                "real_report": args.validate,
                "stack": {"fixed_cores": round(args.stack_fixed_cores, 3), "ms_per_token": round(args.stack_ms_per_token, 3),
-                         "fitted_on_runs": stack_fit[2] if stack_fit else 0}}
+                         "fitted_on_runs": stack_fit["runs"] if stack_fit else 0,
+                         "pool_own_cores": args.pool_own_cores, "pool_ms_per_token": args.pool_ms_per_token}}
     else:
         plan = Plan(levels=args.levels, duration_s=args.duration, ramp_s=args.ramp, policies=args.policies)
         wl = {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "prompt_spread": 0.0,

@@ -194,9 +194,12 @@ def _cpu_figures(before: dict, after: dict, results, wall_s: float) -> dict:
     (tokens over the same whole run: the interval the CPU was measured over)."""
     from keyacc_ray.bench.cpu_account import delta, stack_ms_per_token
 
-    cores = delta(before, after, wall_s)
+    every = delta(before, after, wall_s)
+    cores = {k: v for k, v in every.items() if "/" not in k}
     rate = sum(r.output_tokens for r in results if r.ok) / max(wall_s, 1e-6)
-    return {"cores_used": cores, "stack_ms_per_token": stack_ms_per_token(cores, rate)}
+    return {"cores_used": cores, "stack_ms_per_token": stack_ms_per_token(cores, rate),
+            # the engine threads alone (their steps): what the simulator's stack model is fitted on
+            "engine_thread_cores": {k.split("/")[0]: v for k, v in every.items() if k.endswith("/engine")}}
 
 
 async def _measure(url, model, c, duration_s, wl, record: bool, pol: str):

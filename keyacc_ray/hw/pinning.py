@@ -30,3 +30,19 @@ def pin_process(cpus: list[int]) -> list[int]:
         except OSError:  # a thread that exited meanwhile
             pass
     return target
+
+
+# The OS name of each engine replica's engine thread (EngineLoop's): `top -H`, py-spy and
+# keyacc_ray/bench/cpu_account tell its CPU from the rest of the replica's by it
+ENGINE_THREAD_NAME = "keyacc-engine"
+
+
+def name_os_thread(name: str) -> bool:
+    """Give the calling thread `name` in the OS as well (Linux: /proc/<pid>/task/<tid>/comm, 15
+    bytes at most); Python's thread names stay inside Python. False where it cannot."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0) == 0  # PR_SET_NAME
+    except (OSError, AttributeError):  # no libc prctl (not Linux)
+        return False

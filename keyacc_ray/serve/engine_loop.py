@@ -27,6 +27,7 @@ from keyacc_ray.engine.kv_package import KVPackage
 from keyacc_ray.engine.llm_engine import LLMEngine
 from keyacc_ray.engine.request import SamplingParams
 from keyacc_ray.errors import KeyaccError, is_failure
+from keyacc_ray.hw.pinning import ENGINE_THREAD_NAME, name_os_thread
 from keyacc_ray.serve.messages import ErrorItem, TokenChunk, Withdrawn, merge_chunks
 from keyacc_ray.serve.step_profile import StepProfiler
 
@@ -93,7 +94,7 @@ class AsyncEngine:
         # thread appends and trims; a rebuilt list of every step's entry was a sixth of a busy
         # replica's CPU at 200 steps a second)
         self._tps_window: collections.deque = collections.deque()
-        self._thread = threading.Thread(target=self._run, name="keyacc-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)
         self._thread.start()
 
     # ---- caller side (event loop) ------------------------------------------------------
@@ -175,6 +176,7 @@ class AsyncEngine:
 
     # ---- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
+        name_os_thread(ENGINE_THREAD_NAME)  # its CPU told from the replica's other threads' (cpu_account)
         while not self._stop:
             self._wake.clear()  # before draining: a command put after this sets it again
             self._drain_inbox()

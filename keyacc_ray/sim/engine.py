@@ -27,9 +27,10 @@ class SimEngine:
     def __init__(self, name: str, deployment: str, pool: str, steptime: StepTime, max_num_seqs: int,
                  num_blocks: int, block_size: int = 16, max_prefill_tokens: int = 4096, lazy: bool = True,
                  max_waiting: int = 1024, max_model_len: int = 1 << 20, per_token_s: float = 0.0,
-                 growth_reserve: bool = False, under_way: int = 0):
+                 growth_reserve: bool = False, under_way: int = 0, own_cores: float = 0.0):
         self.name, self.deployment, self.pool, self.steptime = name, deployment, pool, steptime
         self.per_token_s = per_token_s  # the replica's CPU per token beyond the step (PoolSpec.pool_s_per_token)
+        self.own_cores = own_cores  # the replica's other threads' share of the engine's core (PoolSpec.own_cores)
         per_seq = min(num_blocks, -(-max_model_len // block_size))
         self.blocks = BlockManager(num_blocks, block_size, 0, per_seq)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_waiting, max_prefill_tokens, lazy=lazy,
@@ -100,6 +101,7 @@ class SimEngine:
         out.seconds = self.steptime.seconds(out.prefill_tokens, out.decode_rows, kv, attn)
         self.prefill_rate.observe(out.prefill_tokens, out.seconds)
         out.seconds += len(out.produced) * self.per_token_s
+        out.seconds /= 1 - self.own_cores
         self.tokens_generated += len(out.produced)
         return out
 

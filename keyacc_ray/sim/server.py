@@ -45,6 +45,10 @@ class PoolSpec:
     # the replica's own CPU per token beyond the engine's step, on the engine's core (streaming each
     # token to the ingress: scripts/bench_pool_host.py measured 0.18-0.21 ms on this box)
     pool_s_per_token: float = 0.0
+    # the replica's own threads beyond the engine's (report loop, streaming, Serve's side: pinned with
+    # the engine) take this share of its core while it works (scripts/bench.py's engine_thread_cores
+    # against cores_used: 0.05 on this box, whatever the token rate)
+    own_cores: float = 0.0
     under_way: int = 0  # EngineConfig.max_num_seqs_under_way (0: off, its default)
 
 
@@ -108,7 +112,7 @@ class SimServer:
         for i in range(max(1, g.replicas)):
             e = SimEngine(f"gpu{i}", "GpuDecode", "gpu", g.steptime, g.max_num_seqs, g.num_blocks, g.block_size,
                           g.max_prefill_tokens, g.lazy, g.max_waiting, spec.max_model_len, g.pool_s_per_token,
-                          g.growth_reserve, g.under_way)
+                          g.growth_reserve, g.under_way, g.own_cores)
             self.hops["gpu_decode" if i == 0 else f"gpu_decode#{i}"] = e
             self._replicas.setdefault("gpu_decode", []).append(e)
         c = spec.cpu
@@ -116,7 +120,7 @@ class SimServer:
             e = self.hops[f"cpu_decode/{i}"] = SimEngine(f"cpu{i}", name, "cpu", c.steptime, c.max_num_seqs,
                                                          c.num_blocks, c.block_size, c.max_prefill_tokens, c.lazy,
                                                          c.max_waiting, spec.max_model_len, c.pool_s_per_token,
-                                                         c.growth_reserve, c.under_way)
+                                                         c.growth_reserve, c.under_way, c.own_cores)
             self._replicas[f"cpu_decode/{i}"] = [e]
         self.live: dict[str, Live] = {}
         self.done: list[Live] = []

@@ -183,3 +183,44 @@ def test_stack_ms_per_token_counts_everything_but_the_engines():
             "router": 0.05, "load_generator": 0.05, "ray_other": 0.1}
     assert stack_ms_per_token(used, 500.0) == 1.0  # 0.5 cores for 500 tokens/s
     assert stack_ms_per_token(used, 0.0) is None
+    # an engine's thread, accounted within it, is not the stack's
+    assert stack_ms_per_token({**used, "cpu_decode/engine": 0.8}, 500.0) == 1.0
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/task"), reason="Linux /proc")
+def test_the_engine_threads_cpu_is_told_from_its_processs_other_threads():
+    """EngineLoop names its thread in the OS (hw.pinning.name_os_thread); cpu_account counts that
+    thread's CPU apart: a named thread's busy work is counted, another thread's is not."""
+    import os
+    import threading
+    import time
+
+    from keyacc_ray.bench.cpu_account import engine_thread_cpu_s
+    from keyacc_ray.hw.pinning import ENGINE_THREAD_NAME, name_os_thread
+
+    done, read = threading.Event(), threading.Event()
+
+    def spin(name, seconds, out):
+        if name:
+            out.append(name_os_thread(name))
+        t = time.thread_time()
+        while time.thread_time() - t < seconds:
+            sum(range(1000))
+        if name:  # stays alive until read: an exited thread leaves /proc
+            done.set()
+            read.wait(30)
+
+    before = engine_thread_cpu_s(os.getpid())
+    named = []
+    a = threading.Thread(target=spin, args=(ENGINE_THREAD_NAME, 0.3, named))
+    b = threading.Thread(target=spin, args=(None, 0.6, []))
+    for t in (a, b):
+        t.start()
+    assert done.wait(30)
+    got = engine_thread_cpu_s(os.getpid())
+    read.set()
+    for t in (a, b):
+        t.join()
+    assert named == [True]
+    assert 0.15 <= got - before <= 0.45  # the named thread's 0.3 s, not the other's 0.6
+

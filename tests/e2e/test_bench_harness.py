@@ -49,7 +49,7 @@ def test_side_by_side_report(app_url, policy, tmp_path):  # noqa: F811
 
     report = side_by_side.run(app_url, MODEL, Workload(prompt_tokens=12, output_tokens=24), plan,
                               lambda name: policy(name, {} if name == "gpu_only" else FAST), FAST, log=lambda m: None,
-                              cpu_probe=cpu_account.snapshot)
+                              cpu_probe=lambda: cpu_account.snapshot(engine_threads=True))
     for key in ("harvest_efficiency", "concurrency_gain", "throughput_gain", "low_load"):
         assert set(report[key]) == {"gpu_only", "full_offload", "auto"}, key
     assert report["harvest_efficiency"]["gpu_only"] == 0.0 and report["throughput_gain"]["gpu_only"] == 1.0
@@ -61,6 +61,9 @@ def test_side_by_side_report(app_url, policy, tmp_path):  # noqa: F811
     assert {"cpu_decode", "ingress", "router", "proxy", "load_generator"} <= set(used)
     assert used["cpu_decode"] > used["gpu_decode"]  # pinned to the CPU pool: its engine did the work
     assert 0 < report["cpu_alone"]["stack_ms_per_token"] < 1000
+    # the engine thread within the replica, told apart by its OS name (the simulator's stack fit)
+    engine = report["cpu_alone"]["engine_thread_cores"]
+    assert 0 < engine["cpu_decode"] <= used["cpu_decode"] and engine["gpu_decode"] < engine["cpu_decode"]
     tl = report["timeline"]
     assert tl["policy"] == "full_offload" and len(tl["t"]) >= 1 and tl["tokens_per_s"]
     files = plot_report(report, tmp_path)

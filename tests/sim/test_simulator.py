@@ -249,3 +249,44 @@ def test_the_growth_reserve_runs_in_the_simulated_pools_too():
         assert (gpu.growth is not None) == reserve
         preempted[reserve] = gpu.num_preemptions
     assert preempted[True] < preempted[False], preempted
+
+
+def test_the_stack_fit_reads_what_the_engine_threads_did_not_get():
+    """scripts/simulate.py's fit_stack: with the engine threads accounted apart, the stack's claim
+    is every core the two replicas did not get (fixed + per token over the runs where both worked)
+    and each replica's own other threads are its pool's `own_cores`; an older report falls back to
+    the stack's processes' CPU."""
+    import importlib.util
+
+    from tests.conftest import ROOT
+
+    spec_ = importlib.util.spec_from_file_location("simulate", ROOT / "scripts" / "simulate.py")
+    sim_mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(sim_mod)
+
+    def run(tok, gpu, cpu, gpu_t, cpu_t, stack=0.3):
+        return {"output_tok_per_s": tok, "cores_used": {"gpu_decode": gpu, "cpu_decode": cpu, "ingress": stack},
+                "engine_thread_cores": {"gpu_decode": gpu_t, "cpu_decode": cpu_t}}
+    # the replicas get 2 - (0.4 + 0.001 x tokens/s) between them; each loses 0.05 to its own threads
+    runs = {"auto": {str(t): run(t, (1.6 - t / 1000) / 2, (1.6 - t / 1000) / 2, (1.6 - t / 1000) / 2 - 0.05,
+                                 (1.6 - t / 1000) / 2 - 0.05) for t in (200, 400, 600)},
+            "gpu_only": {"8": run(250, 0.97, 0.01, 0.92, 0.0)}}
+    real = {"box": {"cpus": 2}, "runs": runs, "cpu_alone": run(700, 0.0, 0.99, 0.0, 0.94)}
+    got = sim_mod.fit_stack(real)
+    assert got["runs"] == 3 and got["fixed_cores"] == pytest.approx(0.4) and got["s_per_token"] == pytest.approx(1e-3)
+    assert got["pool_own_cores"] == {"gpu": pytest.approx(0.05), "cpu": pytest.approx(0.05)}
+    for lv in runs.values():
+        for r in lv.values():
+            del r["engine_thread_cores"]
+    del real["cpu_alone"]["engine_thread_cores"]
+    old = sim_mod.fit_stack(real)
+    assert old["fixed_cores"] == pytest.approx(0.3) and old["s_per_token"] == 0.0 and old["pool_own_cores"] is None
+
+
+def test_a_replicas_own_threads_lengthen_its_engines_steps():
+    st = StepTime("s", 0.01, 0.0, 0.0, 0.0)
+    plain = SimEngine("a", "GpuDecode", "gpu", st, 4, 64)
+    shared = SimEngine("b", "GpuDecode", "gpu", st, 4, 64, own_cores=0.2)
+    for e in (plain, shared):
+        assert e.add("r", 8, 0, 4, with_kv=False)
+    assert shared.step().seconds == pytest.approx(plain.step().seconds / 0.8)
