@@ -138,7 +138,7 @@ def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[st
                         "policy_options": policy_options or {}, "runs": runs, "cpu_alone": cpu_alone})
     for pol in plan.policies:
         set_policy(pol)
-        asyncio.run(closed_loop(url, model, 2, plan.warmup_s, wl, desc=f"{pol} warm-up"))
+        asyncio.run(closed_loop(url, model, 2, plan.warmup_s, wl, desc=f"{pol} warm-up", stream=f"warm-up/{pol}"))
         runs[pol] = {}
         for c in plan.levels:
             record = pol == plan.timeline_policy and c == max(plan.levels)
@@ -159,7 +159,8 @@ def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[st
         c = max(plan.levels)
         before = cpu_probe() if cpu_probe else None
         res, wall = asyncio.run(closed_loop(url, model, c, plan.ramp_s + plan.duration_s, wl,
-                                            extra={"keyacc": {"route": "cpu"}}, desc="cpu pool alone"))
+                                            extra={"keyacc": {"route": "cpu"}}, desc="cpu pool alone",
+                                            stream="cpu-alone"))
         cpu_alone = summarize(res, wall, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3, window(plan))
         if cpu_probe:
             cpu_alone.update(_cpu_figures(before, cpu_probe(), res, wall))
@@ -174,7 +175,8 @@ def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[st
         for pol in plan.policies[r % n:] + plan.policies[:r % n]:
             set_policy(pol)
             c = min(plan.levels)
-            res, wall = asyncio.run(closed_loop(url, model, c, plan.low_load_s, wl, desc=f"low load {pol} #{r}"))
+            res, wall = asyncio.run(closed_loop(url, model, c, plan.low_load_s, wl, desc=f"low load {pol} #{r}",
+                                                stream=f"low-load/{pol}/{r}"))
             samples[pol].append(summarize(res, wall, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3))
             raw[pol] += res
             walls[pol] += wall
@@ -204,10 +206,10 @@ def _cpu_figures(before: dict, after: dict, results, wall_s: float) -> dict:
 
 async def _measure(url, model, c, duration_s, wl, record: bool, pol: str):
     if not record:
-        res, wall = await closed_loop(url, model, c, duration_s, wl, desc=f"{pol} c={c}")
+        res, wall = await closed_loop(url, model, c, duration_s, wl, desc=f"{pol} c={c}", stream=f"{pol}/{c}")
         return res, wall, None
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_metrics(url, stop, 0.5))
-    res, wall = await closed_loop(url, model, c, duration_s, wl, desc=f"{pol} c={c}")
+    res, wall = await closed_loop(url, model, c, duration_s, wl, desc=f"{pol} c={c}", stream=f"{pol}/{c}")
     stop.set()
     return res, wall, await sampler

@@ -224,3 +224,17 @@ def test_the_engine_threads_cpu_is_told_from_its_processs_other_threads():
     assert named == [True]
     assert 0.15 <= got - before <= 0.45  # the named thread's 0.3 s, not the other's 0.6
 
+
+def test_each_run_draws_prompts_of_its_own():
+    """A run replaying another's prompts would find them in the server's prefix cache: runs named
+    alike draw the same prompts (reproducible), any two others never do."""
+    from keyacc_ray.bench.loadgen import prompt_rng
+
+    wl = Workload(prompt_tokens=16)
+
+    def prompts(stream):
+        rng = prompt_rng(wl, stream)
+        return [wl.sample(rng)[0] for _ in range(3)]
+    assert prompts("auto/8") == prompts("auto/8")
+    assert prompts("auto/8") != prompts("auto/40") and prompts("auto/8") != prompts("gpu_only/8")
+    assert prompts(None) != prompts(None)  # unnamed: each call a run of its own
