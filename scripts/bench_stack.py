@@ -4,11 +4,14 @@ pools' Serve side and engine loops) with every pool's engine replaced by a TOKEN
 benchmark stand-in that emits a token per sequence every 1/--token-rate seconds and costs no CPU
 (keyacc_ray/bench/token_source.py), and N streaming clients at each level. Per level: streamed
 tokens/s, and the CPU every server process used (cores, by component) and per streamed token
-(`stack_ms_per_token`; the load generator's own CPU is reported, not counted). Then the idle
+(`stack_ms_per_token`; the load generator's own CPU is reported, not counted), and p50 TTFT (the
+request's way through the stack and back, plus at most a token's interval). Then the idle
 server's cores. Its last line is one JSON object.
 
     python scripts/bench_stack.py                       # levels 8 40 64, 15 s each
     python scripts/bench_stack.py --levels 64 --seconds 30 --token-rate 400
+    python scripts/bench_stack.py --levels 1 --token-rate 2000   # TTFT: the stack's own request path
+                                                                 # (the first token within 0.5 ms)
 """
 from __future__ import annotations
 
@@ -74,9 +77,10 @@ def main() -> None:
                             "stack_cores": round(stack, 3),
                             "stack_ms_per_token": round(1e3 * stack / tok_s, 4) if tok_s else None,
                             "cores": cores, "failed": s["failed"], "itl_p50_ms": s["itl_p50_ms"],
-                            "itl_p99_ms": s["itl_p99_ms"]}
+                            "itl_p99_ms": s["itl_p99_ms"], "ttft_p50_ms": s["ttft_p50_ms"]}
         print(f"c={c:<3} streamed {tok_s:8.1f} tok/s (offered {c * args.token_rate:.0f})  stack {stack:.2f} cores "
               f"= {out['levels'][c]['stack_ms_per_token']} ms/token  itl p50/p99 {s['itl_p50_ms']}/{s['itl_p99_ms']} ms"
+              f"  ttft p50 {s['ttft_p50_ms']} ms"
               f"  load generator {cores.get('load_generator', 0):.2f} cores  {cores}", flush=True)
     time.sleep(3.0)
     before, t0 = cpu_account.snapshot(), time.monotonic()

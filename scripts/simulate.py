@@ -61,10 +61,12 @@ def this_box(args, gpu: StepTime, cpu: StepTime) -> ServerSpec:
                       kv_bytes_per_token=args.kv_bytes_per_token, handoff_bw_bytes_s=args.handoff_gbs * 1e9,
                       handoff_fixed_s=args.handoff_fixed_ms / 1e3, max_model_len=1024,
                       stack_s_per_token=args.stack_ms_per_token / 1e3, stack_cores=args.stack_cores,
-                      stack_fixed_cores=args.stack_fixed_cores)
+                      stack_fixed_cores=args.stack_fixed_cores,
+                      request_path_s=(REQUEST_PATH_MS if args.request_path_ms is None else args.request_path_ms) / 1e3)
 
 
 ENGINES = ("gpu_decode", "gpu_prefill", "cpu_decode")
+REQUEST_PATH_MS = 0.0  # set below from a measurement
 
 
 def fit_stack(real: dict) -> dict | None:
@@ -146,10 +148,24 @@ def side_by_side(spec, plan: Plan, wl: dict, options: dict, log=print) -> dict:
     return report
 
 
-def compare(real: dict, sim: dict) -> dict:
+# Policies whose real peaks lie closer than this (relative) are ties: two real runs of the same
+# code on this VM put auto 5% above full_offload, then full_offload 8% above auto (session 45's
+# noise floor, docs/benchmarks.md)
+RANK_TOLERANCE = 0.08
+
+
+def ranking_agrees(real_peaks: dict, sim_peaks: dict, tolerance: float) -> bool:
+    """Every pair of policies whose real peaks lie more than `tolerance` apart (the larger over the
+    smaller) is ordered the same way by the simulation; closer pairs are ties, either order agrees."""
+    return all(sim_peaks[a] > sim_peaks[b] for a in real_peaks for b in real_peaks
+               if real_peaks[a] > real_peaks[b] * (1 + tolerance))
+
+
+def compare(real: dict, sim: dict, rank_tolerance: float = RANK_TOLERANCE) -> dict:
     """The simulation's errors against a real report: mean absolute percentage errors over every
     (policy, level) of throughput, p50 TTFT and p50 TPOT; the largest harvest error; whether the
-    policies rank the same by peak throughput."""
+    policies rank the same by peak throughput (`ranking_agrees`: policies within `rank_tolerance`
+    of each other tied; `ranking_agrees_strict`: the same order, ties or not)."""
     def mape(key):
         errs = [abs(sim["runs"][p][c][key] - r[key]) / r[key] for p, lv in real["runs"].items()
                 for c, r in ((int(k), v) for k, v in lv.items()) if r.get(key)]
@@ -162,7 +178,10 @@ def compare(real: dict, sim: dict) -> dict:
     pairs["cpu_alone"] = [real["cpu_alone"]["output_tok_per_s"], sim["cpu_alone"]["output_tok_per_s"]]
     return {"tok_s_real_sim": pairs, "throughput_mape": mape("output_tok_per_s"), "ttft_p50_mape": mape("ttft_p50_ms"),
             "tpot_p50_mape": mape("tpot_p50_ms"), "harvest_abs_err": round(max(harvest), 4) if harvest else None,
-            "ranking_agrees": rank(real) == rank(sim), "real_ranking": rank(real), "sim_ranking": rank(sim)}
+            "ranking_agrees": ranking_agrees(real["peak_output_tok_per_s"], sim["peak_output_tok_per_s"],
+                                             rank_tolerance),
+            "ranking_agrees_strict": rank(real) == rank(sim), "rank_tolerance": rank_tolerance,
+            "real_ranking": rank(real), "sim_ranking": rank(sim)}
 
 
 def plan_tables(names: list[str], args) -> None:
@@ -250,6 +269,9 @@ def main() -> None:
                     'its engine\'s, on the engine\'s core while it works, JSON per pool (e.g. \'{"gpu": 0.05, '
                     '"cpu": 0.05}\'); --validate fits it from a report that accounts the engine threads apart')
     ap.add_argument("--stack-cores", type=float, default=2.0, help="cores the stack shares with the engines")
+    ap.add_argument("--request-path-ms", type=float, default=None, help="the stack's own latency on a request's "
+                    "way in and its tokens' way out, with no queue (default: what --validate measured beside the "
+                    f"real run, else {REQUEST_PATH_MS} ms: scripts/bench_stack.py --levels 1 --token-rate 2000)")
     ap.add_argument("--stack-fixed-cores", type=float, default=0.11, help="the stack's CPU with no traffic "
                     "(scripts/idle_cpu.py's figure)")
     ap.add_argument("--no-stack-fit", action="store_true", help="--validate: keep the stack figures given, "
@@ -295,9 +317,18 @@ def main() -> None:
                         str(ROOT / "models" / "medium-qwen3"), "--device", "cpu", "--threads", "1", "--cpu-affinity",
                         "1", "--reps", "9", "--out", str(prof)], check=True)
         cpu = gpu = StepTime.load(str(prof))
+        # and the stack's own request path: one client over the stand-in engine (its first token
+        # within 0.5 ms), p50 TTFT
+        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_stack.py"), "--levels", "1", "--token-rate",
+                            "2000", "--seconds", "10", "--ramp", "2", "--idle-seconds", "1"], check=True,
+                           capture_output=True, text=True)
+        (out_dir / "stack_path.json").write_text(r.stdout.strip().splitlines()[-1] + "\n")
     stack_fit = None
     if args.validate:
         real = json.loads(Path(args.validate).read_text())
+        path = Path(args.validate).with_name("stack_path.json")  # measured beside the real run (above)
+        if path.exists() and args.request_path_ms is None:
+            args.request_path_ms = json.loads(path.read_text())["levels"]["1"]["ttft_p50_ms"]
         stack_fit = None if args.no_stack_fit else fit_stack(real)
         if stack_fit:
             args.stack_fixed_cores, args.stack_ms_per_token = stack_fit["fixed_cores"], stack_fit["s_per_token"] * 1e3
@@ -310,6 +341,7 @@ def main() -> None:
         sim = side_by_side(spec, plan, wl, real.get("policy_options") or {})
         out = {**compare(real, sim), "sim_wall_s": round(time.time() - t0, 2), "profile": cpu.name,
                "real_report": args.validate,
+               "request_path_ms": args.request_path_ms,
                "stack": {"fixed_cores": round(args.stack_fixed_cores, 3), "ms_per_token": round(args.stack_ms_per_token, 3),
                          "fitted_on_runs": stack_fit["runs"] if stack_fit else 0,
                          "pool_own_cores": args.pool_own_cores, "pool_ms_per_token": args.pool_ms_per_token}}

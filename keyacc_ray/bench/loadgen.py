@@ -7,8 +7,8 @@ documented request extension, so runs are comparable), lengths fixed or uniforml
 seeded. Each run draws prompts of its own (`prompt_rng`): a run that replayed an earlier run's
 prompts (the same seed each time, as this harness did until session 46) finds their prefixes in the
 server's cache and prefills less than a run of new prompts would (the bench's CPU pool alone
-prefilled 43% fewer prompt tokens than its requests held). Per request it records TTFT, the arrival time of every token, and the `keyacc` trace
-(where it ran), when the server sends one.
+prefilled 43% fewer prompt tokens than its requests held). Per request it records TTFT, the
+arrival time of every token, and the `keyacc` trace (where it ran), when the server sends one.
 
 The client is aiohttp (it comes with ray[serve]): on a box where the load generator shares the
 cores with the server, its CPU per streamed chunk is CPU the server does not get."""

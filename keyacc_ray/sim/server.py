@@ -70,6 +70,10 @@ class ServerSpec:
     stack_s_per_token: float = 0.0
     stack_cores: float = 1.0
     stack_fixed_cores: float = 0.0
+    # the stack's own latency on a request's way with no queue anywhere (HTTP, ingress, router, the
+    # pool's Serve side, the stream's batching): half before the router sees a new request, half on
+    # each token's way back to its client (whose next request starts when its last token is in)
+    request_path_s: float = 0.0
 
 
 @dataclass
@@ -95,6 +99,7 @@ async def _ready():
 class SimServer:
     def __init__(self, spec: ServerSpec, policy: str, policy_options: dict | None = None):
         self.spec = spec
+        self._half_path = spec.request_path_s / 2
         self.now = 0.0
         self._q: list = []
         self._n = 0
@@ -201,6 +206,12 @@ class SimServer:
         r.arrival = self.now
         live = Live(r, Ticket(r.rid, r.prompt_tokens, r.max_tokens, r.route))
         self.live[r.rid] = live
+        if self._half_path:
+            self.at(self.now + self._half_path, self._begin, live)
+        else:
+            self._begin(live)
+
+    def _begin(self, live: Live) -> None:
         self._call(self.router.begin(live.ticket), self._enter, live)
 
     def _enter(self, t: Ticket, live: Live) -> None:
@@ -238,19 +249,19 @@ class SimServer:
         return min(reps, key=lambda e: e.scheduler.num_running + e.scheduler.num_waiting)
 
     def _end(self, live: Live) -> None:
-        live.done_t = self.now
+        live.done_t = at_client = self.now + self._half_path
         self.live.pop(live.req.rid, None)
         self.done.append(live)
         nxt = self._next_of_client.get(live.req.client) if live.req.client is not None else None
         if nxt:
-            self.at(self.now, self._arrive, nxt.pop(0))
-        elif self._closed is not None and live.req.client is not None and self.now < self._closed[1]:
+            self.at(at_client, self._arrive, nxt.pop(0))
+        elif self._closed is not None and live.req.client is not None and at_client < self._closed[1]:
             make, _, count = self._closed
             r = make(count[0])
             count[0] += 1
             r.client = live.req.client
             self._expected += 1
-            self.at(self.now, self._arrive, r)
+            self.at(at_client, self._arrive, r)
 
     # ---- engines -------------------------------------------------------------------------
     def _kick(self, e: SimEngine) -> None:
@@ -292,9 +303,9 @@ class SimServer:
             live.generated += 1
             live.produced += 1
             live.segments[-1][1] += 1
-            live.token_times.append(self.now - live.req.arrival)
+            live.token_times.append(self.now + self._half_path - live.req.arrival)
             if live.first_t is None:
-                live.first_t = self.now
+                live.first_t = self.now + self._half_path
             if live.generated >= live.req.output_tokens:
                 e.remove(s.request_id, SeqStatus.FINISHED_STOPPED)
                 end = HopEnd("done", self.now - live.hop_t, live.generated, finished=True)

@@ -12,7 +12,7 @@ from keyacc_ray.sim.engine import SimEngine
 from keyacc_ray.sim.report import summarize
 from keyacc_ray.sim.server import PoolSpec, ServerSpec, SimServer
 from keyacc_ray.sim.steptime import StepTime
-from keyacc_ray.sim.workload import Workload
+from keyacc_ray.sim.workload import SimRequest, Workload
 
 GPU = StepTime("gpu", 0.010, 0.00002, 0.0002, 1e-7)
 CPU = StepTime("cpu", 0.040, 0.0004, 0.002, 1e-6)
@@ -157,6 +157,11 @@ def test_validation_arithmetic():
     assert got["ttft_p50_mape"] == round(0.5 / 4, 4) and got["tpot_p50_mape"] == 0.0
     assert got["harvest_abs_err"] == 0.2 and got["ranking_agrees"] is True
     assert got["tok_s_real_sim"]["auto"]["8"] == [400, 300] and got["tok_s_real_sim"]["cpu_alone"] == [400, 380]
+    # the ranking: policies closer than the tolerance are ties; farther ones must keep their order
+    real_peaks = {"gpu_only": 200, "full_offload": 600, "auto": 630}
+    assert sim_mod.ranking_agrees(real_peaks, {"gpu_only": 210, "full_offload": 650, "auto": 640}, 0.08)
+    assert not sim_mod.ranking_agrees(real_peaks, {"gpu_only": 210, "full_offload": 650, "auto": 640}, 0.04)
+    assert not sim_mod.ranking_agrees(real_peaks, {"gpu_only": 700, "full_offload": 650, "auto": 640}, 0.08)
 
 
 def test_a_check_answered_with_another_hop_moves_the_sequence():
@@ -290,3 +295,18 @@ def test_a_replicas_own_threads_lengthen_its_engines_steps():
     for e in (plain, shared):
         assert e.add("r", 8, 0, 4, with_kv=False)
     assert shared.step().seconds == pytest.approx(plain.step().seconds / 0.8)
+
+
+def test_the_stacks_request_path_adds_to_each_request_and_spaces_a_clients_requests():
+    """ServerSpec.request_path_s: half before the router sees a request, half on each token's way
+    back; a closed-loop client's next request starts when its last token is in."""
+    def one_client(path):
+        sp = ServerSpec(PoolSpec(GPU, max_num_seqs=8, num_blocks=96), PoolSpec(CPU, max_num_seqs=8, num_blocks=256),
+                        request_path_s=path)
+        return SimServer(sp, "gpu_only", {}).run_closed(1, 1.0, lambda i: SimRequest(f"r{i}", 32, 16, 16))
+    fast, slow = one_client(0.0), one_client(0.02)
+    ttft = lambda lv: lv.first_t - lv.req.arrival  # noqa: E731
+    assert ttft(slow[0]) == pytest.approx(ttft(fast[0]) + 0.02)
+    assert slow[0].done_t - slow[0].req.arrival == pytest.approx(fast[0].done_t - fast[0].req.arrival + 0.02)
+    assert slow[1].req.arrival == pytest.approx(slow[0].done_t)  # the next request when the last token is in
+    assert len(slow) < len(fast)  # fewer requests in the same second
