@@ -53,7 +53,8 @@ from keyacc_ray.sim.workload import SimRequest  # noqa: E402
 def this_box(args, gpu: StepTime, cpu: StepTime) -> ServerSpec:
     """scripts/bench.py's graph on this box: the emulated GPU pool (8 sequences, a small KV
     budget) and the CPU pool, one core and one thread each, the serving stack over both cores."""
-    per_token, own = args.pool_ms_per_token / 1e3, args.pool_own_cores or {}
+    own = POOL_OWN_CORES if args.pool_own_cores is None else args.pool_own_cores
+    per_token = args.pool_ms_per_token / 1e3
     return ServerSpec(PoolSpec(gpu, max_num_seqs=8, num_blocks=args.gpu_kv_blocks, block_size=16,
                                pool_s_per_token=per_token, own_cores=own.get("gpu", 0.0)),
                       PoolSpec(cpu, max_num_seqs=args.cpu_seqs, num_blocks=args.cpu_seqs * 64, block_size=16,
@@ -66,7 +67,12 @@ def this_box(args, gpu: StepTime, cpu: StepTime) -> ServerSpec:
 
 
 ENGINES = ("gpu_decode", "gpu_prefill", "cpu_decode")
-REQUEST_PATH_MS = 0.0  # set below from a measurement
+# this Xeon VM, measured beside session 46's --validate run (results/sim-validate-20261205-235613):
+# bench_stack.py --levels 1 --token-rate 2000, p50 TTFT; the replicas' own threads and the stack's
+# claim, fit_stack on that run's report
+REQUEST_PATH_MS = 8.6
+POOL_OWN_CORES = {"gpu": 0.06, "cpu": 0.06}
+STACK_FIXED_CORES, STACK_MS_PER_TOKEN = 0.5, 0.0
 
 
 def fit_stack(real: dict) -> dict | None:
@@ -261,19 +267,20 @@ def main() -> None:
     ap.add_argument("--kv-bytes-per-token", type=int, default=16384, help="medium-qwen3 in float32: 8 x 4 x 64 x 2 x 4")
     ap.add_argument("--handoff-gbs", type=float, default=1.0, help="KV hand-off bandwidth, GB/s (object store here)")
     ap.add_argument("--handoff-fixed-ms", type=float, default=10.0, help="fixed cost of a hand-off (calls, export)")
-    ap.add_argument("--stack-ms-per-token", type=float, default=0.22, help="serving stack CPU per token (#22: "
-                    "scripts/bench_stack.py at 64 streams)")
-    ap.add_argument("--pool-ms-per-token", type=float, default=0.2, help="a pool replica's CPU per token beyond "
-                    "the engine's step, on its core (scripts/bench_pool_host.py: 0.18-0.21 ms)")
+    ap.add_argument("--stack-ms-per-token", type=float, default=STACK_MS_PER_TOKEN, help="the stack's claim on "
+                    "the engines' cores per token/s (--validate fits it from the real run)")
+    ap.add_argument("--pool-ms-per-token", type=float, default=0.0, help="a pool replica's CPU per token beyond "
+                    "the engine's step, on its core (older reports, without the engine threads accounted apart)")
     ap.add_argument("--pool-own-cores", type=json.loads, default=None, help='each replica\'s own threads beyond '
-                    'its engine\'s, on the engine\'s core while it works, JSON per pool (e.g. \'{"gpu": 0.05, '
-                    '"cpu": 0.05}\'); --validate fits it from a report that accounts the engine threads apart')
+                    'its engine\'s, on the engine\'s core while it works, JSON per pool (default '
+                    f'{json.dumps(POOL_OWN_CORES)}); --validate fits it from a report that accounts the engine threads '
+                    'apart')
     ap.add_argument("--stack-cores", type=float, default=2.0, help="cores the stack shares with the engines")
     ap.add_argument("--request-path-ms", type=float, default=None, help="the stack's own latency on a request's "
                     "way in and its tokens' way out, with no queue (default: what --validate measured beside the "
                     f"real run, else {REQUEST_PATH_MS} ms: scripts/bench_stack.py --levels 1 --token-rate 2000)")
-    ap.add_argument("--stack-fixed-cores", type=float, default=0.11, help="the stack's CPU with no traffic "
-                    "(scripts/idle_cpu.py's figure)")
+    ap.add_argument("--stack-fixed-cores", type=float, default=STACK_FIXED_CORES, help="the stack's fixed claim on "
+                    "the engines' cores (--validate fits it from the real run)")
     ap.add_argument("--no-stack-fit", action="store_true", help="--validate: keep the stack figures given, "
                     "not the real run's own CPU accounting")
     ap.add_argument("--noise-floor", nargs=2, metavar="REPORT", help="the same errors between two real runs "
@@ -334,6 +341,8 @@ def main() -> None:
             args.stack_fixed_cores, args.stack_ms_per_token = stack_fit["fixed_cores"], stack_fit["s_per_token"] * 1e3
             if stack_fit["pool_own_cores"]:
                 args.pool_ms_per_token, args.pool_own_cores = 0.0, stack_fit["pool_own_cores"]
+            elif args.pool_own_cores is None:  # an older report: no engine threads to tell the own cores by
+                args.pool_own_cores = {}
     spec = this_box(args, gpu, cpu)
     if args.validate:
         plan = Plan(**{k: v for k, v in real["plan"].items() if k in Plan.__dataclass_fields__})

@@ -42,8 +42,9 @@ class PoolSpec:
     lazy: bool = True
     growth_reserve: bool = False  # lazy admission with room to grow (EngineConfig.kv_growth_reserve)
     max_waiting: int = 1024
-    # the replica's own CPU per token beyond the engine's step, on the engine's core (streaming each
-    # token to the ingress: scripts/bench_pool_host.py measured 0.18-0.21 ms on this box)
+    # the replica's own CPU per token beyond the engine's step, on the engine's core (the older
+    # model: scripts/bench_pool_host.py measured 0.18-0.21 ms a token on the AMD VM; on the Xeon VM
+    # the replica's other threads take a share of its core whatever the rate instead: own_cores)
     pool_s_per_token: float = 0.0
     # the replica's own threads beyond the engine's (report loop, streaming, Serve's side: pinned with
     # the engine) take this share of its core while it works (scripts/bench.py's engine_thread_cores
