@@ -222,7 +222,9 @@ def test_requests_queued_on_the_cpu_pool_move_to_the_gpu_when_it_frees_up(app_ur
         # 32 on a pool of 16 slots: the 16 waiting (pinned, never recalled) are ahead of the short
         # requests in the CPU queue.
         longs = [ex.submit(held, PROMPTS[i % len(PROMPTS)], "cpu", 700, cpu_go) for i in range(32)]
-        gpu = [ex.submit(held, PROMPTS[i % len(PROMPTS)], "gpu", 300, gpu_go) for i in range(8)]
+        # the GPU's streams as long as the CPU's: 300 tokens each ended on their own, on a fast
+        # machine, before the shorts came (make test, session 46: the router never counted 46)
+        gpu = [ex.submit(held, PROMPTS[i % len(PROMPTS)], "gpu", 700, gpu_go) for i in range(8)]
         router_inflight_reaches(40)  # (not a fixed pause: see the next test)
         shorts = [ex.submit(one, PROMPTS[i % len(PROMPTS)], 16) for i in range(6)]
         router_inflight_reaches(46)  # the shorts queued on the CPU pool before the GPU frees
