@@ -243,7 +243,12 @@ def summarize(results: list[Result], wall_s: float, ttft_slo_s: float, tpot_slo_
             pool_tokens[s["pool"]] = pool_tokens.get(s["pool"], 0) + s["tokens"]
     good = [r for r in ok_done if r.ttft_s <= ttft_slo_s and (r.tpot_s or 0) <= tpot_slo_s]
     total_pool = sum(pool_tokens.values()) or 1
-    return {
+    # where TTFT went, from the server's trace (its ingress's clock, from the request's start there):
+    # when the first hop's replica took the request, when its first token reached the ingress
+    firsts = [r.segments[0] for r in ok if r.segments and "first_token_ms" in r.segments[0]]
+    path = {"hop_start_p50_ms": round(pct([s["start_ms"] for s in firsts], 50), 1),
+            "ingress_ttft_p50_ms": round(pct([s["first_token_ms"] for s in firsts], 50), 1)} if firsts else {}
+    return {**path,
         "requests": len(results), "failed": len(results) - len(ok),
         "req_per_s": round(len(ok_done) / wall_s, 3), "output_tok_per_s": round(tokens / wall_s, 1),
         "ttft_p50_ms": round(pct(ttft, 50) * 1e3, 1), "ttft_p90_ms": round(pct(ttft, 90) * 1e3, 1),

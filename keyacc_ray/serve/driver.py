@@ -250,6 +250,7 @@ class RequestDriver:
 
     async def run(self, req: GenerateRequest):
         """Yields lists of TokenChunk / ErrorItem, then [Trace]."""
+        began = time.monotonic()  # each segment's start_ms / first_token_ms count from here
         t = await self._ask(Ticket.of(req), None)
         trace = Trace()
         handoff: Handoff | None = None
@@ -311,7 +312,10 @@ class RequestDriver:
                             else:
                                 decided = it.ticket
                         elif isinstance(it, SegmentStart):
-                            if trace.start(it) and handoff is not None and it.kv == "received":
+                            new_segment = trace.start(it)
+                            if new_segment:  # when its replica took it, as the ingress saw that
+                                trace.segments[-1]["start_ms"] = round((time.monotonic() - began) * 1e3, 2)
+                            if new_segment and handoff is not None and it.kv == "received":
                                 # the hand-off that brought it: its KV bytes, and from the end of the
                                 # last hop to this one's start (export, object store, import)
                                 trace.segments[-1]["kv_bytes"] = handoff.kv_bytes
@@ -327,6 +331,9 @@ class RequestDriver:
                                 trace.segments[-1]["withdrawn"] = True
                         else:
                             if isinstance(it, TokenChunk):
+                                if it.token_ids and trace.segments and "first_token_ms" not in trace.segments[-1]:
+                                    # its first token here: TTFT at the ingress for the first segment
+                                    trace.segments[-1]["first_token_ms"] = round((time.monotonic() - began) * 1e3, 2)
                                 trace.add_tokens(len(it.token_ids))
                                 generated.extend(it.token_ids)
                                 emitted_chars += len(it.text)

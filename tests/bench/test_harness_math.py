@@ -41,6 +41,12 @@ def test_summarize_fixed_inputs():
     assert s["itl_p99_ms"] == pytest.approx(200.0)
     assert s["token_share"] == {"cpu": 0.15, "gpu": 0.85}  # 3 of 20
     assert s["moves"] == 1
+    assert "ingress_ttft_p50_ms" not in s  # a server whose trace has no timings
+    # the trace's timings: the first hop's start and first token at the server's ingress, p50
+    timed = [res(0.1, 0.02, segments=[{"pool": "gpu", "tokens": 5, "start_ms": a, "first_token_ms": b}])
+             for a, b in ((2.0, 50.0), (4.0, 70.0), (9.0, 90.0))]
+    t = summarize(timed, wall_s=2.0, ttft_slo_s=1.0, tpot_slo_s=0.1)
+    assert (t["hop_start_p50_ms"], t["ingress_ttft_p50_ms"]) == (4.0, 70.0)
 
 
 def test_summarize_steady_state_window():

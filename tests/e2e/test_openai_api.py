@@ -688,8 +688,11 @@ def test_vllm_metrics_and_the_dashboard(app_url, client):
                                    extra_body={"ignore_eos": True, "keyacc": {"route": "cpu"}}))
     staged = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=6, temperature=0,
                                        extra_body={"ignore_eos": True, "keyacc": {"route": "stage"}})
-    moved = staged.model_extra["keyacc"]["segments"][1]
+    first, moved = staged.model_extra["keyacc"]["segments"]
     assert moved["pool"] == "cpu" and moved["kv_bytes"] > 0 and moved["handoff_ms"] >= 0
+    # when each hop's replica took it and when its first token reached the ingress, from the
+    # request's start there: in that order, hop after hop
+    assert 0 <= first["start_ms"] <= first["first_token_ms"] <= moved["start_ms"] <= moved["first_token_ms"]
     wants = [("vllm:generation_tokens_total", "cpu", 9), ("vllm:generation_tokens_total", "gpu", 5),
              ("keyacc_handoffs_total", "gpu->cpu", 1), ("keyacc_handoff_seconds_count", "gpu->cpu", 1),
              ("vllm:time_to_first_token_seconds_count", "cpu", 2), ("vllm:request_prefill_time_seconds_count", "cpu", 2),
