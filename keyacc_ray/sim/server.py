@@ -91,6 +91,10 @@ class Live:
     moves: int = 0
     error: str | None = None
     token_times: list = field(default_factory=list)  # seconds after arrival of each token
+    # as the server's trace times them (at the ingress, half the request path after arrival): when
+    # the first hop's engine took it, when it made the first token
+    first_hop_t: float | None = None
+    first_made_t: float | None = None
 
 
 async def _ready():
@@ -230,6 +234,8 @@ class SimServer:
         if live.segments and live.segments[-1][0] != e.pool:
             live.moves += 1
         live.ticket, live.hop_t, live.produced, live.export_after = t, self.now, 0, t.export_after
+        if live.first_hop_t is None:
+            live.first_hop_t = self.now
         live.segments.append([e.pool, 0])
         self._kick(e)
 
@@ -306,7 +312,7 @@ class SimServer:
             live.segments[-1][1] += 1
             live.token_times.append(self.now + self._half_path - live.req.arrival)
             if live.first_t is None:
-                live.first_t = self.now + self._half_path
+                live.first_t, live.first_made_t = self.now + self._half_path, self.now
             if live.generated >= live.req.output_tokens:
                 e.remove(s.request_id, SeqStatus.FINISHED_STOPPED)
                 end = HopEnd("done", self.now - live.hop_t, live.generated, finished=True)

@@ -310,3 +310,6 @@ def test_the_stacks_request_path_adds_to_each_request_and_spaces_a_clients_reque
     assert slow[0].done_t - slow[0].req.arrival == pytest.approx(fast[0].done_t - fast[0].req.arrival + 0.02)
     assert slow[1].req.arrival == pytest.approx(slow[0].done_t)  # the next request when the last token is in
     assert len(slow) < len(fast)  # fewer requests in the same second
+    # the trace's timings at the ingress, half the path in: the hop taken at once, its token made there
+    assert slow[0].first_hop_t == pytest.approx(slow[0].req.arrival + 0.01)
+    assert slow[0].first_made_t == pytest.approx(slow[0].first_t - 0.01)
