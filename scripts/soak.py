@@ -117,14 +117,14 @@ async def good(client, rng, checks, stats, stream: bool, tiers: bool = False):
                 if r.status_code != 200:
                     return record_reject(stats, r.status_code, await r.aread())
                 last = None  # gaps between a stream's events, from its first (the wait for it is TTFT)
-                worst = (0.0, 0)  # this stream's longest gap, and the tokens it had streamed before it
+                worst = (0.0, 0, 0.0)  # this stream's longest gap, the tokens streamed before it, when it began
                 long_gaps = []  # each gap over 2 s: (tokens streamed before it, its start, its end)
                 trace, cut = None, None
                 async for line in r.aiter_lines():
                     now = time.monotonic()
                     if last is not None and line:
                         stats["max_stream_gap_s"] = round(max(stats["max_stream_gap_s"], now - last), 3)
-                        worst = max(worst, (now - last, len(ids)))
+                        worst = max(worst, (now - last, len(ids), last - t0))
                         if now - last > 2.0:  # when (10 s windows from the soak's start): a burst or all along
                             stats["stream_gaps_over_2s"] += 1
                             tally(stats["gaps_over_2s_by_10s"], window(stats, now))
@@ -147,10 +147,14 @@ async def good(client, rng, checks, stats, stream: bool, tiers: bool = False):
                         tally(stats["server_gaps_by_10s"], window(stats, b))
                         tally(stats["server_gaps_where"], w)
                 if worst[0] > 2.0:  # where the longest stalls happened: the request's path
+                    # (each segment with when its replica took it and when its first token reached the
+                    # ingress, ms from the request's start there; the gap's start is ms from sending it)
                     segs = [f"{g.get('pool')}/{g.get('phase')}:{g.get('tokens')}"
                             + "".join(f",{k}" for k in ("kv", "failed", "withdrawn") if g.get(k))
+                            + (f"@{g['start_ms']:.0f}/{g.get('first_token_ms', -1):.0f}ms" if "start_ms" in g else "")
                             for g in (trace or {}).get("segments", [])]
-                    stats["worst_gaps"].append((round(worst[0], 2), worst[1], segs, rid))  # (rid: its X-Request-Id)
+                    stats["worst_gaps"].append((round(worst[0], 2), worst[1], segs, rid,  # (rid: its X-Request-Id)
+                                                round(worst[2] * 1e3)))
                     stats["worst_gaps"] = sorted(stats["worst_gaps"], reverse=True)[:8]
                 if cut is not None:  # (a clear error, but the client had tokens: a request the server gave up)
                     stats["rejected_clear_error"] += 1
