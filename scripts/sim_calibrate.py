@@ -3,11 +3,12 @@
 engine's own steps: LLMEngine.step() timed on a grid of prompt chunks, decode batches and
 context lengths, then least squares (steptime.fit) of
 
-    t = b0 + b_prefill x prompt tokens + b_prefill_attn x prompt attention pairs
-          + rows(decode rows: piecewise linear through each batch measured) + b_kv x KV tokens read
+    t = L(prompt tokens + decode rows: piecewise linear through each decode batch measured, then
+          b_prefill a token) + b_decode x decode rows + b_prefill_attn x prompt attention pairs
+          + b_kv x KV tokens read
 
 Writes the profile (with each measured point's relative residual) as JSON and prints it; its
-last line is one JSON object: the coefficients, the rows' knots, `residual_mean`, `residual_max`.
+last line is one JSON object: the coefficients, the knots, `residual_mean`, `residual_max`.
 
     python scripts/sim_calibrate.py --model models/medium-qwen3 --device cpu --threads 1 \\
         --out keyacc_ray/sim/profiles/this-box-medium-cpu.json

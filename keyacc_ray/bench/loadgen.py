@@ -15,6 +15,7 @@ cores with the server, its CPU per streamed chunk is CPU the server does not get
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
@@ -123,7 +124,7 @@ def _progress_bar(desc: str, total: float | None):
 
 
 HEADERS: dict = {}  # e.g. {"Authorization": "Bearer ..."}, set by the CLI
-_RUNS = iter(range(1 << 62))  # this process's runs so far: a run named by nothing gets the next number
+_RUNS = itertools.count()  # this process's runs so far: a run named by nothing gets the next number
 
 
 def prompt_rng(wl: Workload, stream: str | None = None) -> random.Random:

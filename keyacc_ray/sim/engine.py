@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from keyacc_ray.engine.blocks import BlockManager
 from keyacc_ray.engine.request import SamplingParams, Sequence, SeqStatus
 from keyacc_ray.engine.scheduler import PrefillRate, Scheduler
-from keyacc_ray.sim.steptime import StepTime
+from keyacc_ray.sim.steptime import StepTime, attention_pairs
 
 
 @dataclass
@@ -89,7 +89,7 @@ class SimEngine:
             s.token_ids.append(2)
             out.produced.append(s)
         for s, n in sched.prefill:
-            attn += n * s.num_cached + n * (n + 1) // 2  # the chunk's tokens attend what is cached and each other
+            attn += attention_pairs(n, s.num_cached)
             s.num_cached += n
             out.prefill_tokens += n
             if s.num_cached == s.num_tokens:

@@ -54,7 +54,7 @@ class StepTime:
         """A step's seconds; `prefill_attn`: the prompt chunks' (token, token attended) pairs (None:
         one chunk of `prefill_tokens` with nothing cached before it)."""
         if prefill_attn is None:
-            prefill_attn = prefill_tokens * (prefill_tokens + 1) // 2
+            prefill_attn = attention_pairs(prefill_tokens)
         attention = self.b_prefill_attn * prefill_attn + self.b_kv * kv_tokens
         if self.token_knots:
             return self.tokens_s(prefill_tokens + decode_rows) + self.b_decode * decode_rows + attention
@@ -89,6 +89,12 @@ class StepTime:
                                          "b_weights", "token_knots", "b_prefill_attn") if k in d})
 
 
+def attention_pairs(chunk: int, cached: int = 0) -> int:
+    """The (token, token attended) pairs of a prompt chunk of `chunk` tokens over `cached` ones
+    before it: each attends what is cached and the chunk's tokens up to itself."""
+    return chunk * cached + chunk * (chunk + 1) // 2
+
+
 def knot_weights(knots: list[int], x: float) -> tuple[list[float], float]:
     """For f piecewise linear through the knots (ascending; from (0, 0) below the first): weights,
     one per knot, and how far x lies past the last knot, such that f(x) = sum of weight x f(knot)
@@ -117,7 +123,7 @@ def fit(points: list[dict], name: str = "profile", source: str = "") -> StepTime
     import numpy as np
 
     def attn(p: dict) -> int:
-        return p.get("prefill_attn", p["prefill_tokens"] * (p["prefill_tokens"] + 1) // 2)
+        return p.get("prefill_attn", attention_pairs(p["prefill_tokens"]))
 
     knots = sorted({p["decode_rows"] for p in points if p["decode_rows"] > 0 and p["prefill_tokens"] == 0})
     if not knots:
