@@ -12,7 +12,7 @@ simulated) with the errors of the simulation as the last line's JSON (throughput
 ttft_p50_mape, tpot_p50_mape, harvest_abs_err, ranking_agrees):
 
     python scripts/simulate.py --validate results/bench-XXXX/report.json
-    python scripts/simulate.py --validate       # runs scripts/bench.py --quick first (about 11 min)
+    python scripts/simulate.py --validate       # runs scripts/bench.py first (VALIDATE_BENCH_ARGS, ~14 min)
 
 The same errors between two real runs (this VM's run-to-run noise: a floor for the above):
 
@@ -34,6 +34,7 @@ An hour of Poisson traffic on a scenario, to time the simulator:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -63,16 +64,47 @@ def this_box(args, gpu: StepTime, cpu: StepTime) -> ServerSpec:
                       handoff_fixed_s=args.handoff_fixed_ms / 1e3, max_model_len=1024,
                       stack_s_per_token=args.stack_ms_per_token / 1e3, stack_cores=args.stack_cores,
                       stack_fixed_cores=args.stack_fixed_cores,
-                      request_path_s=(REQUEST_PATH_MS if args.request_path_ms is None else args.request_path_ms) / 1e3)
+                      request_path_s=(REQUEST_PATH_MS if args.request_path_ms is None else args.request_path_ms) / 1e3,
+                      step_jitter=args.step_jitter or 0.0)
 
 
 ENGINES = ("gpu_decode", "gpu_prefill", "cpu_decode")
+# --validate's real run: bench.py's levels and policies, with request lengths spread +-50% and 20 s
+# windows. With equal lengths the closed loop's clients move in step, and a 10 s window's p50 TTFT
+# swings with where that step falls: two seeds of the simulator itself (step jitter alone apart)
+# differ by 0.10-0.24 in p50 TTFT MAPE, as two real runs did (0.17); spread lengths and 20 s
+# windows bring the simulator's seed-to-seed spread to 0.03-0.05 (docs/benchmarks.md, Simulator)
+VALIDATE_BENCH_ARGS = ["--levels", "2", "8", "24", "40", "--duration", "20", "--prompt-spread", "0.5",
+                       "--output-spread", "0.5", "--low-load-rounds", "0"]
 # this Xeon VM, measured beside session 46's --validate run (results/sim-validate-20261205-235613):
 # bench_stack.py --levels 1 --token-rate 2000, p50 TTFT; the replicas' own threads and the stack's
 # claim, fit_stack on that run's report
 REQUEST_PATH_MS = 8.6
 POOL_OWN_CORES = {"gpu": 0.06, "cpu": 0.06}
 STACK_FIXED_CORES, STACK_MS_PER_TOKEN = 0.5, 0.0
+
+
+def fit_step_jitter(real: dict, modelled: dict | None = None) -> float | None:
+    """The spread of one engine step's time about the model's (coefficient of variation), from the
+    real run's quietest cell: gpu_only at its lowest level (no moves, the fewest rows). A request's
+    TPOT is the mean of its steps: with steps drawn apart independently, its spread is the step's
+    over sqrt(steps); a TPOT's p50-p90 distance is 1.28 of its spread for a normal. What the model
+    spreads by itself (`modelled`: the simulator's summary of that cell without jitter; requests of
+    spread lengths meet other requests' prompts in some of their steps) is taken out, in quadrature.
+    None without that cell."""
+    def spread(r: dict | None) -> float:
+        if not r or not r.get("tpot_p50_ms") or not r.get("tpot_p90_ms"):
+            return 0.0
+        return max(0.0, (r["tpot_p90_ms"] - r["tpot_p50_ms"]) / 1.2816 / r["tpot_p50_ms"])
+    lv = (real.get("runs") or {}).get("gpu_only") or {}
+    if not lv:
+        return None
+    r = lv[min(lv, key=int)]
+    steps = (real.get("workload") or {}).get("output_tokens", 0) - 1
+    if not r.get("tpot_p50_ms") or steps < 1:
+        return None
+    excess = max(0.0, spread(r) ** 2 - spread(modelled) ** 2) ** 0.5
+    return round(min(0.5, excess * steps ** 0.5), 3)
 
 
 def fit_stack(real: dict) -> dict | None:
@@ -141,22 +173,49 @@ def as_results(done, half_path_s: float = 0.0) -> list[Result]:
                    segments(lv), lv.error or "") for lv in done]
 
 
-def one_run(spec, policy, options, clients, plan: Plan, wl: dict, route=None) -> dict:
-    srv = SimServer(spec, policy, {} if policy == "gpu_only" else options)
-    done = srv.run_closed(clients, plan.ramp_s + plan.duration_s, maker(wl, clients, route))
-    return summarize(as_results(done, spec.request_path_s / 2), plan.ramp_s + plan.duration_s,
-                     plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3, window(plan))
+def one_run(spec, policy, options, clients, plan: Plan, wl: dict, route=None, seeds: int = 1) -> dict:
+    """One (policy, level) run as the bench summarizes it; with `seeds` > 1 (and step jitter, else
+    every seed runs alike) the mean of each figure over that many seeds: the simulator's expected
+    figure, not one draw of it."""
+    if not spec.step_jitter and not wl.get("prompt_spread") and not wl.get("output_spread"):
+        seeds = 1  # nothing drawn: every seed would run alike
+    runs = []
+    for k in range(seeds):
+        srv = SimServer(dataclasses.replace(spec, seed=spec.seed + k), policy, {} if policy == "gpu_only" else options)
+        done = srv.run_closed(clients, plan.ramp_s + plan.duration_s, maker(wl, clients + 7919 * k, route))
+        runs.append(summarize(as_results(done, spec.request_path_s / 2), plan.ramp_s + plan.duration_s,
+                              plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3, window(plan)))
+    return mean_summary(runs)
 
 
-def side_by_side(spec, plan: Plan, wl: dict, options: dict, log=print) -> dict:
+def mean_summary(runs: list[dict]) -> dict:
+    """Summaries (loadgen.summarize) of runs alike, as one: each number (also within a dict: the
+    pools' token shares) the mean over the runs that have it; anything else the first run's."""
+    if len(runs) == 1:
+        return runs[0]
+
+    def mean(vals):
+        vals = [v for v in vals if v is not None and v == v]
+        return round(sum(vals) / len(vals), 3) if vals else float("nan")
+    out = dict(runs[0])
+    for k, v in runs[0].items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = mean([r.get(k) for r in runs])
+        elif isinstance(v, dict):
+            keys = {kk for r in runs for kk in r.get(k, {})}
+            out[k] = {kk: mean([r.get(k, {}).get(kk, 0.0) for r in runs]) for kk in sorted(keys)}
+    return out
+
+
+def side_by_side(spec, plan: Plan, wl: dict, options: dict, log=print, seeds: int = 1) -> dict:
     runs = {}
     for pol in plan.policies:
         runs[pol] = {}
         for c in plan.levels:
-            s = runs[pol][c] = one_run(spec, pol, options, c, plan, wl)
+            s = runs[pol][c] = one_run(spec, pol, options, c, plan, wl, seeds=seeds)
             log(f"{pol:<14} c={c:<3} tok/s={s['output_tok_per_s']:<7} ttft p50/p99={s['ttft_p50_ms']}/{s['ttft_p99_ms']}"
                 f" tpot p50/p99={s['tpot_p50_ms']}/{s['tpot_p99_ms']} share={s['token_share']} moves={s['moves']}")
-    alone = one_run(spec, "gpu_only", {}, max(plan.levels), plan, wl, route="cpu")
+    alone = one_run(spec, "gpu_only", {}, max(plan.levels), plan, wl, route="cpu", seeds=seeds)
     log(f"{'cpu alone':<14} c={max(plan.levels):<3} tok/s={alone['output_tok_per_s']}")
     report = {"runs": runs, "cpu_alone": alone}
     report.update(derive(runs, alone, plan))
@@ -268,7 +327,7 @@ def main() -> None:
     ap.add_argument("--gpu-profile", default=None, help="the GPU pool's profile, if another")
     ap.add_argument("--validate", metavar="REPORT", nargs="?", const="run",
                     help="a scripts/bench.py report.json to simulate and compare; without one, run "
-                         "`scripts/bench.py --quick` first (about 11 minutes here) and compare with its report")
+                         "`scripts/bench.py` first (VALIDATE_BENCH_ARGS; about 14 minutes here) and compare with its report")
     ap.add_argument("--levels", type=int, nargs="+", default=[2, 8, 24, 40])
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--ramp", type=float, default=4.0)
@@ -297,6 +356,11 @@ def main() -> None:
                     "the engines' cores (--validate fits it from the real run)")
     ap.add_argument("--no-stack-fit", action="store_true", help="--validate: keep the stack figures given, "
                     "not the real run's own CPU accounting")
+    ap.add_argument("--step-jitter", type=float, default=None, help="the spread of a step's time about the "
+                    "model's (coefficient of variation; default 0, and with --validate what the real run shows: "
+                    "fit_step_jitter)")
+    ap.add_argument("--seeds", type=int, default=8, help="simulated runs per (policy, level), their figures "
+                    "averaged (each draws its own step jitter and request lengths; alike without either)")
     ap.add_argument("--noise-floor", nargs=2, metavar="REPORT", help="the same errors between two real runs "
                     "(scripts/bench.py reports): what this box's run-to-run noise alone gives")
     ap.add_argument("--plan", nargs="*", metavar="SCENARIO", help="plan on these scenarios (none named: all)")
@@ -328,8 +392,8 @@ def main() -> None:
         import subprocess
 
         out_dir = ROOT / "results" / f"sim-validate-{time.strftime('%Y%m%d-%H%M%S')}"
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--out-dir", str(out_dir)],
-                       check=True)
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), *VALIDATE_BENCH_ARGS, "--out-dir",
+                        str(out_dir)], check=True)
         args.validate = str(out_dir / "report.json")
         # and the step-time profile right after it: this VM's speed moves 1.5-2x between minutes, and a
         # profile fitted another hour made the simulated pools 15-30% off
@@ -351,6 +415,7 @@ def main() -> None:
         if path.exists() and args.request_path_ms is None:
             args.request_path_ms = json.loads(path.read_text())["levels"]["1"]["ttft_p50_ms"]
         stack_fit = None if args.no_stack_fit else fit_stack(real)
+        jitter_fit = args.step_jitter is None
         if stack_fit:
             args.stack_fixed_cores, args.stack_ms_per_token = stack_fit["fixed_cores"], stack_fit["s_per_token"] * 1e3
             if stack_fit["pool_own_cores"]:
@@ -361,10 +426,15 @@ def main() -> None:
     if args.validate:
         plan = Plan(**{k: v for k, v in real["plan"].items() if k in Plan.__dataclass_fields__})
         wl = real["workload"]
-        sim = side_by_side(spec, plan, wl, real.get("policy_options") or {})
+        if jitter_fit:  # the real run's step spread beyond what the model's own steps spread
+            low = min(plan.levels)
+            quiet = one_run(spec, "gpu_only", {}, low, plan, wl, seeds=args.seeds)
+            args.step_jitter = fit_step_jitter(real, quiet) or 0.0
+            spec = dataclasses.replace(spec, step_jitter=args.step_jitter)
+        sim = side_by_side(spec, plan, wl, real.get("policy_options") or {}, seeds=args.seeds)
         out = {**compare(real, sim), "sim_wall_s": round(time.time() - t0, 2), "profile": cpu.name,
                "real_report": args.validate,
-               "request_path_ms": args.request_path_ms,
+               "request_path_ms": args.request_path_ms, "step_jitter": args.step_jitter, "seeds": args.seeds,
                "stack": {"fixed_cores": round(args.stack_fixed_cores, 3), "ms_per_token": round(args.stack_ms_per_token, 3),
                          "fitted_on_runs": stack_fit["runs"] if stack_fit else 0,
                          "pool_own_cores": args.pool_own_cores, "pool_ms_per_token": args.pool_ms_per_token}}
@@ -373,7 +443,7 @@ def main() -> None:
         wl = {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "prompt_spread": 0.0,
               "output_spread": 0.0}
         options = {"trigger_window_s": 0.3, "return_window_s": 1.0, "decode_period_tokens": args.period}
-        rep = side_by_side(spec, plan, wl, options)
+        rep = side_by_side(spec, plan, wl, options, seeds=args.seeds)
         out = {k: rep.get(k) for k in ("concurrency_gain", "throughput_gain", "harvest_efficiency",
                                         "peak_output_tok_per_s")}  # (the gains need gpu_only among --policies)
         out.update({"sim_wall_s": round(time.time() - t0, 2), "profile": cpu.name})

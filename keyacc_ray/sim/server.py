@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import math
+import random
 from dataclasses import dataclass, field
 
 from keyacc_ray.engine.request import SeqStatus
@@ -75,6 +77,11 @@ class ServerSpec:
     # pool's Serve side, the stream's batching): half before the router sees a new request, half on
     # each token's way back to its client (whose next request starts when its last token is in)
     request_path_s: float = 0.0
+    # the spread of a step's time about the model's (its coefficient of variation; 0: every step
+    # exactly as modelled): a real engine's steps vary, and clients sending in lockstep (a closed
+    # loop of equal requests) drift apart by it. Drawn from a seeded source (`seed`).
+    step_jitter: float = 0.0
+    seed: int = 0
 
 
 @dataclass
@@ -139,6 +146,8 @@ class SimServer:
         self._closed = None  # a time-bound closed loop: (workload's request maker, clients stop at)
         self._expected = 0
         self._recent_tokens: list[tuple[float, int]] = []  # (time, tokens) of the last second, every engine
+        self._rng = random.Random(spec.seed)
+        self._sigma = math.sqrt(math.log1p(spec.step_jitter ** 2))  # a lognormal of mean 1 and that spread
 
     def clock(self) -> float:
         return self.now
@@ -282,6 +291,8 @@ class SimServer:
         if r.seconds > 0:
             e.busy = True
             r.seconds /= 1 - self._stack_share()
+            if self._sigma:
+                r.seconds *= self._rng.lognormvariate(-self._sigma ** 2 / 2, self._sigma)
             self.at(self.now + r.seconds, self._step_done, e, r)
 
     def _stack_share(self) -> float:

@@ -19,6 +19,19 @@ CPU = StepTime("cpu", 0.040, 0.0004, 0.002, 1e-6)
 FAST = {"trigger_window_s": 0.05, "return_window_s": 0.3, "decode_period_tokens": 24}
 
 
+@pytest.fixture(scope="module")
+def sim_mod():
+    """scripts/simulate.py as a module."""
+    import importlib.util
+
+    from tests.conftest import ROOT
+
+    spec_ = importlib.util.spec_from_file_location("simulate", ROOT / "scripts" / "simulate.py")
+    mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mod)
+    return mod
+
+
 def spec(**kw):
     return ServerSpec(PoolSpec(GPU, max_num_seqs=8, num_blocks=96), PoolSpec(CPU, max_num_seqs=8, num_blocks=256),
                       kv_bytes_per_token=50_000, **kw)
@@ -131,17 +144,9 @@ def test_time_bound_closed_loop_as_the_bench_runs_it():
     assert summarize(spare)["output_tokens_per_s"] == summarize(fast)["output_tokens_per_s"]
 
 
-def test_validation_arithmetic():
+def test_validation_arithmetic(sim_mod):
     """scripts/simulate.py's comparison: MAPE over (policy, level), the largest harvest error,
     the ranking by peak throughput."""
-    import importlib.util
-
-    from tests.conftest import ROOT
-
-    spec_ = importlib.util.spec_from_file_location("simulate", ROOT / "scripts" / "simulate.py")
-    sim_mod = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(sim_mod)
-
     def run(tok, ttft, tpot):
         return {"output_tok_per_s": tok, "ttft_p50_ms": ttft, "tpot_p50_ms": tpot}
     real = {"runs": {"gpu_only": {"2": run(100, 10, 5), "8": run(200, 20, 10)}, "auto": {"2": run(100, 10, 5),
@@ -256,19 +261,11 @@ def test_the_growth_reserve_runs_in_the_simulated_pools_too():
     assert preempted[True] < preempted[False], preempted
 
 
-def test_the_stack_fit_reads_what_the_engine_threads_did_not_get():
+def test_the_stack_fit_reads_what_the_engine_threads_did_not_get(sim_mod):
     """scripts/simulate.py's fit_stack: with the engine threads accounted apart, the stack's claim
     is every core the two replicas did not get (fixed + per token over the runs where both worked)
     and each replica's own other threads are its pool's `own_cores`; an older report falls back to
     the stack's processes' CPU."""
-    import importlib.util
-
-    from tests.conftest import ROOT
-
-    spec_ = importlib.util.spec_from_file_location("simulate", ROOT / "scripts" / "simulate.py")
-    sim_mod = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(sim_mod)
-
     def run(tok, gpu, cpu, gpu_t, cpu_t, stack=0.3):
         return {"output_tok_per_s": tok, "cores_used": {"gpu_decode": gpu, "cpu_decode": cpu, "ingress": stack},
                 "engine_thread_cores": {"gpu_decode": gpu_t, "cpu_decode": cpu_t}}
@@ -313,3 +310,60 @@ def test_the_stacks_request_path_adds_to_each_request_and_spaces_a_clients_reque
     # the trace's timings at the ingress, half the path in: the hop taken at once, its token made there
     assert slow[0].first_hop_t == pytest.approx(slow[0].req.arrival + 0.01)
     assert slow[0].first_made_t == pytest.approx(slow[0].first_t - 0.01)
+
+
+def test_step_jitter_draws_steps_apart_around_the_model_for_a_seed():
+    """ServerSpec.step_jitter: each step's time drawn about the model's (mean 1), from the seed's
+    source: the same seed, the same run; another seed, another run; no jitter, the model's times."""
+    def make(i):
+        return SimRequest(f"r{i}", 48, 40, 40)
+
+    def tokens_per_s(**kw):
+        srv = SimServer(spec(**kw), "gpu_only")
+        done = srv.run_closed(6, 30.0, make)
+        return summarize(done)["output_tokens_per_s"], [lv.token_times for lv in done[:4]]
+    plain = tokens_per_s()
+    assert tokens_per_s(step_jitter=0.0, seed=5) == plain
+    a, b, c = tokens_per_s(step_jitter=0.3, seed=1), tokens_per_s(step_jitter=0.3, seed=1), tokens_per_s(step_jitter=0.3,
+                                                                                                      seed=2)
+    assert a == b and a[1] != c[1] and a[1] != plain[1]
+    # the steps' mean stays the model's: the rate within a few percent over ~1,000 steps
+    assert a[0] == pytest.approx(plain[0], rel=0.05) and c[0] == pytest.approx(plain[0], rel=0.05)
+
+
+def test_a_cells_figures_are_the_mean_over_seeds(sim_mod):
+    """scripts/simulate.py: one (policy, level) is the mean of its figures over seeds (numbers, and
+    numbers within a dict); one seed is that run's own summary; with nothing drawn (no jitter, equal
+    lengths) one run stands for all."""
+    a = {"ttft_p50_ms": 100.0, "requests": 10, "token_share": {"gpu": 1.0}, "errors": []}
+    b = {"ttft_p50_ms": 140.0, "requests": 13, "token_share": {"gpu": 0.5, "cpu": 0.5}, "errors": ["x"]}
+    assert sim_mod.mean_summary([a]) is a
+    m = sim_mod.mean_summary([a, b])
+    assert m == {"ttft_p50_ms": 120.0, "requests": 11.5, "token_share": {"cpu": 0.25, "gpu": 0.75}, "errors": []}
+    plan = sim_mod.Plan(levels=[4], duration_s=4.0, ramp_s=1.0, policies=["gpu_only"])
+    wl = {"prompt_tokens": 48, "output_tokens": 40, "prompt_spread": 0.0, "output_spread": 0.0}
+    one = sim_mod.one_run(spec(), "gpu_only", {}, 4, plan, wl)
+    assert sim_mod.one_run(spec(), "gpu_only", {}, 4, plan, wl, seeds=5) == one
+    runs = [sim_mod.one_run(spec(step_jitter=0.3, seed=k), "gpu_only", {}, 4, plan, wl) for k in range(3)]
+    three = sim_mod.one_run(spec(step_jitter=0.3), "gpu_only", {}, 4, plan, wl, seeds=3)
+    assert three["ttft_p50_ms"] == pytest.approx(sum(r["ttft_p50_ms"] for r in runs) / 3, abs=1e-3)
+    spread = dict(wl, output_spread=0.5)  # lengths drawn per seed: runs differ without jitter
+    assert (sim_mod.one_run(spec(), "gpu_only", {}, 4, plan, spread, seeds=3)
+            != sim_mod.one_run(spec(), "gpu_only", {}, 4, plan, spread))
+
+
+def test_the_step_jitter_fit_reads_the_quietest_cells_tpot_spread(sim_mod):
+    """fit_step_jitter: gpu_only at its lowest level; a request's TPOT is the mean of its steps, so
+    the step's spread is the TPOT's (p50-p90 over 1.28) times sqrt(steps); capped at 0.5."""
+    real = {"workload": {"output_tokens": 101},
+            "runs": {"gpu_only": {"8": {"tpot_p50_ms": 20.0, "tpot_p90_ms": 30.0},
+                                  "2": {"tpot_p50_ms": 10.0, "tpot_p90_ms": 10.2563}}}}
+    assert sim_mod.fit_step_jitter(real) == pytest.approx(0.2, abs=1e-3)
+    real["runs"]["gpu_only"]["2"]["tpot_p90_ms"] = 20.0
+    assert sim_mod.fit_step_jitter(real) == 0.5
+    assert sim_mod.fit_step_jitter({"runs": {"auto": {}}}) is None
+    # what the model spreads by itself comes out in quadrature: 0.04 real, 0.024 modelled -> 0.032
+    real["runs"]["gpu_only"]["2"]["tpot_p90_ms"] = 10 + 0.4 * 1.2816
+    modelled = {"tpot_p50_ms": 10.0, "tpot_p90_ms": 10 + 0.24 * 1.2816}
+    assert sim_mod.fit_step_jitter(real, modelled) == pytest.approx(0.32, abs=1e-3)
+    assert sim_mod.fit_step_jitter(real, {"tpot_p50_ms": 10.0, "tpot_p90_ms": 11.0}) == 0.0
