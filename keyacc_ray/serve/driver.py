@@ -25,7 +25,7 @@ import time
 from keyacc_ray.serve.aio import wait_at_most
 from keyacc_ray.serve.mux import MuxClient
 from keyacc_ray.serve.messages import (REPLICA_GONE_ERRORS, ErrorItem, GenerateRequest, Handoff, HopAccepted, HopEnd,
-                                       SegmentStart, Ticket, TicketUpdate, TokenChunk, Trace, Withdrawn)
+                                       HopTimings, SegmentStart, Ticket, TicketUpdate, TokenChunk, Trace, Withdrawn)
 
 log = logging.getLogger("ray.serve")
 ROUTER_TIMEOUT_S = 10.0
@@ -255,6 +255,7 @@ class RequestDriver:
         trace = Trace()
         handoff: Handoff | None = None
         handed_at = 0.0
+        last_token_at: float | None = None  # when the current segment's last token reached the ingress
         generated: list[int] = []  # every token streamed to the client so far
         emitted_chars = 0
         finish_reason = None
@@ -315,6 +316,7 @@ class RequestDriver:
                             new_segment = trace.start(it)
                             if new_segment:  # when its replica took it, as the ingress saw that
                                 trace.segments[-1]["start_ms"] = round((time.monotonic() - began) * 1e3, 2)
+                                last_token_at = None
                             if new_segment and handoff is not None and it.kv == "received":
                                 # the hand-off that brought it: its KV bytes, and from the end of the
                                 # last hop to this one's start (export, object store, import)
@@ -325,15 +327,21 @@ class RequestDriver:
                             segment_started = True
                         elif isinstance(it, Handoff):
                             next_handoff = it
+                        elif isinstance(it, HopTimings):  # where the hop's tokens waited in its replica
+                            trace.hop_timings(it)
                         elif isinstance(it, Withdrawn):  # recalled from the pool's queue, unstarted
                             outcome = "withdrawn"
                             if segment_started:
                                 trace.segments[-1]["withdrawn"] = True
                         else:
                             if isinstance(it, TokenChunk):
+                                now = time.monotonic()
                                 if it.token_ids and trace.segments and "first_token_ms" not in trace.segments[-1]:
                                     # its first token here: TTFT at the ingress for the first segment
-                                    trace.segments[-1]["first_token_ms"] = round((time.monotonic() - began) * 1e3, 2)
+                                    trace.segments[-1]["first_token_ms"] = round((now - began) * 1e3, 2)
+                                elif last_token_at is not None:  # the longest wait between its tokens here
+                                    trace.token_gap(now - last_token_at, last_token_at - began)
+                                last_token_at = now
                                 trace.add_tokens(len(it.token_ids))
                                 generated.extend(it.token_ids)
                                 emitted_chars += len(it.text)

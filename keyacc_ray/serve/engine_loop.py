@@ -28,7 +28,7 @@ from keyacc_ray.engine.llm_engine import LLMEngine
 from keyacc_ray.engine.request import SamplingParams
 from keyacc_ray.errors import KeyaccError, is_failure
 from keyacc_ray.hw.pinning import ENGINE_THREAD_NAME, name_os_thread
-from keyacc_ray.serve.messages import ErrorItem, TokenChunk, Withdrawn, merge_chunks
+from keyacc_ray.serve.messages import ErrorItem, HopTimings, TokenChunk, Withdrawn, merge_chunks
 from keyacc_ray.serve.step_profile import StepProfiler
 
 log = logging.getLogger(__name__)
@@ -53,14 +53,26 @@ class _Stream:
     # takes each TokenChunk on the event loop, straight from the engine thread's hand-over (a
     # multiplexed token stream, serve/mux.py); False: it did not, the chunk goes to the queue
     sink: Callable[[TokenChunk], bool] | None = None
+    # where its tokens waited (HopTimings): the engine thread's step ends that made them, the
+    # event loop's wait for each hand-over
+    made_at: float = 0.0
+    made_gap: float = 0.0
+    made_gap_after: int = 0
+    loop_lag: float = 0.0
+
+    def timings(self) -> HopTimings:
+        return HopTimings(round(self.made_gap * 1e3, 2), self.made_gap_after, round(self.loop_lag * 1e3, 2))
 
 
 def _internal_error(message: str) -> ErrorItem:
     return ErrorItem(500, {"error": {"message": message, "type": "internal_error", "param": None, "code": None}})
 
 
-def _put_all(items: list) -> None:
+def _put_all(items: list, handed_at: float) -> None:
+    lag = time.monotonic() - handed_at  # the engine thread handed these over this long ago
     for stream, item in items:
+        if lag > stream.loop_lag:
+            stream.loop_lag = lag
         if stream.sink is None or type(item) is not TokenChunk or not stream.sink(item):
             stream.q.put_nowait(item)
 
@@ -102,12 +114,12 @@ class AsyncEngine:
                        params: SamplingParams, package: KVPackage | None = None,
                        export_after: int | None = None, check_every: int | None = None,
                        movable: bool = False, sink: Callable[[TokenChunk], bool] | None = None,
-                       export_skip: int = 0) -> AsyncIterator[list]:
+                       export_skip: int = 0, timings: bool = False) -> AsyncIterator[list]:
         """Yields lists of TokenChunk / ErrorItem / Checkpoint / hand-off objects until the sequence
         ends. `movable`: if the engine preempts it, it is handed off (KV and all) instead.
         `sink`: takes the token chunks instead (those it refuses come here as before).
         `export_skip`: the hand-off after `export_after` tokens, or a movable one's when preempted,
-        leaves this head's K/V out."""
+        leaves this head's K/V out. `timings`: the stream ends with its HopTimings."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), export_after, check_every, movable=movable,
                          sink=sink, export_skip=export_skip)
         self._inbox.put(("add", request_id, prompt_ids, params, package, stream))
@@ -128,6 +140,8 @@ class AsyncEngine:
                 if _END in items:
                     done = True
                     items = [i for i in items if i is not _END]
+                    if timings:
+                        items.append(stream.timings())
                 if items:
                     yield merge_chunks(items)
         finally:
@@ -209,6 +223,9 @@ class AsyncEngine:
                 s = self._streams.get(o.request_id)
                 if s is None:
                     continue
+                if s.produced and now - s.made_at > s.made_gap:
+                    s.made_gap, s.made_gap_after = now - s.made_at, s.produced
+                s.made_at = now
                 s.produced += len(o.new_token_ids)
                 self._push(s, TokenChunk(o.new_token_ids, o.text, o.finish_reason, o.num_prompt_tokens,
                                          o.num_output_tokens, o.logprobs, o.prompt_logprobs, o.num_cached_tokens))
@@ -247,7 +264,7 @@ class AsyncEngine:
             by_loop.setdefault(stream.loop, []).append((stream, item))
         for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(_put_all, items, time.monotonic())
             except RuntimeError:  # that caller's loop is closed: nobody is reading
                 log.debug("dropping %d items for a closed event loop", len(items))
 

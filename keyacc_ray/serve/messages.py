@@ -42,6 +42,18 @@ class SegmentStart:
 
 
 @dataclass
+class HopTimings:
+    """The last item of a hop's stream from its engine: where its tokens waited, in the replica.
+    `made_gap_ms`: the longest time between two of its tokens leaving the engine's steps (a slow
+    step, a wait for a place or for blocks); `made_gap_after`: how many tokens the hop had made
+    before it; `loop_lag_ms`: the longest time a step's tokens waited for the replica's event loop
+    after the engine thread handed them over."""
+    made_gap_ms: float
+    made_gap_after: int
+    loop_lag_ms: float
+
+
+@dataclass
 class TokenChunk:
     token_ids: list[int]
     text: str
@@ -135,6 +147,20 @@ class Trace:
     def add_tokens(self, n: int) -> None:
         if self.segments:
             self.segments[-1]["tokens"] += n
+
+    def hop_timings(self, t: HopTimings) -> None:
+        """A hop's timings in its replica, into its segment (the longest over the segment's hops)."""
+        if self.segments:
+            seg = self.segments[-1]
+            if t.made_gap_ms > seg.get("made_gap_ms", -1.0):
+                seg["made_gap_ms"], seg["made_gap_after"] = t.made_gap_ms, t.made_gap_after
+            seg["loop_lag_ms"] = max(seg.get("loop_lag_ms", 0.0), t.loop_lag_ms)
+
+    def token_gap(self, gap_s: float, at_s: float) -> None:
+        """The ingress saw no token of the segment for `gap_s`, from `at_s` after the request's start."""
+        seg = self.segments[-1] if self.segments else None
+        if seg is not None and gap_s * 1e3 > seg.get("ingress_gap_ms", 0.0):
+            seg["ingress_gap_ms"], seg["ingress_gap_at_ms"] = round(gap_s * 1e3, 2), round(at_s * 1e3, 2)
 
     def to_dict(self) -> dict:
         return {"segments": self.segments, "moves": max(0, len(self.segments) - 1)}

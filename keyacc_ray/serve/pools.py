@@ -241,7 +241,8 @@ class EnginePool:
         if ticket is None or not export_after:
             async for items in self.loop.generate(rid, prompt_ids=req.prompt_token_ids, params=params,
                                                   package=package, export_after=export_after, movable=movable,
-                                                  sink=sender.token if sender else None, export_skip=export_skip):
+                                                  sink=sender.token if sender else None, export_skip=export_skip,
+                                                  timings=True):
                 lease.saw(items)
                 yield items
             return
@@ -272,7 +273,7 @@ class EnginePool:
                     return token(chunk)
             async for items in self.loop.generate(rid, prompt_ids=req.prompt_token_ids, params=params,
                                                   package=package, check_every=period, movable=movable,
-                                                  sink=sink, export_skip=export_skip):
+                                                  sink=sink, export_skip=export_skip, timings=True):
                 self._unstarted.pop(rid, None)
                 out = []
                 for it in items:

@@ -693,6 +693,12 @@ def test_vllm_metrics_and_the_dashboard(app_url, client):
     # when each hop's replica took it and when its first token reached the ingress, from the
     # request's start there: in that order, hop after hop
     assert 0 <= first["start_ms"] <= first["first_token_ms"] <= moved["start_ms"] <= moved["first_token_ms"]
+    # where each hop's tokens waited: in its engine, for its replica's event loop, at the ingress
+    for seg in (first, moved):
+        assert seg["made_gap_ms"] >= 0 and seg["loop_lag_ms"] >= 0 and 0 <= seg["made_gap_after"] <= seg["tokens"]
+    assert moved["made_gap_after"] >= 1
+    if "ingress_gap_ms" in moved:  # (its tokens reached the ingress in more than one chunk)
+        assert moved["first_token_ms"] <= moved["ingress_gap_at_ms"] and moved["ingress_gap_ms"] >= 0
     wants = [("vllm:generation_tokens_total", "cpu", 9), ("vllm:generation_tokens_total", "gpu", 5),
              ("keyacc_handoffs_total", "gpu->cpu", 1), ("keyacc_handoff_seconds_count", "gpu->cpu", 1),
              ("vllm:time_to_first_token_seconds_count", "cpu", 2), ("vllm:request_prefill_time_seconds_count", "cpu", 2),

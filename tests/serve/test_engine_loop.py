@@ -427,3 +427,67 @@ def test_a_slow_step_is_logged_with_its_share_of_a_core(monkeypatch, caplog):
         assert share < 50, logged  # it slept: the thread had no need of a core
     finally:
         loop.shutdown()
+
+
+def test_a_stream_ends_with_where_its_tokens_waited_in_the_replica():
+    """`timings=True`: the stream's last item is its HopTimings: the longest wait between two of its
+    tokens leaving the engine's steps (here one slow step after the 5th token) and after how many
+    tokens it began, and the longest its tokens waited for the event loop after the engine thread
+    handed them over (here the loop blocked once while the engine stepped on)."""
+    from keyacc_ray.serve.messages import HopTimings
+
+    class SlowStep(FakeEngine):
+        def __init__(self):
+            super().__init__()
+            self.steps = 0
+
+        def step(self):
+            self.steps += 1
+            if self.steps == 6:  # between the 5th token and the 6th
+                time.sleep(0.3)
+            return super().step()
+
+    eng = SlowStep()
+    loop = AsyncEngine(eng, on_export=lambda p: p, stream_interval_s=0.0)
+    try:
+        async def main():
+            items, blocked = [], False
+            async for batch in loop.generate("a", prompt_ids=[1, 2], params=SamplingParams(max_tokens=30),
+                                             timings=True):
+                items += batch
+                got = sum(len(i.token_ids) for i in items if isinstance(i, TokenChunk))
+                if got >= 10 and not blocked:  # the event loop held up while the engine goes on
+                    blocked = True
+                    time.sleep(0.2)
+            plain = [i async for b in loop.generate("b", prompt_ids=[1], params=SamplingParams(max_tokens=3))
+                     for i in b]
+            return items, plain
+        items, plain = asyncio.run(asyncio.wait_for(main(), 10))
+    finally:
+        loop.shutdown()
+    t = items[-1]
+    assert isinstance(t, HopTimings) and all(isinstance(i, TokenChunk) for i in items[:-1])
+    assert sum(len(i.token_ids) for i in items[:-1]) == 30
+    assert 300 <= t.made_gap_ms < 1000 and t.made_gap_after == 5
+    assert 150 <= t.loop_lag_ms < 1000
+    assert all(isinstance(i, TokenChunk) for i in plain)  # without timings: no such item
+
+
+def test_the_trace_keeps_each_segments_longest_waits():
+    """Trace.hop_timings: a segment's longest engine gap (with its place) and event-loop lag over
+    its hops; token_gap: its longest wait at the ingress and when it began."""
+    from keyacc_ray.serve.messages import HopTimings, SegmentStart, Trace
+
+    tr = Trace()
+    tr.start(SegmentStart("cpu", "decode", "r1", "CpuDecode"))
+    tr.hop_timings(HopTimings(120.0, 7, 3.0))
+    tr.start(SegmentStart("cpu", "decode", "r1", "CpuDecode"))  # its next period: the same segment
+    tr.hop_timings(HopTimings(80.0, 30, 9.5))
+    tr.token_gap(0.05, 1.0)
+    tr.token_gap(0.25, 2.5)
+    tr.token_gap(0.1, 3.0)
+    seg = tr.segments[0]
+    assert (seg["made_gap_ms"], seg["made_gap_after"], seg["loop_lag_ms"]) == (120.0, 7, 9.5)
+    assert (seg["ingress_gap_ms"], seg["ingress_gap_at_ms"]) == (250.0, 2500.0)
+    tr.start(SegmentStart("gpu", "decode", "g1", "GpuDecode"))
+    assert "made_gap_ms" not in tr.segments[1] and "ingress_gap_ms" not in tr.segments[1]
