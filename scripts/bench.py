@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -163,6 +164,9 @@ def parser() -> argparse.ArgumentParser:
                          "emulated GPU's core to the GPU pools, as a GPU runs no host code (docs/benchmarks.md)")
     ap.add_argument("--profile-steps", metavar="DIR[:SKIP[:COUNT]]",
                     help="torch.profiler over COUNT engine steps of every pool replica -> DIR/steps-<pid>.txt")
+    ap.add_argument("--requests", action="store_true", help="every measured request (its token times and the "
+                    "server's trace: where it ran, when each segment started, where its tokens waited) to "
+                    "OUT/requests.jsonl")
     ap.add_argument("--out-dir", default=None, help="default results/bench-<time>")
     return ap
 
@@ -195,10 +199,15 @@ def main() -> None:
     def checkpoint(partial: dict) -> None:  # report.json as it grows: a run cut short still has figures
         (out / "report.json").write_text(json.dumps(partial, indent=1))
 
+    def keep(name: str, results: list) -> None:  # every request of every measured run, one JSON line each
+        with open(out / "requests.jsonl", "a") as f:
+            for r in results:
+                f.write(json.dumps({"run": name, **dataclasses.asdict(r)}) + "\n")
+
     report = side_by_side.run(url, args.model, wl, plan, policy_switcher(options), options,
                               log=lambda m: print(m, flush=True),
                               cpu_probe=lambda: cpu_account.snapshot(engine_threads=True),
-                              checkpoint=checkpoint)
+                              checkpoint=checkpoint, keep=keep if args.requests else None)
     report["wall_s"] = round(time.time() - t0, 1)
     report["box"] = {"cpus": os.cpu_count(), "gpu": ("as served" if args.url else "CUDA (see env.json)" if args.gpu
                                                      else "emulated on CPU 0"), "config": None if args.url else

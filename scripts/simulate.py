@@ -14,9 +14,12 @@ ttft_p50_mape, tpot_p50_mape, harvest_abs_err, ranking_agrees):
     python scripts/simulate.py --validate results/bench-XXXX/report.json
     python scripts/simulate.py --validate       # runs scripts/bench.py first (VALIDATE_BENCH_ARGS, ~14 min)
 
-The same errors between two real runs (this VM's run-to-run noise: a floor for the above):
+The same errors between two real runs (this VM's run-to-run noise: a floor for the above), and
+between the simulator's own runs of a report's plan with seeds of their own (what chance alone
+gives on that design: its window, its length spread):
 
     python scripts/simulate.py --noise-floor results/A/report.json results/B/report.json
+    python scripts/simulate.py --sim-noise results/A/report.json --window 20 --length-spread 0.5
 
 Planning on hardware described by published figures (keyacc_ray/sim/hardware.py: the H200 host,
 an L40S beside two 8-channel Xeon sockets, cluster.yaml's shape serving a 70B model): per policy
@@ -75,7 +78,7 @@ ENGINES = ("gpu_decode", "gpu_prefill", "cpu_decode")
 # differ by 0.10-0.24 in p50 TTFT MAPE, as two real runs did (0.17); spread lengths and 20 s
 # windows bring the simulator's seed-to-seed spread to 0.03-0.05 (docs/benchmarks.md, Simulator)
 VALIDATE_BENCH_ARGS = ["--levels", "2", "8", "24", "40", "--duration", "20", "--prompt-spread", "0.5",
-                       "--output-spread", "0.5", "--low-load-rounds", "0"]
+                       "--output-spread", "0.5", "--low-load-rounds", "0", "--requests"]
 # this Xeon VM, measured beside session 46's --validate run (results/sim-validate-20261205-235613):
 # bench_stack.py --levels 1 --token-rate 2000, p50 TTFT; the replicas' own threads and the stack's
 # claim, fit_stack on that run's report
@@ -182,7 +185,7 @@ def one_run(spec, policy, options, clients, plan: Plan, wl: dict, route=None, se
     runs = []
     for k in range(seeds):
         srv = SimServer(dataclasses.replace(spec, seed=spec.seed + k), policy, {} if policy == "gpu_only" else options)
-        done = srv.run_closed(clients, plan.ramp_s + plan.duration_s, maker(wl, clients + 7919 * k, route))
+        done = srv.run_closed(clients, plan.ramp_s + plan.duration_s, maker(wl, clients + 7919 * (spec.seed + k), route))
         runs.append(summarize(as_results(done, spec.request_path_s / 2), plan.ramp_s + plan.duration_s,
                               plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3, window(plan)))
     return mean_summary(runs)
@@ -261,6 +264,33 @@ def compare(real: dict, sim: dict, rank_tolerance: float = RANK_TOLERANCE) -> di
             # TTFT at the server's ingress (a report whose server traced it; else None)
             "ingress_ttft_p50_mape": mape("ingress_ttft_p50_ms"),
             "harvest_abs_err": round(max(harvest), 4) if harvest else None, **ranked}
+
+
+def sim_noise(real: dict, spec: ServerSpec, window_s: float | None = None, spread: float | None = None,
+              seeds: int = 4) -> dict:
+    """The simulator's own run-to-run spread on a real report's plan: the plan simulated `seeds`
+    times, each with seeds of its own (step jitter, request lengths), one seed a cell, and the
+    errors (as --validate's) between every pair: what chance alone gives on that design, with no
+    model error. `window_s` / `spread` replace the plan's measured window and the requests' length
+    spread."""
+    import itertools
+
+    plan = Plan(**{k: v for k, v in real["plan"].items() if k in Plan.__dataclass_fields__})
+    if window_s:
+        plan = dataclasses.replace(plan, duration_s=window_s)
+    wl = dict(real["workload"])
+    if spread is not None:
+        wl.update(prompt_spread=spread, output_spread=spread)
+    reps = [side_by_side(dataclasses.replace(spec, seed=1000 * k), plan, wl, real.get("policy_options") or {},
+                         log=lambda *a: None) for k in range(seeds)]
+    out: dict = {}
+    for a, b in itertools.combinations(reps, 2):
+        a = {**a, "runs": {p: {str(c): v for c, v in lv.items()} for p, lv in a["runs"].items()}}
+        got = compare(a, b)
+        for k in ("throughput_mape", "ttft_p50_mape", "tpot_p50_mape", "harvest_abs_err"):
+            out.setdefault(k, []).append(got[k])
+    return {"pairs": out, "window_s": plan.duration_s, "length_spread": [wl["prompt_spread"], wl["output_spread"]],
+            "step_jitter": spec.step_jitter, "seeds": seeds}
 
 
 def plan_tables(names: list[str], args) -> None:
@@ -363,6 +393,11 @@ def main() -> None:
                     "averaged (each draws its own step jitter and request lengths; alike without either)")
     ap.add_argument("--noise-floor", nargs=2, metavar="REPORT", help="the same errors between two real runs "
                     "(scripts/bench.py reports): what this box's run-to-run noise alone gives")
+    ap.add_argument("--sim-noise", metavar="REPORT", help="the simulator's own spread on a real report's plan: "
+                    "4 simulations, seeds of their own (--step-jitter, default here 0.1), the errors between each pair")
+    ap.add_argument("--window", type=float, default=None, help="--sim-noise: the measured window, s (else the plan's)")
+    ap.add_argument("--length-spread", type=float, default=None, help="--sim-noise: requests' length spread (else "
+                    "the report's)")
     ap.add_argument("--plan", nargs="*", metavar="SCENARIO", help="plan on these scenarios (none named: all)")
     ap.add_argument("--ttft-slo", type=float, default=None, help="--plan: p99 TTFT objective, s (else the scenario's)")
     ap.add_argument("--tpot-slo", type=float, default=None, help="--plan: p99 TPOT objective, s (else the scenario's)")
@@ -380,6 +415,12 @@ def main() -> None:
         out = compare(a, b)
         out.pop("tok_s_real_sim")
         print(json.dumps({**out, "reports": args.noise_floor}))
+        return
+    if args.sim_noise:
+        real = json.loads(Path(args.sim_noise).read_text())
+        args.step_jitter = 0.1 if args.step_jitter is None else args.step_jitter
+        prof = StepTime.load(args.profile)
+        print(json.dumps(sim_noise(real, this_box(args, prof, prof), args.window, args.length_spread)))
         return
     if args.plan is not None:
         return plan_tables(args.plan, args)

@@ -124,10 +124,13 @@ def low_load_ratios(samples: dict[str, list[dict]], pooled: dict[str, dict] | No
 
 def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[str], None],
         policy_options: dict | None = None, log: Callable[[str], None] = print,
-        cpu_probe: Callable[[], dict] | None = None, checkpoint: Callable[[dict], None] | None = None) -> dict:
+        cpu_probe: Callable[[], dict] | None = None, checkpoint: Callable[[dict], None] | None = None,
+        keep: Callable[[str, list], None] | None = None) -> dict:
     """`cpu_probe`, when given, returns cumulative CPU seconds per server component; each run then
     records the cores each component used (`cores_used`). `checkpoint`, when given, gets the
-    report so far (marked `"partial": true`) after each run, so a run cut short still leaves figures."""
+    report so far (marked `"partial": true`) after each run, so a run cut short still leaves figures.
+    `keep`, when given, gets each measured run's name ("policy/clients", "cpu-alone") and its
+    requests (loadgen.Result: token times, the server's trace)."""
     runs: dict = {}
     timeline = None
     cpu_alone = None
@@ -145,6 +148,8 @@ def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[st
             before = cpu_probe() if cpu_probe else None
             res, wall, tl = asyncio.run(_measure(url, model, c, plan.ramp_s + plan.duration_s, wl, record, pol))
             s = summarize(res, wall, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3, window(plan))
+            if keep:
+                keep(f"{pol}/{c}", res)
             if cpu_probe:
                 s.update(_cpu_figures(before, cpu_probe(), res, wall))
             runs[pol][c] = s
@@ -162,6 +167,8 @@ def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[st
                                             extra={"keyacc": {"route": "cpu"}}, desc="cpu pool alone",
                                             stream="cpu-alone"))
         cpu_alone = summarize(res, wall, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3, window(plan))
+        if keep:
+            keep("cpu-alone", res)
         if cpu_probe:
             cpu_alone.update(_cpu_figures(before, cpu_probe(), res, wall))
         log(f"{'cpu alone':<14} c={c:<3} tok/s={cpu_alone['output_tok_per_s']} failed={cpu_alone['failed']}")

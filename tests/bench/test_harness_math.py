@@ -244,3 +244,27 @@ def test_each_run_draws_prompts_of_its_own():
     assert prompts("auto/8") == prompts("auto/8")
     assert prompts("auto/8") != prompts("auto/40") and prompts("auto/8") != prompts("gpu_only/8")
     assert prompts(None) != prompts(None)  # unnamed: each call a run of its own
+
+
+def test_requests_report_reads_paths_handoffs_and_waits():
+    """scripts/requests_report.py: each run's paths, a move's hand-off wait and first token, the
+    client's gap at the move, and each segment's longest waits."""
+    import importlib.util
+
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("requests_report", ROOT / "scripts" / "requests_report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    moved = {"run": "stage_offload/4", "ok": True, "output_tokens": 4, "token_times": [0.05, 0.06, 0.20, 0.21],
+             "segments": [{"pool": "gpu", "tokens": 2, "made_gap_ms": 3.0, "loop_lag_ms": 1.0, "ingress_gap_ms": 10.0},
+                          {"pool": "cpu", "tokens": 2, "handoff_ms": 30.0, "start_ms": 100.0, "first_token_ms": 190.0,
+                           "made_gap_ms": 5.0, "loop_lag_ms": 2.0}]}
+    stayed = {"run": "stage_offload/4", "ok": True, "output_tokens": 2, "token_times": [0.05, 0.06],
+              "segments": [{"pool": "gpu", "tokens": 2}]}
+    rep = mod.report([moved, stayed, dict(stayed)])
+    assert rep["requests"] == 3 and rep["paths"] == {"gpu": 0.667, "gpu->cpu": 0.333}
+    assert rep["handoff_ms"] == [30.0] * 3 and rep["moved_start_to_first_token_ms"] == [90.0] * 3
+    assert rep["client_gap_at_move_ms"] == [140.0] * 3  # from its 2nd token (0.06 s) to its 3rd (0.20 s)
+    assert rep["made_gap_ms"] == [5.0, 5.0, 5.0] and rep["loop_lag_ms"] == [2.0, 2.0, 2.0]
+    assert rep["ingress_gap_ms"] == [10.0] * 3

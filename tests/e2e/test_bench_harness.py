@@ -47,9 +47,15 @@ def test_side_by_side_report(app_url, policy, tmp_path):  # noqa: F811
                              policies=["gpu_only", "full_offload", "auto"], timeline_policy="full_offload")
     from keyacc_ray.bench import cpu_account
 
+    kept: dict = {}
     report = side_by_side.run(app_url, MODEL, Workload(prompt_tokens=12, output_tokens=24), plan,
                               lambda name: policy(name, {} if name == "gpu_only" else FAST), FAST, log=lambda m: None,
-                              cpu_probe=lambda: cpu_account.snapshot(engine_threads=True))
+                              cpu_probe=lambda: cpu_account.snapshot(engine_threads=True),
+                              keep=lambda name, res: kept.setdefault(name, res))
+    # every measured run's requests, as measured (bench.py --requests): their token times and traces
+    assert set(kept) == {f"{p}/{c}" for p in plan.policies for c in plan.levels} | {"cpu-alone"}
+    assert all(r.ok and 1 <= len(r.token_times) <= r.output_tokens == 24 and r.segments for r in kept["cpu-alone"])
+    assert report["runs"]["auto"][3]["requests"] <= len(kept["auto/3"])
     for key in ("harvest_efficiency", "concurrency_gain", "throughput_gain", "low_load"):
         assert set(report[key]) == {"gpu_only", "full_offload", "auto"}, key
     assert report["harvest_efficiency"]["gpu_only"] == 0.0 and report["throughput_gain"]["gpu_only"] == 1.0
