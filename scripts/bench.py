@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from keyacc_ray.bench import side_by_side  # noqa: E402
-from keyacc_ray.bench.loadgen import Workload  # noqa: E402
+from keyacc_ray.bench.loadgen import Workload, append_results  # noqa: E402
 from keyacc_ray.bench.plots import plot_report  # noqa: E402
 
 MODEL_NAME = "medium-qwen3"
@@ -199,15 +199,11 @@ def main() -> None:
     def checkpoint(partial: dict) -> None:  # report.json as it grows: a run cut short still has figures
         (out / "report.json").write_text(json.dumps(partial, indent=1))
 
-    def keep(name: str, results: list) -> None:  # every request of every measured run, one JSON line each
-        with open(out / "requests.jsonl", "a") as f:
-            for r in results:
-                f.write(json.dumps({"run": name, **dataclasses.asdict(r)}) + "\n")
-
     report = side_by_side.run(url, args.model, wl, plan, policy_switcher(options), options,
                               log=lambda m: print(m, flush=True),
                               cpu_probe=lambda: cpu_account.snapshot(engine_threads=True),
-                              checkpoint=checkpoint, keep=keep if args.requests else None)
+                              checkpoint=checkpoint,
+                              keep=functools.partial(append_results, out / "requests.jsonl") if args.requests else None)
     report["wall_s"] = round(time.time() - t0, 1)
     report["box"] = {"cpus": os.cpu_count(), "gpu": ("as served" if args.url else "CUDA (see env.json)" if args.gpu
                                                      else "emulated on CPU 0"), "config": None if args.url else

@@ -11,7 +11,9 @@ trace's `handoff_ms`: from the end of the last hop to the next replica taking it
 from that replica taking it to its first token at the ingress; the client's gap at the move
 (between its last token before and its first token after); and each segment's longest waits:
 at the ingress between two tokens (`ingress_gap_ms`), in the replica between the engine steps
-that made them (`made_gap_ms`) and for its event loop (`loop_lag_ms`). p50 / p90 / max in ms.
+that made them (`made_gap_ms`) and for its event loop (`loop_lag_ms`); a segment's own TPOT per
+pool (its first token to its last, as the client got them). p50 / p90 / max in ms. `simulate.py
+--validate REPORT --requests-out FILE` writes the simulated requests in the same form.
 Its last line is one JSON object with the same figures.
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ def pcts(xs: list[float]) -> list[float] | None:
 def report(rows: list[dict]) -> dict:
     paths: collections.Counter = collections.Counter()
     handoff, to_first, at_move, ingress_gap, made_gap, loop_lag = [], [], [], [], [], []
+    seg_tpot: dict[str, list[float]] = collections.defaultdict(list)
     for r in rows:
         segs = r.get("segments") or []
         paths["->".join(s["pool"] for s in segs)] += 1
@@ -42,9 +45,13 @@ def report(rows: list[dict]) -> dict:
                 if "first_token_ms" in s and "start_ms" in s:
                     to_first.append(s["first_token_ms"] - s["start_ms"])
             tt = r.get("token_times") or []
-            if i and 0 < done < len(tt) and len(tt) == r.get("output_tokens"):  # a time per token
+            per_token = len(tt) == r.get("output_tokens")  # a time per token (a server that sends ids)
+            if i and 0 < done < len(tt) and per_token:
                 at_move.append((tt[done] - tt[done - 1]) * 1e3)
-            done += s.get("tokens", 0)
+            n = s.get("tokens", 0)
+            if per_token and n >= 2 and done + n <= len(tt):  # the segment's own pace, as its client saw it
+                seg_tpot[s["pool"]].append((tt[done + n - 1] - tt[done]) / (n - 1) * 1e3)
+            done += n
             for key, into in (("ingress_gap_ms", ingress_gap), ("made_gap_ms", made_gap), ("loop_lag_ms", loop_lag)):
                 if key in s:
                     into.append(s[key])
@@ -52,7 +59,8 @@ def report(rows: list[dict]) -> dict:
     return {"requests": len(rows), "paths": {p: round(c / n, 3) for p, c in paths.most_common()},
             "handoff_ms": pcts(handoff), "moved_start_to_first_token_ms": pcts(to_first),
             "client_gap_at_move_ms": pcts(at_move), "ingress_gap_ms": pcts(ingress_gap),
-            "made_gap_ms": pcts(made_gap), "loop_lag_ms": pcts(loop_lag)}
+            "made_gap_ms": pcts(made_gap), "loop_lag_ms": pcts(loop_lag),
+            "segment_tpot_ms": {p: pcts(v) for p, v in sorted(seg_tpot.items())}}
 
 
 def main() -> None:
@@ -72,6 +80,7 @@ def main() -> None:
         top = ", ".join(f"{p} {s:.0%}" for p, s in list(rep["paths"].items())[:4])
         print(f"{run:<20} n={rep['requests']:<4} {top}; hand-off {rep['handoff_ms']}, then first token "
               f"{rep['moved_start_to_first_token_ms']}, client gap at the move {rep['client_gap_at_move_ms']}; "
+              f"a segment's TPOT by pool {rep['segment_tpot_ms']}; "
               f"longest waits: ingress {rep['ingress_gap_ms']}, engine {rep['made_gap_ms']}, "
               f"replica loop {rep['loop_lag_ms']}", file=sys.stderr)
     print(json.dumps(out))

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import random
 import sys
@@ -47,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from keyacc_ray.bench.loadgen import Result, summarize  # noqa: E402
+from keyacc_ray.bench.loadgen import Result, append_results, summarize  # noqa: E402
 from keyacc_ray.bench.side_by_side import POLICIES, Plan, derive, window  # noqa: E402
 from keyacc_ray.sim.server import PoolSpec, ServerSpec, SimServer  # noqa: E402
 from keyacc_ray.sim.steptime import StepTime  # noqa: E402
@@ -176,7 +177,7 @@ def as_results(done, half_path_s: float = 0.0) -> list[Result]:
                    segments(lv), lv.error or "") for lv in done]
 
 
-def one_run(spec, policy, options, clients, plan: Plan, wl: dict, route=None, seeds: int = 1) -> dict:
+def one_run(spec, policy, options, clients, plan: Plan, wl: dict, route=None, seeds: int = 1, keep=None) -> dict:
     """One (policy, level) run as the bench summarizes it; with `seeds` > 1 (and step jitter, else
     every seed runs alike) the mean of each figure over that many seeds: the simulator's expected
     figure, not one draw of it."""
@@ -185,9 +186,13 @@ def one_run(spec, policy, options, clients, plan: Plan, wl: dict, route=None, se
     runs = []
     for k in range(seeds):
         srv = SimServer(dataclasses.replace(spec, seed=spec.seed + k), policy, {} if policy == "gpu_only" else options)
-        done = srv.run_closed(clients, plan.ramp_s + plan.duration_s, maker(wl, clients + 7919 * (spec.seed + k), route))
-        runs.append(summarize(as_results(done, spec.request_path_s / 2), plan.ramp_s + plan.duration_s,
-                              plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3, window(plan)))
+        make = maker(wl, clients + 7919 * (spec.seed + k), route)
+        done = srv.run_closed(clients, plan.ramp_s + plan.duration_s, make)
+        results = as_results(done, spec.request_path_s / 2)
+        if keep and k == 0:  # the first seed's requests, as bench.py --requests keeps real ones
+            keep(results)
+        runs.append(summarize(results, plan.ramp_s + plan.duration_s, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3,
+                              window(plan)))
     return mean_summary(runs)
 
 
@@ -210,15 +215,18 @@ def mean_summary(runs: list[dict]) -> dict:
     return out
 
 
-def side_by_side(spec, plan: Plan, wl: dict, options: dict, log=print, seeds: int = 1) -> dict:
+def side_by_side(spec, plan: Plan, wl: dict, options: dict, log=print, seeds: int = 1, keep=None) -> dict:
+    """bench.py's side-by-side, simulated; `keep(name, results)` gets each run's requests (its first seed's)."""
+    named = (lambda name: (lambda res: keep(name, res))) if keep else (lambda name: None)
     runs = {}
     for pol in plan.policies:
         runs[pol] = {}
         for c in plan.levels:
-            s = runs[pol][c] = one_run(spec, pol, options, c, plan, wl, seeds=seeds)
+            s = runs[pol][c] = one_run(spec, pol, options, c, plan, wl, seeds=seeds, keep=named(f"{pol}/{c}"))
             log(f"{pol:<14} c={c:<3} tok/s={s['output_tok_per_s']:<7} ttft p50/p99={s['ttft_p50_ms']}/{s['ttft_p99_ms']}"
                 f" tpot p50/p99={s['tpot_p50_ms']}/{s['tpot_p99_ms']} share={s['token_share']} moves={s['moves']}")
-    alone = one_run(spec, "gpu_only", {}, max(plan.levels), plan, wl, route="cpu", seeds=seeds)
+    alone = one_run(spec, "gpu_only", {}, max(plan.levels), plan, wl, route="cpu", seeds=seeds,
+                    keep=named("cpu-alone"))
     log(f"{'cpu alone':<14} c={max(plan.levels):<3} tok/s={alone['output_tok_per_s']}")
     report = {"runs": runs, "cpu_alone": alone}
     report.update(derive(runs, alone, plan))
@@ -357,7 +365,8 @@ def main() -> None:
     ap.add_argument("--gpu-profile", default=None, help="the GPU pool's profile, if another")
     ap.add_argument("--validate", metavar="REPORT", nargs="?", const="run",
                     help="a scripts/bench.py report.json to simulate and compare; without one, run "
-                         "`scripts/bench.py` first (VALIDATE_BENCH_ARGS; about 14 minutes here) and compare with its report")
+                         "`scripts/bench.py` first (VALIDATE_BENCH_ARGS; about 14 minutes here) and compare with its "
+                         "report")
     ap.add_argument("--levels", type=int, nargs="+", default=[2, 8, 24, 40])
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--ramp", type=float, default=4.0)
@@ -393,6 +402,8 @@ def main() -> None:
                     "averaged (each draws its own step jitter and request lengths; alike without either)")
     ap.add_argument("--noise-floor", nargs=2, metavar="REPORT", help="the same errors between two real runs "
                     "(scripts/bench.py reports): what this box's run-to-run noise alone gives")
+    ap.add_argument("--requests-out", metavar="FILE", help="--validate: the simulated requests (each cell's first "
+                    "seed) as JSON lines, as bench.py --requests keeps real ones (requests_report.py reads both)")
     ap.add_argument("--sim-noise", metavar="REPORT", help="the simulator's own spread on a real report's plan: "
                     "4 simulations, seeds of their own (--step-jitter, default here 0.1), the errors between each pair")
     ap.add_argument("--window", type=float, default=None, help="--sim-noise: the measured window, s (else the plan's)")
@@ -472,7 +483,11 @@ def main() -> None:
             quiet = one_run(spec, "gpu_only", {}, low, plan, wl, seeds=args.seeds)
             args.step_jitter = fit_step_jitter(real, quiet) or 0.0
             spec = dataclasses.replace(spec, step_jitter=args.step_jitter)
-        sim = side_by_side(spec, plan, wl, real.get("policy_options") or {}, seeds=args.seeds)
+        keep = None
+        if args.requests_out:  # the simulated requests as bench.py --requests keeps real ones
+            Path(args.requests_out).write_text("")
+            keep = functools.partial(append_results, args.requests_out)
+        sim = side_by_side(spec, plan, wl, real.get("policy_options") or {}, seeds=args.seeds, keep=keep)
         out = {**compare(real, sim), "sim_wall_s": round(time.time() - t0, 2), "profile": cpu.name,
                "real_report": args.validate,
                "request_path_ms": args.request_path_ms, "step_jitter": args.step_jitter, "seeds": args.seeds,

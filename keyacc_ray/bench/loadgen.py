@@ -15,6 +15,7 @@ cores with the server, its CPU per streamed chunk is CPU the server does not get
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import random
@@ -198,6 +199,14 @@ async def open_loop(url: str, model: str, rate_per_s: float, duration_s: float, 
         if bar is not None:
             bar.close()
         return results, time.perf_counter() - t0
+
+
+def append_results(path, run: str, results: list[Result]) -> None:
+    """A run's requests as JSON lines (`{"run": run, ...Result's fields}`), appended to `path`:
+    scripts/bench.py --requests, simulate.py --requests-out; scripts/requests_report.py reads them."""
+    with open(path, "a") as f:
+        for r in results:
+            f.write(json.dumps({"run": run, **dataclasses.asdict(r)}) + "\n")
 
 
 def pct(xs: list[float], p: float) -> float:

@@ -268,3 +268,5 @@ def test_requests_report_reads_paths_handoffs_and_waits():
     assert rep["client_gap_at_move_ms"] == [140.0] * 3  # from its 2nd token (0.06 s) to its 3rd (0.20 s)
     assert rep["made_gap_ms"] == [5.0, 5.0, 5.0] and rep["loop_lag_ms"] == [2.0, 2.0, 2.0]
     assert rep["ingress_gap_ms"] == [10.0] * 3
+    # each segment's own pace: the GPU's 2 tokens 10 ms apart (three times), the CPU's 10 ms
+    assert rep["segment_tpot_ms"] == {"cpu": [10.0] * 3, "gpu": [10.0] * 3}
