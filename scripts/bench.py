@@ -41,11 +41,16 @@ def app_config(args, model: Path) -> dict:
     for pool in ("gpu", "cpu"):
         cfg[pool]["batched_prefill"] = not args.no_batched_prefill
     cfg["stream_mux"] = not args.no_mux
+    if args.trace_steps:  # keyacc_ray/engine/step_trace.py: every step of every pool replica
+        from keyacc_ray.engine.step_trace import ENV as TRACE_ENV
+        from keyacc_ray.serve.app import REPLICA_ENV
+
+        cfg["replica_env"] = {**cfg.get("replica_env", REPLICA_ENV), TRACE_ENV: str(Path(args.trace_steps).resolve())}
     if args.profile_steps:  # keyacc_ray/serve/step_profile.py, in every pool replica
         from keyacc_ray.serve.app import REPLICA_ENV
         from keyacc_ray.serve.step_profile import ENV
 
-        cfg["replica_env"] = {**REPLICA_ENV, ENV: args.profile_steps}
+        cfg["replica_env"] = {**cfg.get("replica_env", REPLICA_ENV), ENV: args.profile_steps}
     return cfg
 
 
@@ -162,6 +167,8 @@ def parser() -> argparse.ArgumentParser:
                     help="CPUs for Ray, Serve, router, ingress and the load generator (default: they float over "
                          "every core). `--stack-cpus 1` puts them on the CPU pool's core in every run, leaving the "
                          "emulated GPU's core to the GPU pools, as a GPU runs no host code (docs/benchmarks.md)")
+    ap.add_argument("--trace-steps", metavar="DIR", help="every engine step of every pool replica (rows, tokens, "
+                    "wall and thread CPU) to DIR/steps-<pid>.jsonl: scripts/step_trace_report.py")
     ap.add_argument("--profile-steps", metavar="DIR[:SKIP[:COUNT]]",
                     help="torch.profiler over COUNT engine steps of every pool replica -> DIR/steps-<pid>.txt")
     ap.add_argument("--requests", action="store_true", help="every measured request (its token times and the "

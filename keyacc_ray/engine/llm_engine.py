@@ -22,6 +22,7 @@ from keyacc_ray.engine.request import SamplingParams, Sequence, SeqStatus
 from keyacc_ray.engine.runner import ModelRunner, StepItem
 from keyacc_ray.engine.sampling import HostCopy, Sampler
 from keyacc_ray.engine.scheduler import PrefillRate, Scheduler
+from keyacc_ray.engine.step_trace import StepTrace
 from keyacc_ray.engine.structured import Grammars
 from keyacc_ray.engine.tiers import LowerTiers
 from keyacc_ray.errors import InvalidRequest, ModelLoadError, Overloaded
@@ -89,6 +90,7 @@ class LLMEngine:
         from transformers import AutoTokenizer
 
         self.config = config
+        self._step_trace = StepTrace.from_env()  # every step's rows, tokens and times, where asked for
         try:
             self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.model,
                                                                         trust_remote_code=config.trust_remote_code)
@@ -279,14 +281,18 @@ class LLMEngine:
             if outs is not None:
                 return outs
         if not self.prefill_delay_factor:
-            return self._step(self.scheduler.schedule())
+            return self._scheduled(self.scheduler.schedule())
         t0 = time.monotonic()
         sched = self.scheduler.schedule()
-        outs = self._step(sched)
+        outs = self._scheduled(sched)
         if sched.prefill:  # a step with prompt tokens (eager): while the sequences decode, fresh
             now = time.monotonic()  # prompts wait a while for one another (scheduler.py)
             self.scheduler.hold_until = now + self.prefill_delay_factor * (now - t0)
         return outs
+
+    def _scheduled(self, sched) -> list[RequestOutput]:
+        """A scheduled step, recorded where KEYACC_STEP_TRACE_DIR asks for it (step_trace.py)."""
+        return self._step(sched) if self._step_trace is None else self._step_trace.step(sched, self._step)
 
     def _step(self, sched) -> list[RequestOutput]:
         if self.tiers is not None and self.tiers.moves:  # blocks to and from the lower tiers
