@@ -20,6 +20,13 @@ from pathlib import Path
 ENV = "KEYACC_STEP_TRACE_DIR"
 
 
+def attention_pairs(chunk: int, cached: int = 0) -> int:
+    """The (token, token attended) pairs of a prompt chunk of `chunk` tokens over `cached` ones
+    before it: each attends what is cached and the chunk's tokens up to itself (the simulator's
+    step model, keyacc_ray/sim/steptime.py, prices them)."""
+    return chunk * cached + chunk * (chunk + 1) // 2
+
+
 class StepTrace:
     def __init__(self, out_dir: str):
         Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -35,7 +42,7 @@ class StepTrace:
         rows = len(sched.decode)
         kv = sum(s.num_cached for s in sched.decode) + sum(s.num_cached for s, _ in sched.prefill)
         prompt = sum(n for _, n in sched.prefill)
-        pairs = sum(n * s.num_cached + n * (n + 1) // 2 for s, n in sched.prefill)
+        pairs = sum(attention_pairs(n, s.num_cached) for s, n in sched.prefill)
         imports = sum(1 for s in sched.admitted if s.imported is not None)
         t0, c0 = time.perf_counter(), time.thread_time()
         out = run(sched)

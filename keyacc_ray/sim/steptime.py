@@ -34,6 +34,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from keyacc_ray.engine.step_trace import attention_pairs  # noqa: F401 - the sim's engine imports it from here
+
 PROFILES = Path(__file__).with_name("profiles")
 
 
@@ -87,12 +89,6 @@ class StepTime:
         d = json.loads(p.read_text())
         return cls(**{k: d[k] for k in ("name", "b0", "b_prefill", "b_decode", "b_kv", "source", "residuals",
                                          "b_weights", "token_knots", "b_prefill_attn") if k in d})
-
-
-def attention_pairs(chunk: int, cached: int = 0) -> int:
-    """The (token, token attended) pairs of a prompt chunk of `chunk` tokens over `cached` ones
-    before it: each attends what is cached and the chunk's tokens up to itself."""
-    return chunk * cached + chunk * (chunk + 1) // 2
 
 
 def knot_weights(knots: list[int], x: float) -> tuple[list[float], float]:
