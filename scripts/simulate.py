@@ -75,9 +75,9 @@ def this_box(args, gpu: StepTime, cpu: StepTime) -> ServerSpec:
 ENGINES = ("gpu_decode", "gpu_prefill", "cpu_decode")
 # --validate's real run: bench.py's levels and policies, with request lengths spread +-50% and 20 s
 # windows. With equal lengths the closed loop's clients move in step, and a 10 s window's p50 TTFT
-# swings with where that step falls: two seeds of the simulator itself (step jitter alone apart)
-# differ by 0.10-0.24 in p50 TTFT MAPE, as two real runs did (0.17); spread lengths and 20 s
-# windows bring the simulator's seed-to-seed spread to 0.03-0.05 (docs/benchmarks.md, Simulator)
+# swings with where that step falls: two seeds of the simulator itself (--sim-noise) differ by
+# 0.11-0.18 in p50 TTFT MAPE, as two real runs did (0.17); spread lengths and 20 s windows bring
+# that to 0.05-0.10 (docs/benchmarks.md, Simulator)
 VALIDATE_BENCH_ARGS = ["--levels", "2", "8", "24", "40", "--duration", "20", "--prompt-spread", "0.5",
                        "--output-spread", "0.5", "--low-load-rounds", "0", "--requests"]
 # this Xeon VM, measured beside session 46's --validate run (results/sim-validate-20261205-235613):
@@ -246,11 +246,19 @@ def ranking_agrees(real_peaks: dict, sim_peaks: dict, tolerance: float) -> bool:
                if real_peaks[a] > real_peaks[b] * (1 + tolerance))
 
 
+def report_plan(report: dict) -> Plan:
+    """The side-by-side plan a bench report ran (its `plan`, less fields a Plan no longer has)."""
+    return Plan(**{k: v for k, v in report["plan"].items() if k in Plan.__dataclass_fields__})
+
+
 def compare(real: dict, sim: dict, rank_tolerance: float = RANK_TOLERANCE) -> dict:
     """The simulation's errors against a real report: mean absolute percentage errors over every
     (policy, level) of throughput, p50 TTFT and p50 TPOT; the largest harvest error; whether the
     policies rank the same by peak throughput (`ranking_agrees`: policies within `rank_tolerance`
-    of each other tied; `ranking_agrees_strict`: the same order, ties or not)."""
+    of each other tied; `ranking_agrees_strict`: the same order, ties or not). Levels may be keyed
+    by number or by its string (a report read back from JSON) in either."""
+    sim = {**sim, "runs": {p: {int(c): v for c, v in lv.items()} for p, lv in sim["runs"].items()}}
+
     def mape(key):
         errs = [abs(sim["runs"][p][c][key] - r[key]) / r[key] for p, lv in real["runs"].items()
                 for c, r in ((int(k), v) for k, v in lv.items()) if r.get(key) and sim["runs"][p][c].get(key)]
@@ -283,7 +291,7 @@ def sim_noise(real: dict, spec: ServerSpec, window_s: float | None = None, sprea
     spread."""
     import itertools
 
-    plan = Plan(**{k: v for k, v in real["plan"].items() if k in Plan.__dataclass_fields__})
+    plan = report_plan(real)
     if window_s:
         plan = dataclasses.replace(plan, duration_s=window_s)
     wl = dict(real["workload"])
@@ -293,7 +301,6 @@ def sim_noise(real: dict, spec: ServerSpec, window_s: float | None = None, sprea
                          log=lambda *a: None) for k in range(seeds)]
     out: dict = {}
     for a, b in itertools.combinations(reps, 2):
-        a = {**a, "runs": {p: {str(c): v for c, v in lv.items()} for p, lv in a["runs"].items()}}
         got = compare(a, b)
         for k in ("throughput_mape", "ttft_p50_mape", "tpot_p50_mape", "harvest_abs_err"):
             out.setdefault(k, []).append(got[k])
@@ -422,7 +429,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.noise_floor:
         a, b = (json.loads(Path(p).read_text()) for p in args.noise_floor)
-        b["runs"] = {p: {int(c): v for c, v in lv.items()} for p, lv in b["runs"].items()}
         out = compare(a, b)
         out.pop("tok_s_real_sim")
         print(json.dumps({**out, "reports": args.noise_floor}))
@@ -476,7 +482,7 @@ def main() -> None:
                 args.pool_own_cores = {}
     spec = this_box(args, gpu, cpu)
     if args.validate:
-        plan = Plan(**{k: v for k, v in real["plan"].items() if k in Plan.__dataclass_fields__})
+        plan = report_plan(real)
         wl = real["workload"]
         if jitter_fit:  # the real run's step spread beyond what the model's own steps spread
             low = min(plan.levels)
