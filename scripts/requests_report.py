@@ -22,13 +22,16 @@ import argparse
 import collections
 import json
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from keyacc_ray.bench.loadgen import pct  # noqa: E402
 
 
 def pcts(xs: list[float]) -> list[float] | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return [round(xs[len(xs) // 2], 1), round(xs[min(len(xs) - 1, int(0.9 * len(xs)))], 1), round(xs[-1], 1)]
+    """p50, p90 and max (the bench's percentiles: loadgen.pct)."""
+    return [round(pct(xs, 50), 1), round(pct(xs, 90), 1), round(max(xs), 1)] if xs else None
 
 
 def report(rows: list[dict]) -> dict:
