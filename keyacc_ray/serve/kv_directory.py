@@ -12,7 +12,10 @@ A taken entry stays answerable for `taken_keep_s`: a driver that gave a hop up (
 not answer within the bound) sends the same hand-off to another hop, and the replica it gave up
 on may still have taken the KV (a call Serve assigned just as it was cancelled runs to its end;
 a busy replica's answer can come after the bound). The second take gets the same references (the
-object is immutable: both may read it) instead of prefilling again. The exporting replica holds
+object is immutable: both may read it) instead of prefilling again. The hop given up on, once
+cancelled, gives back what it took (`give_back`): that renews the taken entry rather than
+putting one that the next hop, which may have taken the key already, would never take (an entry
+left until `ttl_s`). The exporting replica holds
 its own reference for KV_HOLD_S (60 s) after the export anyway, so this rarely keeps an object longer.
 
 Plain asyncio; the pools wrap it with `ray.remote` (one named, detached instance).
@@ -36,6 +39,7 @@ class KVDirectory:
         self._taken: dict[str, tuple[list, float]] = {}  # taken, kept for a second take of the same key
         self._waiting: dict[str, asyncio.Event] = {}
         self.puts = 0  # hand-offs that carried KV, since this actor started
+        self.given_back = 0  # hops that gave back what they took (cancelled before their tokens reached anyone)
 
     def _expire(self) -> None:
         """Drop entries past their time, oldest first: each dict holds its entries in the order of
@@ -54,6 +58,26 @@ class KVDirectory:
         self._refs.pop(key, None)  # (to the end: the order of times)
         self._refs[key] = (refs, self.clock())
         self.puts += 1
+        ev = self._waiting.pop(key, None)
+        if ev is not None:
+            ev.set()
+
+    async def give_back(self, key: str, refs: list) -> None:
+        """A hop cancelled after it took `key` (pools' `_give_back`) returns what the driver's next
+        hop should get: the references it took, or [] when its tokens began there (the next hop
+        then prefills, unless the references its take left answerable are still here). While that
+        take's entry is kept, the next take gets it at once anyway, so only its time is renewed:
+        put back under the key, it would outlive a next hop that took the key first (the driver
+        does not wait for the hop it gave up on), a reference nobody takes until `ttl_s`. Not a
+        put (`puts` counts hand-offs)."""
+        self._expire()
+        self.given_back += 1
+        entry = self._taken.pop(key, None)
+        if entry is not None:
+            self._taken[key] = (entry[0], self.clock())  # (to the end: the order of times)
+            return
+        self._refs.pop(key, None)
+        self._refs[key] = (refs, self.clock())
         ev = self._waiting.pop(key, None)
         if ev is not None:
             ev.set()
@@ -84,3 +108,6 @@ class KVDirectory:
 
     async def num_puts(self) -> int:
         return self.puts
+
+    async def num_given_back(self) -> int:
+        return self.given_back

@@ -212,18 +212,18 @@ class EnginePool:
 
     def _give_back(self, h: Handoff, lease: "_KVLease") -> None:
         """A hop cancelled before its sequence made a token here (its driver gave up waiting for it
-        to be taken: the replica took it just then) puts the KV it took back under its key, where
-        the driver's next hop takes it (`KVDirectory.take` waits for it): not prefilled again. One
-        cancelled after its tokens began leaves an empty entry, so that the next hop's take
-        answers at once instead of waiting KV_TAKE_TIMEOUT_S for a put that never comes (the 2x
-        soak's 9.7 s gap: 5 s of it that wait): with the references the directory kept from this
-        hop's take where the driver sends the same hand-off on (none of this hop's tokens reached
-        its client, so that KV is still where the stream is), else nothing (prefilled again)."""
+        to be taken: the replica took it just then) gives the KV it took back under its key, where
+        the driver's next hop takes it: not prefilled again. The directory keeps what this hop's
+        take got answerable for a while anyway (`KVDirectory.give_back` renews that, and leaves no
+        entry a next hop that took the key first would never take); past that, an entry is put:
+        the references, or an empty one from a hop cancelled after its tokens began, so that the
+        next hop's take answers at once instead of waiting KV_TAKE_TIMEOUT_S for a put that never
+        comes (the 2x soak's 9.7 s gap: 5 s of it that wait)."""
         if lease.refs:
             refs, lease.refs = lease.refs, []
             log.info("hop of %s cancelled %s its first token here", h.request_id, "after" if lease.used else "before")
             try:
-                self._directory().put.remote(h.kv_key, [] if lease.used else refs)
+                self._directory().give_back.remote(h.kv_key, [] if lease.used else refs)
             except Exception as e:  # noqa: BLE001 - directory gone: the next hop prefills again
                 log.warning("KV of %s not given back (%s)", h.request_id, e.__class__.__name__)
 

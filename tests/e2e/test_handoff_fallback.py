@@ -83,7 +83,7 @@ async def _hop(pool, req, handoff):
 def test_a_hop_cancelled_before_its_first_token_gives_its_kv_back(app_url, monkeypatch):
     """A hop its driver gave up on (not taken within the bound: the replica took it just then)
     took the hand-off's KV from the directory; cancelled before its sequence made a token there,
-    it puts the KV back under its key, and the driver's next hop takes it: decoded on from the
+    it gives the KV back under its key, and the driver's next hop takes it: decoded on from the
     KV, not prefilled again (the 2x-overload soak's "KV not found ... prefilling again" after
     every such stall), with generate()'s tokens."""
     monkeypatch.setattr(pools_mod, "KV_TAKE_TIMEOUT_S", 2.0)
@@ -117,10 +117,11 @@ def test_a_hop_cancelled_before_its_first_token_gives_its_kv_back(app_url, monke
 
 def test_a_hop_cancelled_after_its_tokens_began_lets_the_next_hop_take_its_kv_at_once(app_url, monkeypatch):
     """Cancelled once its sequence made tokens there (the client never got them: the driver had
-    given up on the hop), a hop leaves an empty entry under the key, so the driver's next hop does
-    not wait out KV_TAKE_TIMEOUT_S (here 20 s); the directory answers it with the references that
-    hop took (kept for a second take: the KV is still where the client's stream is), so it
-    imports them instead of prefilling again: generate()'s tokens, well within that wait."""
+    given up on the hop), a hop gives nothing back, and the driver's next hop does not wait out
+    KV_TAKE_TIMEOUT_S (here 20 s): the directory answers it with the references that hop took
+    (kept for a second take: the KV is still where the client's stream is), so it imports them
+    instead of prefilling again: generate()'s tokens, well within that wait; and nothing is left
+    under the key."""
     monkeypatch.setattr(pools_mod, "KV_TAKE_TIMEOUT_S", 20.0)
     path, params, ids, first, pkg = exported("u", PROMPTS[3], 5)
     pool = EnginePool(EngineConfig(model=path).__dict__, deployment="TestPool")
@@ -140,13 +141,14 @@ def test_a_hop_cancelled_after_its_tokens_began_lets_the_next_hop_take_its_kv_at
 
         asyncio.run(asyncio.wait_for(cancelled_after_a_token(), 60))
         deadline = time.monotonic() + 10
-        while ray.get(directory.size.remote(), timeout=10) < 1:  # the empty entry (a fire-and-forget put)
-            assert time.monotonic() < deadline, "nothing left under the key"
+        while ray.get(directory.num_given_back.remote(), timeout=10) < 1:  # (a fire-and-forget call)
+            assert time.monotonic() < deadline, "the hop gave nothing back"
             time.sleep(0.05)
         t0 = time.monotonic()
         rest, kv = asyncio.run(asyncio.wait_for(_hop(pool, req, handoff), 60))
         took = time.monotonic() - t0
     finally:
         pool.loop.shutdown()
-    assert kv == "received" and took < 10.0  # (without the entry: 20 s of waiting first)
+    assert kv == "received" and took < 10.0  # (not 20 s of waiting first)
+    assert ray.get(directory.size.remote(), timeout=10) == 0  # nothing left under the key
     assert first + rest == hf_greedy(path, ids, 20)

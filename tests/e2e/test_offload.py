@@ -78,12 +78,14 @@ def test_burst_offloads_by_policy_and_outputs_match(app_url, policy, name, expec
     text = httpx.get(f"{app_url}/metrics", timeout=10).text
     assert "keyacc_moves_total" in text or name == "full_offload"
     assert router_inflight_settles(), "the router still counts finished requests in flight"
-    assert kv_directory_size() == 0, "a hand-off's KV reference was never taken"
+    given_up = [s for t in traces for s in t["segments"] if s.get("stalled") or s.get("failed")]
+    assert kv_directory_size() == 0, ("a hand-off's KV reference was never taken", given_up)
     # CPU periods are checked in place: a check that keeps the decode where it is hands nothing
     # off, so KV crossed exactly at the segment boundaries the traces show
     segs = [s for t in traces for s in t["segments"]]
     assert any(s["pool"] == "cpu" and s["periods"] > 1 for s in segs), "no CPU decode lasted several periods"
-    assert kv_directory_puts() - puts == sum(s.get("kv") == "received" for s in segs)
+    # (a hop given up on that took the KV first, and the next that took it again: one hand-off)
+    assert kv_directory_puts() - puts == sum(s.get("kv") == "received" and s not in given_up for s in segs)
 
 
 def test_policy_moves_of_requests_with_a_shared_head_leave_it_out_of_their_hand_offs(app_url, policy):

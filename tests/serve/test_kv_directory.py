@@ -89,7 +89,7 @@ def test_a_taken_entry_answers_a_second_take_of_its_key_for_a_while():
         first = await d.take("k", 1.0)
         clock.t = 5.0
         second = await d.take("k", 0.01)
-        await d.put("k", [])  # the hop given up on ran and made tokens: its empty entry
+        await d.give_back("k", [])  # the hop given up on ran and made tokens: gives back nothing
         third = await d.take("k", 0.01)
         clock.t = 40.0  # 30 s after the last take
         gone = await d.take("k", 0.01)
@@ -97,3 +97,42 @@ def test_a_taken_entry_answers_a_second_take_of_its_key_for_a_while():
         return first, second, third, gone, await d.take("never", 0.01), await d.size()
 
     assert asyncio.run(go()) == (["ref"], ["ref"], ["ref"], [], [], 1)
+
+
+def test_a_hop_given_up_on_gives_back_without_leaving_an_entry_the_next_hop_took_first():
+    """The driver gives hop A up and sends the hand-off to hop B at once: B's take may come before
+    A's cancellation gives the KV back (both orders happen). Either way B gets the references,
+    nothing stays under the key for `ttl_s`, and the give-back renews the taken entry's time
+    instead; only past `taken_keep_s` is an entry put back (then taken by the next hop)."""
+    clock = Clock()
+
+    async def go(order):
+        d = KVDirectory(ttl_s=60.0, clock=clock, taken_keep_s=30.0)
+        await d.put("k", ["ref"])
+        got = [await d.take("k", 1.0)]  # hop A
+        if order == "b first":
+            got.append(await d.take("k", 0.01))
+            await d.give_back("k", ["ref"])
+        else:
+            await d.give_back("k", ["ref"])
+            got.append(await d.take("k", 0.01))
+        return got, await d.size(), await d.num_puts(), await d.num_given_back()
+
+    for order in ("b first", "give-back first"):
+        clock.t = 0.0
+        assert asyncio.run(go(order)) == ([["ref"], ["ref"]], 0, 1, 1), order
+
+    async def renewed():
+        d = KVDirectory(ttl_s=60.0, clock=clock, taken_keep_s=30.0)
+        clock.t = 0.0
+        await d.put("k", ["ref"])
+        await d.take("k", 1.0)
+        clock.t = 25.0
+        await d.give_back("k", [])  # renews the taken entry from t=25
+        clock.t = 50.0
+        kept = await d.take("k", 0.01)
+        clock.t = 100.0  # the taken entry gone: a give-back now leaves an entry, the next take gets it
+        await d.give_back("k", ["ref"])
+        return kept, await d.size(), await d.take("k", 0.01), await d.size()
+
+    assert asyncio.run(renewed()) == (["ref"], 1, ["ref"], 0)
