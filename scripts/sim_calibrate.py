@@ -34,8 +34,11 @@ import numpy as np  # noqa: E402
 from keyacc_ray.sim.steptime import fit  # noqa: E402
 
 PREFILLS = (32, 128, 512)
-DECODES = ((1, 64), (2, 64), (4, 64), (8, 64), (16, 64), (24, 64), (32, 64), (1, 384), (8, 384), (16, 384),
-           (32, 384))  # (rows, context)
+# Every decode batch from 1 to 32 rows: a step's time is a staircase in its rows, not a line (the
+# CPU kernels work in blocks of rows; this Xeon: 1-3 rows 11.5 ms, 4-6 18-20, 12 31, 15 36, 16 30,
+# the AMX path's whole tiles). Knots only at 1, 2, 4, 8, 16, 24, 32 read 3 rows 35% slow and 9-15
+# 10-20% fast, the rows the GPU pool and the CPU pool each run at most here (docs/benchmarks.md).
+DECODES = tuple((r, 64) for r in range(1, 33)) + ((1, 384), (8, 384), (16, 384), (32, 384))  # (rows, context)
 MIXED = ((8, 64, 64), (31, 64, 64), (16, 128, 128), (31, 128, 256))  # (rows decoding, their context, a prompt joining)
 
 
