@@ -59,11 +59,14 @@ def this_box(args, gpu: StepTime, cpu: StepTime) -> ServerSpec:
     """scripts/bench.py's graph on this box: the emulated GPU pool (8 sequences, a small KV
     budget) and the CPU pool, one core and one thread each, the serving stack over both cores."""
     own = POOL_OWN_CORES if args.pool_own_cores is None else args.pool_own_cores
+    per_move = {k: v / 1e3 for k, v in (args.pool_own_ms_per_move or {}).items()}
     per_token = args.pool_ms_per_token / 1e3
     return ServerSpec(PoolSpec(gpu, max_num_seqs=8, num_blocks=args.gpu_kv_blocks, block_size=16,
-                               pool_s_per_token=per_token, own_cores=own.get("gpu", 0.0)),
+                               pool_s_per_token=per_token, own_cores=own.get("gpu", 0.0),
+                               own_s_per_move=per_move.get("gpu", 0.0)),
                       PoolSpec(cpu, max_num_seqs=args.cpu_seqs, num_blocks=args.cpu_seqs * 64, block_size=16,
-                               pool_s_per_token=per_token, own_cores=own.get("cpu", 0.0)),
+                               pool_s_per_token=per_token, own_cores=own.get("cpu", 0.0),
+                               own_s_per_move=per_move.get("cpu", 0.0)),
                       kv_bytes_per_token=args.kv_bytes_per_token, handoff_bw_bytes_s=args.handoff_gbs * 1e9,
                       handoff_fixed_s=args.handoff_fixed_ms / 1e3, max_model_len=1024,
                       stack_s_per_token=args.stack_ms_per_token / 1e3, stack_cores=args.stack_cores,
@@ -111,6 +114,14 @@ def fit_step_jitter(real: dict, modelled: dict | None = None) -> float | None:
     return round(min(0.5, excess * steps ** 0.5), 3)
 
 
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = a + b x with b kept >= 0 (a flat line at the mean when b would be less)."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var else 0.0
+    return my - slope * mx, slope
+
+
 def fit_stack(real: dict) -> dict | None:
     """What else the real run's own CPU accounting says took the engines' cores. The serving
     stack's claim, fitted as fixed cores + seconds per token over the runs where both pools worked
@@ -119,8 +130,9 @@ def fit_stack(real: dict) -> dict | None:
     claim is every core the two replicas did not get (the stack's processes and any time no
     process is billed for), and each replica's own other threads (its report loop, streaming,
     Serve's side: pinned with the engine, so on its core whatever the other core does) are
-    `pool_own_cores` per pool, the mean over the runs where that pool worked. In older reports,
-    the stack's processes' CPU alone, and the replicas' own cost stays --pool-ms-per-token."""
+    `pool_own_cores` + `pool_own_s_per_move` x the requests moved a second (a move's export or
+    import on the replica's Serve side), per pool over the runs where that pool worked. In older
+    reports, the stack's processes' CPU alone, and the replicas' own cost stays --pool-ms-per-token."""
     cpus = (real.get("box") or {}).get("cpus") or 2
     runs = [r for lv in real["runs"].values() for r in lv.values()] + ([real["cpu_alone"]] if real.get("cpu_alone")
                                                                        else [])
@@ -129,9 +141,10 @@ def fit_stack(real: dict) -> dict | None:
     for r in runs:
         cu, et = r.get("cores_used") or {}, r.get("engine_thread_cores") or {}
         if threads:
+            seconds = r["requests"] / r["req_per_s"] if r.get("requests") and r.get("req_per_s") else 0.0
             for k in own:
                 if et.get(k, 0) > 0.3:
-                    own[k].append(cu[k] - et[k])
+                    own[k].append(((r.get("moves") or 0) / seconds if seconds else 0.0, cu[k] - et[k]))
         if r is real.get("cpu_alone") or not r.get("output_tok_per_s"):
             continue
         if cu.get("gpu_decode", 0) > 0.3 and cu.get("cpu_decode", 0) > 0.3:
@@ -139,13 +152,11 @@ def fit_stack(real: dict) -> dict | None:
                         else sum(v for k, v in cu.items() if k not in ENGINES)))
     if len(pts) < 2:
         return None
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var else 0.0
-    return {"fixed_cores": max(0.0, my - slope * mx), "s_per_token": slope, "runs": len(pts),
-            "pool_own_cores": {k.split("_")[0]: round(sum(v) / len(v), 4) for k, v in own.items() if v} if threads
-            else None}
+    fixed, slope = _line([p[0] for p in pts], [p[1] for p in pts])
+    lines = {k.split("_")[0]: _line([x for x, _ in v], [y for _, y in v]) for k, v in own.items() if v}
+    return {"fixed_cores": max(0.0, fixed), "s_per_token": slope, "runs": len(pts),
+            "pool_own_cores": {k: round(a, 4) for k, (a, _) in lines.items()} if threads else None,
+            "pool_own_s_per_move": {k: round(b, 5) for k, (_, b) in lines.items()} if threads else None}
 
 
 def maker(wl: dict, seed: int, route: str | None = None):
@@ -394,6 +405,9 @@ def main() -> None:
                     'its engine\'s, on the engine\'s core while it works, JSON per pool (default '
                     f'{json.dumps(POOL_OWN_CORES)}); --validate fits it from a report that accounts the engine threads '
                     'apart')
+    ap.add_argument("--pool-own-ms-per-move", type=json.loads, default=None, help="each replica's own threads' "
+                    "CPU per request moved between the pools (either way), ms, JSON per pool (default none); "
+                    "--validate fits it beside --pool-own-cores")
     ap.add_argument("--stack-cores", type=float, default=2.0, help="cores the stack shares with the engines")
     ap.add_argument("--request-path-ms", type=float, default=None, help="the stack's own latency on a request's "
                     "way in and its tokens' way out, with no queue (default: what --validate measured beside the "
@@ -478,6 +492,8 @@ def main() -> None:
             args.stack_fixed_cores, args.stack_ms_per_token = stack_fit["fixed_cores"], stack_fit["s_per_token"] * 1e3
             if stack_fit["pool_own_cores"]:
                 args.pool_ms_per_token, args.pool_own_cores = 0.0, stack_fit["pool_own_cores"]
+                if args.pool_own_ms_per_move is None:
+                    args.pool_own_ms_per_move = {k: v * 1e3 for k, v in stack_fit["pool_own_s_per_move"].items()}
             elif args.pool_own_cores is None:  # an older report: no engine threads to tell the own cores by
                 args.pool_own_cores = {}
     spec = this_box(args, gpu, cpu)
@@ -499,7 +515,8 @@ def main() -> None:
                "request_path_ms": args.request_path_ms, "step_jitter": args.step_jitter, "seeds": args.seeds,
                "stack": {"fixed_cores": round(args.stack_fixed_cores, 3), "ms_per_token": round(args.stack_ms_per_token, 3),
                          "fitted_on_runs": stack_fit["runs"] if stack_fit else 0,
-                         "pool_own_cores": args.pool_own_cores, "pool_ms_per_token": args.pool_ms_per_token}}
+                         "pool_own_cores": args.pool_own_cores, "pool_ms_per_token": args.pool_ms_per_token,
+                         "pool_own_ms_per_move": {k: round(v, 2) for k, v in (args.pool_own_ms_per_move or {}).items()}}}
     else:
         plan = Plan(levels=args.levels, duration_s=args.duration, ramp_s=args.ramp, policies=args.policies)
         wl = {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "prompt_spread": 0.0,

@@ -31,6 +31,7 @@ from keyacc_ray.sim.workload import SimRequest
 REPORT_EVERY_S = 0.2  # as keyacc_ray/serve/pools.py
 RECALL_AFTER_S = 0.5
 RECALL_EVERY_S = 0.5
+MOVE_WINDOW_S = 2.0  # the window PoolSpec.own_s_per_move reads moves over
 
 
 @dataclass
@@ -52,6 +53,10 @@ class PoolSpec:
     # the engine) take this share of its core while it works (scripts/bench.py's engine_thread_cores
     # against cores_used: 0.05 on this box, whatever the token rate)
     own_cores: float = 0.0
+    # and this much more CPU on that core for each request moved between the pools (either way: its
+    # KV's export or import on the replica's Serve side, the object store, the KV directory), at
+    # the rate of the last MOVE_WINDOW_S (scripts/simulate.py's fit_stack: ~3 ms a move here)
+    own_s_per_move: float = 0.0
     under_way: int = 0  # EngineConfig.max_num_seqs_under_way (0: off, its default)
 
 
@@ -67,7 +72,8 @@ class ServerSpec:
     # the same box): it needs stack_fixed_cores + stack_s_per_token x the tokens/s of the last second
     # of CPU, on `stack_cores` cores that the engines (a core each) run on too. It takes the cores
     # no engine is working on first; only what it needs beyond them comes out of the busy engines,
-    # shared evenly: each step of a busy engine then takes 1 / (1 - that share) of its time. (On
+    # shared evenly: each step of a busy engine then takes 1 / (1 - that share - its replica's own
+    # threads' share, PoolSpec.own_cores) of its time. (On
     # this 2-core box a pool alone left the stack a core: it lost nothing; both pools working lost
     # 0.2-0.25 of a core each, scripts/bench.py's cores_used.) 0: a stack on cores of its own.
     stack_s_per_token: float = 0.0
@@ -146,6 +152,7 @@ class SimServer:
         self._closed = None  # a time-bound closed loop: (workload's request maker, clients stop at)
         self._expected = 0
         self._recent_tokens: list[tuple[float, int]] = []  # (time, tokens) of the last second, every engine
+        self._recent_moves: list[float] = []  # when requests moved between the pools, the last MOVE_WINDOW_S
         self._rng = random.Random(spec.seed)
         self._sigma = math.sqrt(math.log1p(spec.step_jitter ** 2))  # a lognormal of mean 1 and that spread
 
@@ -242,6 +249,7 @@ class SimServer:
             return
         if live.segments and live.segments[-1][0] != e.pool:
             live.moves += 1
+            self._recent_moves.append(self.now)
         live.ticket, live.hop_t, live.produced, live.export_after = t, self.now, 0, t.export_after
         if live.first_hop_t is None:
             live.first_hop_t = self.now
@@ -283,6 +291,11 @@ class SimServer:
     def _kick(self, e: SimEngine) -> None:
         if e.busy:
             return
+        e.stack_share = self._stack_share(e)
+        per_move = (self.spec.gpu if e.pool == "gpu" else self.spec.cpu).own_s_per_move
+        if per_move:
+            self._recent_moves = [t for t in self._recent_moves if self.now - t <= MOVE_WINDOW_S]
+            e.move_cores = per_move * len(self._recent_moves) / MOVE_WINDOW_S
         r = e.step()
         if r is None:
             return
@@ -290,21 +303,21 @@ class SimServer:
             self._move(self.live[s.request_id], "handoff")
         if r.seconds > 0:
             e.busy = True
-            r.seconds /= 1 - self._stack_share()
             if self._sigma:
                 r.seconds *= self._rng.lognormvariate(-self._sigma ** 2 / 2, self._sigma)
             self.at(self.now + r.seconds, self._step_done, e, r)
 
-    def _stack_share(self) -> float:
+    def _stack_share(self, stepping: SimEngine) -> float:
         """The share of a busy engine's core the serving stack takes now: what it needs (its
         fixed part and its CPU per token x the tokens of the last second) beyond the cores no
-        engine is working on, over the busy engines."""
+        engine is working on, over the busy engines (`stepping` among them)."""
         sp = self.spec
         if not sp.stack_s_per_token and not sp.stack_fixed_cores:
             return 0.0
         self._recent_tokens = [(t, n) for t, n in self._recent_tokens if self.now - t <= 1.0]
         need = sp.stack_fixed_cores + sp.stack_s_per_token * sum(n for _, n in self._recent_tokens)
-        busy = sum(1 for e in self.hops.values() if e.busy or e.scheduler.num_running or e.scheduler.num_waiting)
+        busy = sum(1 for e in self.hops.values()
+                   if e is stepping or e.busy or e.scheduler.num_running or e.scheduler.num_waiting)
         excess = need - max(0.0, sp.stack_cores - busy)
         return min(0.9, max(0.0, excess) / max(1, busy))
 

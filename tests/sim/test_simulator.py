@@ -266,17 +266,21 @@ def test_the_stack_fit_reads_what_the_engine_threads_did_not_get(sim_mod):
     is every core the two replicas did not get (fixed + per token over the runs where both worked)
     and each replica's own other threads are its pool's `own_cores`; an older report falls back to
     the stack's processes' CPU."""
-    def run(tok, gpu, cpu, gpu_t, cpu_t, stack=0.3):
+    def run(tok, gpu, cpu, gpu_t, cpu_t, stack=0.3, moves=0):
         return {"output_tok_per_s": tok, "cores_used": {"gpu_decode": gpu, "cpu_decode": cpu, "ingress": stack},
-                "engine_thread_cores": {"gpu_decode": gpu_t, "cpu_decode": cpu_t}}
-    # the replicas get 2 - (0.4 + 0.001 x tokens/s) between them; each loses 0.05 to its own threads
+                "engine_thread_cores": {"gpu_decode": gpu_t, "cpu_decode": cpu_t}, "requests": 100,
+                "req_per_s": 5.0, "moves": moves}
+    # the replicas get 2 - (0.4 + 0.001 x tokens/s) between them; each loses 0.05 to its own
+    # threads, and the CPU replica 4 ms more for each request moved (20 s: 0, 2 and 5 moves a second)
     runs = {"auto": {str(t): run(t, (1.6 - t / 1000) / 2, (1.6 - t / 1000) / 2, (1.6 - t / 1000) / 2 - 0.05,
-                                 (1.6 - t / 1000) / 2 - 0.05) for t in (200, 400, 600)},
+                                 (1.6 - t / 1000) / 2 - 0.05 - 0.004 * m / 20, moves=m)
+                     for t, m in ((200, 0), (400, 40), (600, 100))},
             "gpu_only": {"8": run(250, 0.97, 0.01, 0.92, 0.0)}}
     real = {"box": {"cpus": 2}, "runs": runs, "cpu_alone": run(700, 0.0, 0.99, 0.0, 0.94)}
     got = sim_mod.fit_stack(real)
     assert got["runs"] == 3 and got["fixed_cores"] == pytest.approx(0.4) and got["s_per_token"] == pytest.approx(1e-3)
     assert got["pool_own_cores"] == {"gpu": pytest.approx(0.05), "cpu": pytest.approx(0.05)}
+    assert got["pool_own_s_per_move"] == {"gpu": 0.0, "cpu": pytest.approx(0.004)}
     for lv in runs.values():
         for r in lv.values():
             del r["engine_thread_cores"]
@@ -292,6 +296,28 @@ def test_a_replicas_own_threads_lengthen_its_engines_steps():
     for e in (plain, shared):
         assert e.add("r", 8, 0, 4, with_kv=False)
     assert shared.step().seconds == pytest.approx(plain.step().seconds / 0.8)
+    # the stack's share and the moves' add to it, in cores (the real run's accounting), not as factors
+    shared.stack_share, shared.move_cores = 0.3, 0.1
+    assert shared.step().seconds == pytest.approx(plain.step().seconds / 0.4)
+
+
+def test_requests_moving_between_the_pools_take_from_the_replicas_cores():
+    """PoolSpec.own_s_per_move: a CPU replica's own threads' CPU for each request moved, at the
+    rate of the last MOVE_WINDOW_S, lengthens its engine's steps: stage_offload's decodes (every
+    one moved) run slower with it, gpu_only's (none moved) not at all."""
+    from keyacc_ray.sim.server import MOVE_WINDOW_S
+
+    def served(policy, per_move):
+        sp = ServerSpec(PoolSpec(GPU, max_num_seqs=4, num_blocks=96),
+                        PoolSpec(CPU, max_num_seqs=16, num_blocks=512, own_s_per_move=per_move))
+        srv = SimServer(sp, policy, {"trigger_window_s": 0.05, "return_window_s": 0.3} if policy != "gpu_only" else {})
+        done = srv.run_closed(12, 6.0, lambda i: SimRequest(f"r{i}", 48, 64, 64))
+        return srv, sum(lv.done_t - lv.req.arrival for lv in done) / len(done)  # (mean end to end)
+    srv, plain = served("stage_offload", 0.0)
+    assert sum(lv.moves for lv in srv.done) > 2 * MOVE_WINDOW_S  # (it moved requests)
+    _, charged = served("stage_offload", 0.02)
+    assert charged > 1.02 * plain
+    assert served("gpu_only", 0.02)[1] == served("gpu_only", 0.0)[1]
 
 
 def test_the_stacks_request_path_adds_to_each_request_and_spaces_a_clients_requests():
