@@ -15,8 +15,8 @@ a busy replica's answer can come after the bound). The second take gets the same
 object is immutable: both may read it) instead of prefilling again. The hop given up on, once
 cancelled, gives back what it took (`give_back`): that renews the taken entry rather than
 putting one that the next hop, which may have taken the key already, would never take (an entry
-left until `ttl_s`). The exporting replica holds
-its own reference for KV_HOLD_S (60 s) after the export anyway, so this rarely keeps an object longer.
+left until `ttl_s`). The exporting replica holds its own reference for KV_HOLD_S (60 s) after
+the export anyway, so this rarely keeps an object longer.
 
 Plain asyncio; the pools wrap it with `ray.remote` (one named, detached instance).
 """

@@ -32,7 +32,7 @@ class SimEngine:
         self.per_token_s = per_token_s  # the replica's CPU per token beyond the step (PoolSpec.pool_s_per_token)
         self.own_cores = own_cores  # the replica's other threads' share of the engine's core (PoolSpec.own_cores)
         self.stack_share = 0.0  # the serving stack's share of that core now (its server sets it before a step)
-        self.move_cores = 0.0  # the own threads' more for the requests moving now (PoolSpec.own_s_per_move; likewise)
+        self.move_cores = 0.0  # its own threads' extra share for the requests moving now (PoolSpec.own_s_per_move)
         per_seq = min(num_blocks, -(-max_model_len // block_size))
         self.blocks = BlockManager(num_blocks, block_size, 0, per_seq)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_waiting, max_prefill_tokens, lazy=lazy,

@@ -73,9 +73,9 @@ class ServerSpec:
     # of CPU, on `stack_cores` cores that the engines (a core each) run on too. It takes the cores
     # no engine is working on first; only what it needs beyond them comes out of the busy engines,
     # shared evenly: each step of a busy engine then takes 1 / (1 - that share - its replica's own
-    # threads' share, PoolSpec.own_cores) of its time. (On
-    # this 2-core box a pool alone left the stack a core: it lost nothing; both pools working lost
-    # 0.2-0.25 of a core each, scripts/bench.py's cores_used.) 0: a stack on cores of its own.
+    # threads' share, PoolSpec.own_cores) of its time. (On this 2-core box a pool alone left the
+    # stack a core: it lost nothing; both pools working lost 0.2-0.25 of a core each,
+    # scripts/bench.py's cores_used.) 0: a stack on cores of its own.
     stack_s_per_token: float = 0.0
     stack_cores: float = 1.0
     stack_fixed_cores: float = 0.0
