@@ -41,6 +41,7 @@ import dataclasses
 import functools
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -72,6 +73,7 @@ def this_box(args, gpu: StepTime, cpu: StepTime) -> ServerSpec:
                       stack_s_per_token=args.stack_ms_per_token / 1e3, stack_cores=args.stack_cores,
                       stack_fixed_cores=args.stack_fixed_cores,
                       request_path_s=(REQUEST_PATH_MS if args.request_path_ms is None else args.request_path_ms) / 1e3,
+                      hop_start_busy_s=(args.hop_start_busy_ms or 0.0) / 1e3,
                       step_jitter=args.step_jitter or 0.0)
 
 
@@ -112,6 +114,22 @@ def fit_step_jitter(real: dict, modelled: dict | None = None) -> float | None:
         return None
     excess = max(0.0, spread(r) ** 2 - spread(modelled) ** 2) ** 0.5
     return round(min(0.5, excess * steps ** 0.5), 3)
+
+
+def fit_hop_start(real: dict) -> float | None:
+    """How much longer a request's first hop waited for its replica to take it when the pools were
+    working than when they were nearly idle (ms): the real trace's hop_start_p50_ms, the median
+    over the cells above the lowest level less the median at the lowest (the one-client request
+    path, measured beside the run, holds the idle part). None where the report has no such
+    figures."""
+    cells = [(int(lv), r["hop_start_p50_ms"]) for runs in real["runs"].values() for lv, r in runs.items()
+             if r.get("hop_start_p50_ms") is not None]
+    if not cells:
+        return None
+    low = min(lv for lv, _ in cells)
+    idle = statistics.median(h for lv, h in cells if lv == low)
+    busy = [h for lv, h in cells if lv > low]
+    return round(max(0.0, statistics.median(busy) - idle), 2) if busy else None
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -409,6 +427,9 @@ def main() -> None:
                     "CPU per request moved between the pools (either way), ms, JSON per pool (default none); "
                     "--validate fits it beside --pool-own-cores")
     ap.add_argument("--stack-cores", type=float, default=2.0, help="cores the stack shares with the engines")
+    ap.add_argument("--hop-start-busy-ms", type=float, default=None, help="how much longer a request's first hop "
+                    "waits for its replica when that replica's engine works (default 0; --validate fits it from the "
+                    "real run's hop_start_p50_ms)")
     ap.add_argument("--request-path-ms", type=float, default=None, help="the stack's own latency on a request's "
                     "way in and its tokens' way out, with no queue (default: what --validate measured beside the "
                     f"real run, else {REQUEST_PATH_MS} ms: scripts/bench_stack.py --levels 1 --token-rate 2000)")
@@ -488,6 +509,8 @@ def main() -> None:
             args.request_path_ms = json.loads(path.read_text())["levels"]["1"]["ttft_p50_ms"]
         stack_fit = None if args.no_stack_fit else fit_stack(real)
         jitter_fit = args.step_jitter is None
+        if args.hop_start_busy_ms is None:
+            args.hop_start_busy_ms = fit_hop_start(real)
         if stack_fit:
             args.stack_fixed_cores, args.stack_ms_per_token = stack_fit["fixed_cores"], stack_fit["s_per_token"] * 1e3
             if stack_fit["pool_own_cores"]:
@@ -512,7 +535,8 @@ def main() -> None:
         sim = side_by_side(spec, plan, wl, real.get("policy_options") or {}, seeds=args.seeds, keep=keep)
         out = {**compare(real, sim), "sim_wall_s": round(time.time() - t0, 2), "profile": cpu.name,
                "real_report": args.validate,
-               "request_path_ms": args.request_path_ms, "step_jitter": args.step_jitter, "seeds": args.seeds,
+               "request_path_ms": args.request_path_ms, "hop_start_busy_ms": args.hop_start_busy_ms,
+               "step_jitter": args.step_jitter, "seeds": args.seeds,
                "stack": {"fixed_cores": round(args.stack_fixed_cores, 3), "ms_per_token": round(args.stack_ms_per_token, 3),
                          "fitted_on_runs": stack_fit["runs"] if stack_fit else 0,
                          "pool_own_cores": args.pool_own_cores, "pool_ms_per_token": args.pool_ms_per_token,

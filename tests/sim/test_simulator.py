@@ -393,3 +393,32 @@ def test_the_step_jitter_fit_reads_the_quietest_cells_tpot_spread(sim_mod):
     modelled = {"tpot_p50_ms": 10.0, "tpot_p90_ms": 10 + 0.24 * 1.2816}
     assert sim_mod.fit_step_jitter(real, modelled) == pytest.approx(0.32, abs=1e-3)
     assert sim_mod.fit_step_jitter(real, {"tpot_p50_ms": 10.0, "tpot_p90_ms": 11.0}) == 0.0
+
+
+def test_the_hop_start_fit_reads_how_much_longer_a_busy_replica_takes_a_new_request(sim_mod):
+    """fit_hop_start: the median hop start above the lowest level less the median at it, in ms;
+    never below 0; None without the trace's figures."""
+    real = {"runs": {"auto": {"2": {"hop_start_p50_ms": 6.0}, "8": {"hop_start_p50_ms": 12.0},
+                              "24": {"hop_start_p50_ms": 14.0}},
+                     "gpu_only": {"2": {"hop_start_p50_ms": 5.0}, "8": {"hop_start_p50_ms": 13.0},
+                                  "24": {"hop_start_p50_ms": 30.0}}}}
+    assert sim_mod.fit_hop_start(real) == pytest.approx(13.5 - 5.5)
+    real["runs"]["auto"]["8"]["hop_start_p50_ms"] = real["runs"]["gpu_only"]["8"]["hop_start_p50_ms"] = 1.0
+    real["runs"]["auto"]["24"]["hop_start_p50_ms"] = real["runs"]["gpu_only"]["24"]["hop_start_p50_ms"] = 2.0
+    assert sim_mod.fit_hop_start(real) == 0.0
+    assert sim_mod.fit_hop_start({"runs": {"auto": {"2": {"tpot_p50_ms": 9.0}}}}) is None
+
+
+def test_a_busy_replica_takes_a_new_request_later_and_a_moved_one_as_before():
+    """ServerSpec.hop_start_busy_s: a request's first hop waits that much longer when its replica's
+    engine is working, nothing when it is idle; hand-offs keep their own cost."""
+    def served(extra, clients):
+        sp = ServerSpec(PoolSpec(GPU, max_num_seqs=8, num_blocks=96), PoolSpec(CPU, max_num_seqs=8, num_blocks=256),
+                        hop_start_busy_s=extra)
+        return SimServer(sp, "gpu_only", {}).run_closed(clients, 1.0, lambda i: SimRequest(f"r{i}", 32, 16, 16))
+    start = lambda lv: lv.first_hop_t - lv.req.arrival  # noqa: E731
+    alone, alone_later = served(0.0, 1), served(0.05, 1)
+    assert start(alone_later[0]) == pytest.approx(start(alone[0]))  # an idle replica: at once
+    busy, busy_later = served(0.0, 4), served(0.05, 4)
+    waits = sorted(start(lv) for lv in busy_later[:4])
+    assert waits[0] == pytest.approx(start(busy[0])) and waits[-1] >= 0.05  # the first at once, the next later
