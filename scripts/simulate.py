@@ -540,7 +540,8 @@ def main() -> None:
                "stack": {"fixed_cores": round(args.stack_fixed_cores, 3), "ms_per_token": round(args.stack_ms_per_token, 3),
                          "fitted_on_runs": stack_fit["runs"] if stack_fit else 0,
                          "pool_own_cores": args.pool_own_cores, "pool_ms_per_token": args.pool_ms_per_token,
-                         "pool_own_ms_per_move": {k: round(v, 2) for k, v in (args.pool_own_ms_per_move or {}).items()}}}
+                         "pool_own_ms_per_move": {k: round(v, 2)
+                                                  for k, v in (args.pool_own_ms_per_move or {}).items()}}}
     else:
         plan = Plan(levels=args.levels, duration_s=args.duration, ramp_s=args.ramp, policies=args.policies)
         wl = {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "prompt_spread": 0.0,
