@@ -117,6 +117,13 @@ def fit_step_jitter(real: dict, modelled: dict | None = None) -> float | None:
     return round(min(0.5, excess * steps ** 0.5), 3)
 
 
+def gpu_profile_beside(report: str) -> StepTime | None:
+    """The emulated GPU pool's step profile that `--validate` fitted on its core beside a real run's
+    report (GPU_PROFILE), if there is one (runs before ed11379 have one profile, of core 1)."""
+    path = Path(report).with_name(GPU_PROFILE)
+    return StepTime.load(str(path)) if path.exists() else None
+
+
 def fit_hop_start(real: dict) -> float | None:
     """How much longer a request's first hop waited for its replica to take it when the pools were
     working than when they were nearly idle (ms): the real trace's hop_start_p50_ms, the median
@@ -507,9 +514,8 @@ def main() -> None:
     stack_fit = None
     if args.validate:
         real = json.loads(Path(args.validate).read_text())
-        beside = Path(args.validate).with_name(GPU_PROFILE)  # the GPU pool's core, fitted beside the run
-        if args.gpu_profile is None and beside.exists() and gpu is cpu:
-            gpu = StepTime.load(str(beside))
+        if args.gpu_profile is None and gpu is cpu:
+            gpu = gpu_profile_beside(args.validate) or gpu
         path = Path(args.validate).with_name("stack_path.json")  # measured beside the real run (above)
         if path.exists() and args.request_path_ms is None:
             args.request_path_ms = json.loads(path.read_text())["levels"]["1"]["ttft_p50_ms"]

@@ -1,6 +1,8 @@
 """The simulator: deterministic for a seed; every request finishes exactly once with its tokens;
 the policies deciding are the router's own (the registry's classes, called through the real
 Router); the engine model steps as the real engine does (admission, chunked prefill, preemption)."""
+import json
+
 import pytest
 
 from keyacc_ray.config import EngineConfig
@@ -422,3 +424,14 @@ def test_a_busy_replica_takes_a_new_request_later_and_a_moved_one_as_before():
     busy, busy_later = served(0.0, 4), served(0.05, 4)
     waits = sorted(start(lv) for lv in busy_later[:4])
     assert waits[0] == pytest.approx(start(busy[0])) and waits[-1] >= 0.05  # the first at once, the next later
+
+
+def test_a_comparison_reads_the_gpu_pools_profile_fitted_beside_the_run(sim_mod, tmp_path):
+    """--validate fits a profile on each pool's core; comparing a run again finds the GPU pool's
+    beside its report, and a run without one keeps the one profile for both pools."""
+    report = tmp_path / "report.json"
+    report.write_text("{}")
+    assert sim_mod.gpu_profile_beside(str(report)) is None
+    (tmp_path / sim_mod.GPU_PROFILE).write_text(json.dumps(StepTime("core0", 0.02, 0.0, 0.0, 0.0).to_dict()))
+    got = sim_mod.gpu_profile_beside(str(report))
+    assert got.seconds(0, 4, 0) == pytest.approx(0.02)
