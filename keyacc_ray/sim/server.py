@@ -17,6 +17,7 @@ import asyncio
 import heapq
 import math
 import random
+from collections import deque
 from dataclasses import dataclass, field
 
 from keyacc_ray.engine.request import SeqStatus
@@ -156,7 +157,7 @@ class SimServer:
         self._closed = None  # a time-bound closed loop: (workload's request maker, clients stop at)
         self._expected = 0
         self._recent_tokens: list[tuple[float, int]] = []  # (time, tokens) of the last second, every engine
-        self._recent_moves: list[float] = []  # when requests moved between the pools, the last MOVE_WINDOW_S
+        self._recent_moves: deque[float] = deque()  # when requests moved between the pools, the last MOVE_WINDOW_S
         self._rng = random.Random(spec.seed)
         self._sigma = math.sqrt(math.log1p(spec.step_jitter ** 2))  # a lognormal of mean 1 and that spread
 
@@ -258,6 +259,7 @@ class SimServer:
         if live.segments and live.segments[-1][0] != e.pool:
             live.moves += 1
             self._recent_moves.append(self.now)
+            self._forget_moves()
         live.ticket, live.hop_t, live.produced, live.export_after = t, self.now, 0, t.export_after
         if live.first_hop_t is None:
             live.first_hop_t = self.now
@@ -302,7 +304,7 @@ class SimServer:
         e.stack_share = self._stack_share(e)
         per_move = (self.spec.gpu if e.pool == "gpu" else self.spec.cpu).own_s_per_move
         if per_move:
-            self._recent_moves = [t for t in self._recent_moves if self.now - t <= MOVE_WINDOW_S]
+            self._forget_moves()
             e.move_cores = per_move * len(self._recent_moves) / MOVE_WINDOW_S
         r = e.step()
         if r is None:
@@ -314,6 +316,12 @@ class SimServer:
             if self._sigma:
                 r.seconds *= self._rng.lognormvariate(-self._sigma ** 2 / 2, self._sigma)
             self.at(self.now + r.seconds, self._step_done, e, r)
+
+    def _forget_moves(self) -> None:
+        """Moves older than MOVE_WINDOW_S leave the window (at each move too: a spec without a
+        per-move cost never reads the window, and it must not grow over a simulated hour)."""
+        while self._recent_moves and self.now - self._recent_moves[0] > MOVE_WINDOW_S:
+            self._recent_moves.popleft()
 
     def _stack_share(self, stepping: SimEngine) -> float:
         """The share of a busy engine's core the serving stack takes now: what it needs (its
