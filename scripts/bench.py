@@ -145,7 +145,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpu-kv-allocation", choices=("lazy", "reserve"), default="lazy",
                     help="the emulated GPU pool's KV allocation (EngineConfig.kv_allocation)")
     ap.add_argument("--timeline-policy", default="auto",
-                    help="the policy whose run at the top level is recorded as the timeline plot")
+                    help="the policy whose run at the top level is recorded as the timeline plot (none: no "
+                         "timeline; its /metrics scrape every 0.5 s costs the box ~0.035 cores)")
+    ap.add_argument("--order", choices=["policy", "level"], default="policy",
+                    help="policy: each policy through every level in turn; level: every policy at each level, "
+                         "rotated, before the next level (the cells a figure compares run minutes closer)")
     ap.add_argument("--ttft-slo-ms", type=float, default=2000)
     ap.add_argument("--tpot-slo-ms", type=float, default=150)
     ap.add_argument("--policies", nargs="+", default=side_by_side.POLICIES)
@@ -195,7 +199,8 @@ def main() -> None:
     options = {"trigger_window_s": 0.3, "return_window_s": 1.0, "decode_period_tokens": args.period}
     plan = side_by_side.Plan(levels=args.levels, duration_s=args.duration, ramp_s=args.ramp, policies=args.policies,
                              ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms,
-                             low_load_rounds=args.low_load_rounds, timeline_policy=args.timeline_policy)
+                             low_load_rounds=args.low_load_rounds, timeline_policy=args.timeline_policy,
+                             order=args.order)
     wl = Workload(prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
                   prompt_spread=args.prompt_spread, output_spread=args.output_spread)
     t0 = time.time()

@@ -82,9 +82,14 @@ ENGINES = ("gpu_decode", "gpu_prefill", "cpu_decode")
 # windows. With equal lengths the closed loop's clients move in step, and a 10 s window's p50 TTFT
 # swings with where that step falls: two seeds of the simulator itself (--sim-noise) differ by
 # 0.11-0.18 in p50 TTFT MAPE, as two real runs did (0.17); spread lengths and 20 s windows bring
-# that to 0.05-0.10 (docs/benchmarks.md, Simulator)
+# that to 0.05-0.10 (docs/benchmarks.md, Simulator). Level by level (`--order level`): the cells
+# harvest compares (each policy's top level, gpu_only's, the CPU pool alone) within ~3 minutes of each
+# other instead of ~8, on a VM whose speed drifts 10-25% over minutes; and no timeline, whose
+# /metrics scrape every 0.5 s took ~2% from the one cell it sampled (auto's top level) and which the
+# simulator does not model
 VALIDATE_BENCH_ARGS = ["--levels", "2", "8", "24", "40", "--duration", "20", "--prompt-spread", "0.5",
-                       "--output-spread", "0.5", "--low-load-rounds", "0", "--requests"]
+                       "--output-spread", "0.5", "--low-load-rounds", "0", "--requests", "--order", "level",
+                       "--timeline-policy", "none"]
 # this Xeon VM, measured beside session 46's --validate run (results/sim-validate-20261205-235613):
 # bench_stack.py --levels 1 --token-rate 2000, p50 TTFT; the replicas' own threads and the stack's
 # claim, fit_stack on that run's report

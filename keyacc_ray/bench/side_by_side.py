@@ -33,12 +33,29 @@ class Plan:
     policies: list[str] = field(default_factory=lambda: list(POLICIES))
     ttft_slo_ms: float = 2000.0
     tpot_slo_ms: float = 150.0
-    timeline_policy: str = "auto"  # the run whose timeline is recorded (at the top level)
+    timeline_policy: str = "auto"  # the run whose timeline is recorded (at the top level); "none": none
     cpu_alone: bool = True
+    # "policy": each policy through every level, one after another (the CPU pool alone last);
+    # "level": every policy at each level before the next level, the order rotated level by level
+    # and the CPU pool alone right after the top level's. On a machine whose speed drifts over
+    # minutes, "level" keeps the cells a figure compares (harvest: a policy's top level against
+    # gpu_only's and the CPU pool alone) minutes closer: policy-major puts ~8 minutes of a 14-minute
+    # run between gpu_only's top level and the CPU pool alone
+    order: str = "policy"
     # Low load, policy against gpu_only: short runs at the lowest level, policies interleaved
     # round by round and medians taken, so a drift of the machine does not land on one policy.
     low_load_rounds: int = 3
     low_load_s: float = 6.0
+
+
+def cells(plan: Plan) -> list[tuple[str, int]]:
+    """The measured runs (policy, clients) in the order `plan.order` says."""
+    if plan.order == "policy":
+        return [(p, c) for p in plan.policies for c in plan.levels]
+    if plan.order != "level":
+        raise ValueError(f"order must be 'policy' or 'level', got {plan.order!r}")
+    n = len(plan.policies)
+    return [(p, c) for i, c in enumerate(plan.levels) for p in plan.policies[i % n:] + plan.policies[:i % n]]
 
 
 def window(plan: Plan) -> tuple[float, float] | None:
@@ -139,26 +156,27 @@ def run(url: str, model: str, wl: Workload, plan: Plan, set_policy: Callable[[st
         if checkpoint:
             checkpoint({"partial": True, "plan": asdict(plan), "workload": asdict(wl),
                         "policy_options": policy_options or {}, "runs": runs, "cpu_alone": cpu_alone})
-    for pol in plan.policies:
-        set_policy(pol)
-        asyncio.run(closed_loop(url, model, 2, plan.warmup_s, wl, desc=f"{pol} warm-up", stream=f"warm-up/{pol}"))
-        runs[pol] = {}
-        for c in plan.levels:
-            record = pol == plan.timeline_policy and c == max(plan.levels)
-            before = cpu_probe() if cpu_probe else None
-            res, wall, tl = asyncio.run(_measure(url, model, c, plan.ramp_s + plan.duration_s, wl, record, pol))
-            s = summarize(res, wall, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3, window(plan))
-            if keep:
-                keep(f"{pol}/{c}", res)
-            if cpu_probe:
-                s.update(_cpu_figures(before, cpu_probe(), res, wall))
-            runs[pol][c] = s
-            if tl is not None:
-                timeline = {"policy": pol, "concurrency": c, **tl}
-            log(f"{pol:<14} c={c:<3} tok/s={s['output_tok_per_s']:<7} req/s={s['req_per_s']:<6} "
-                f"ttft p50/p99={s['ttft_p50_ms']}/{s['ttft_p99_ms']} tpot p50/p99={s['tpot_p50_ms']}/"
-                f"{s['tpot_p99_ms']} share={s['token_share']} moves={s['moves']} failed={s['failed']}")
-            save()
+    current = None
+    for pol, c in cells(plan):
+        if pol != current:
+            set_policy(pol)
+            asyncio.run(closed_loop(url, model, 2, plan.warmup_s, wl, desc=f"{pol} warm-up", stream=f"warm-up/{pol}"))
+            current = pol
+        record = pol == plan.timeline_policy and c == max(plan.levels)
+        before = cpu_probe() if cpu_probe else None
+        res, wall, tl = asyncio.run(_measure(url, model, c, plan.ramp_s + plan.duration_s, wl, record, pol))
+        s = summarize(res, wall, plan.ttft_slo_ms / 1e3, plan.tpot_slo_ms / 1e3, window(plan))
+        if keep:
+            keep(f"{pol}/{c}", res)
+        if cpu_probe:
+            s.update(_cpu_figures(before, cpu_probe(), res, wall))
+        runs.setdefault(pol, {})[c] = s
+        if tl is not None:
+            timeline = {"policy": pol, "concurrency": c, **tl}
+        log(f"{pol:<14} c={c:<3} tok/s={s['output_tok_per_s']:<7} req/s={s['req_per_s']:<6} "
+            f"ttft p50/p99={s['ttft_p50_ms']}/{s['ttft_p99_ms']} tpot p50/p99={s['tpot_p50_ms']}/"
+            f"{s['tpot_p99_ms']} share={s['token_share']} moves={s['moves']} failed={s['failed']}")
+        save()
     if plan.cpu_alone:
         set_policy("gpu_only")
         c = max(plan.levels)

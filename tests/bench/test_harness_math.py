@@ -92,6 +92,17 @@ def summary(tps, ttft99=100, tpot99=50, ttft50=50, tpot50=20, failed=0):
             "tpot_p50_ms": tpot50, "failed": failed}
 
 
+def test_cells_in_policy_or_level_order():
+    plan = side_by_side.Plan(levels=[2, 8, 24], policies=["a", "b", "c"])
+    assert side_by_side.cells(plan) == [(p, c) for p in "abc" for c in (2, 8, 24)]
+    level = side_by_side.cells(side_by_side.Plan(levels=[2, 8, 24, 40], policies=["a", "b", "c"], order="level"))
+    # every policy at each level before the next; who goes first rotates level by level
+    assert level == [("a", 2), ("b", 2), ("c", 2), ("b", 8), ("c", 8), ("a", 8),
+                     ("c", 24), ("a", 24), ("b", 24), ("a", 40), ("b", 40), ("c", 40)]
+    with pytest.raises(ValueError, match="order"):
+        side_by_side.cells(side_by_side.Plan(order="random"))
+
+
 def test_derived_figures():
     plan = side_by_side.Plan(levels=[2, 8, 16], ttft_slo_ms=1000, tpot_slo_ms=100)
     runs = {

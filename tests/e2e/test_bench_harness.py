@@ -44,14 +44,22 @@ def test_cli_json(app_url, tmp_path):
 
 def test_side_by_side_report(app_url, policy, tmp_path):  # noqa: F811
     plan = side_by_side.Plan(levels=[1, 3], duration_s=1.5, ramp_s=0.5, warmup_s=0.5, low_load_rounds=1, low_load_s=1.0,
-                             policies=["gpu_only", "full_offload", "auto"], timeline_policy="full_offload")
+                             policies=["gpu_only", "full_offload", "auto"], timeline_policy="full_offload",
+                             order="level")
     from keyacc_ray.bench import cpu_account
 
-    kept: dict = {}
+    kept, switched = {}, []
+
+    def switch(name: str) -> None:
+        switched.append(name)
+        policy(name, {} if name == "gpu_only" else FAST)
     report = side_by_side.run(app_url, MODEL, Workload(prompt_tokens=12, output_tokens=24), plan,
-                              lambda name: policy(name, {} if name == "gpu_only" else FAST), FAST, log=lambda m: None,
+                              switch, FAST, log=lambda m: None,
                               cpu_probe=lambda: cpu_account.snapshot(engine_threads=True),
                               keep=lambda name, res: kept.setdefault(name, res))
+    # level by level, rotated; then the CPU pool alone (under gpu_only), then one low-load round
+    assert switched == ["gpu_only", "full_offload", "auto", "full_offload", "auto", "gpu_only", "gpu_only",
+                        "gpu_only", "full_offload", "auto"], switched
     # every measured run's requests, as measured (bench.py --requests): their token times and traces
     assert set(kept) == {f"{p}/{c}" for p in plan.policies for c in plan.levels} | {"cpu-alone"}
     assert all(r.ok and 1 <= len(r.token_times) <= r.output_tokens == 24 and r.segments for r in kept["cpu-alone"])
