@@ -146,10 +146,16 @@ def fit_hop_start(real: dict) -> float | None:
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least squares y = a + b x with b kept >= 0 (a flat line at the mean when b would be less)."""
+    """Least squares y = a + b x with b kept >= 0 (a flat line at the mean when b would be less)
+    and a kept >= 0 (a line through the origin when a would be less: cores, or cores per move,
+    are never negative, and a few cells that rose steeply would otherwise give a fixed share
+    below nothing)."""
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
     slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var else 0.0
+    if my - slope * mx < 0:
+        sxx = sum(x * x for x in xs)
+        return 0.0, max(0.0, sum(x * y for x, y in zip(xs, ys)) / sxx) if sxx else 0.0
     return my - slope * mx, slope
 
 

@@ -291,6 +291,14 @@ def test_the_stack_fit_reads_what_the_engine_threads_did_not_get(sim_mod):
     assert old["fixed_cores"] == pytest.approx(0.3) and old["s_per_token"] == 0.0 and old["pool_own_cores"] is None
 
 
+def test_the_fits_lines_keep_both_terms_at_or_above_zero(sim_mod):
+    assert sim_mod._line([1, 2, 3], [1.5, 2.5, 3.5]) == pytest.approx((0.5, 1.0))
+    assert sim_mod._line([1, 2, 3], [3, 2, 1]) == pytest.approx((2.0, 0.0))  # falling: flat at the mean
+    # steep: y = -1 + 2x would cross zero; through the origin instead, y = b x by least squares
+    a, b = sim_mod._line([1, 2, 3], [1, 3, 5])
+    assert a == 0.0 and b == pytest.approx(22 / 14)
+
+
 def test_a_replicas_own_threads_lengthen_its_engines_steps():
     st = StepTime("s", 0.01, 0.0, 0.0, 0.0)
     plain = SimEngine("a", "GpuDecode", "gpu", st, 4, 64)
