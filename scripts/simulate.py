@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from keyacc_ray.bench.loadgen import Result, append_results, summarize  # noqa: E402
 from keyacc_ray.bench.side_by_side import POLICIES, Plan, derive, window  # noqa: E402
+from keyacc_ray.sim.corun import corun_factor  # noqa: E402
 from keyacc_ray.sim.server import PoolSpec, ServerSpec, SimServer  # noqa: E402
 from keyacc_ray.sim.steptime import StepTime  # noqa: E402
 from keyacc_ray.sim.workload import SimRequest  # noqa: E402
@@ -62,12 +63,13 @@ def this_box(args, gpu: StepTime, cpu: StepTime) -> ServerSpec:
     own = POOL_OWN_CORES if args.pool_own_cores is None else args.pool_own_cores
     per_move = {k: v / 1e3 for k, v in (args.pool_own_ms_per_move or {}).items()}
     per_token = args.pool_ms_per_token / 1e3
+    corun = args.corun_factor or {}
     return ServerSpec(PoolSpec(gpu, max_num_seqs=8, num_blocks=args.gpu_kv_blocks, block_size=16,
                                pool_s_per_token=per_token, own_cores=own.get("gpu", 0.0),
-                               own_s_per_move=per_move.get("gpu", 0.0)),
+                               own_s_per_move=per_move.get("gpu", 0.0), corun_factor=corun.get("gpu", 1.0)),
                       PoolSpec(cpu, max_num_seqs=args.cpu_seqs, num_blocks=args.cpu_seqs * 64, block_size=16,
                                pool_s_per_token=per_token, own_cores=own.get("cpu", 0.0),
-                               own_s_per_move=per_move.get("cpu", 0.0)),
+                               own_s_per_move=per_move.get("cpu", 0.0), corun_factor=corun.get("cpu", 1.0)),
                       kv_bytes_per_token=args.kv_bytes_per_token, handoff_bw_bytes_s=args.handoff_gbs * 1e9,
                       handoff_fixed_s=args.handoff_fixed_ms / 1e3, max_model_len=1024,
                       stack_s_per_token=args.stack_ms_per_token / 1e3, stack_cores=args.stack_cores,
@@ -95,6 +97,7 @@ VALIDATE_BENCH_ARGS = ["--levels", "2", "8", "24", "40", "--duration", "20", "--
 # claim, fit_stack on that run's report
 REQUEST_PATH_MS = 8.6
 GPU_PROFILE = "profile-gpu.json"  # --validate's profile of the emulated GPU pool's core, beside profile.json
+TRACE_DIR = "steps"  # --validate's step trace of the real run (bench.py --trace-steps), beside its report
 POOL_OWN_CORES = {"gpu": 0.06, "cpu": 0.06}
 STACK_FIXED_CORES, STACK_MS_PER_TOKEN = 0.5, 0.0
 
@@ -127,6 +130,28 @@ def gpu_profile_beside(report: str) -> StepTime | None:
     report (GPU_PROFILE), if there is one (runs before ed11379 have one profile, of core 1)."""
     path = Path(report).with_name(GPU_PROFILE)
     return StepTime.load(str(path)) if path.exists() else None
+
+
+def fit_corun(trace_dir: Path, gpu: StepTime, cpu: StepTime) -> dict[str, float]:
+    """Each pool's `corun_factor` from the real run's step trace beside its report (`--validate`
+    runs the bench with --trace-steps): how much more of its thread's CPU each engine's step took
+    while the other pool's engine worked than while it worked alone, row count by row count
+    (keyacc_ray/sim/corun.py). Only traces whose records name their pool; a
+    pool with no row count stepped enough both ways keeps 1.0 (nothing where there is no trace)."""
+    steps: dict[str, list[dict]] = {}
+    for path in sorted(trace_dir.glob("steps-*.jsonl")) if trace_dir.is_dir() else []:
+        for line in path.read_text().splitlines():
+            s = json.loads(line)
+            if s.get("pool") in ("gpu", "cpu"):
+                steps.setdefault(s["pool"], []).append(s)
+    if set(steps) != {"gpu", "cpu"}:
+        return {}
+    out = {}
+    for pool, other, model in (("gpu", "cpu", gpu), ("cpu", "gpu", cpu)):
+        f = corun_factor(steps[pool], steps[other], model)["factor"]
+        if f:
+            out[pool] = f
+    return out
 
 
 def fit_hop_start(real: dict) -> float | None:
@@ -445,6 +470,9 @@ def main() -> None:
     ap.add_argument("--pool-own-ms-per-move", type=json.loads, default=None, help="each replica's own threads' "
                     "CPU per request moved between the pools (either way), ms, JSON per pool (default none); "
                     "--validate fits it beside --pool-own-cores")
+    ap.add_argument("--corun-factor", type=json.loads, default=None, help="each pool's steps' cost beside the "
+                    "other pool's engine against alone, JSON per pool (default 1.0; --validate fits it from the "
+                    "real run's step trace, `steps/` beside its report)")
     ap.add_argument("--stack-cores", type=float, default=2.0, help="cores the stack shares with the engines")
     ap.add_argument("--hop-start-busy-ms", type=float, default=None, help="how much longer a request's first hop "
                     "waits for its replica when that replica's engine works (default 0; --validate fits it from the "
@@ -505,7 +533,7 @@ def main() -> None:
 
         out_dir = ROOT / "results" / f"sim-validate-{time.strftime('%Y%m%d-%H%M%S')}"
         subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), *VALIDATE_BENCH_ARGS, "--out-dir",
-                        str(out_dir)], check=True)
+                        str(out_dir), "--trace-steps", str(out_dir / TRACE_DIR)], check=True)
         args.validate = str(out_dir / "report.json")
         # and the step-time profile right after it: this VM's speed moves 1.5-2x between minutes, and a
         # profile fitted another hour made the simulated pools 15-30% off
@@ -534,6 +562,8 @@ def main() -> None:
         jitter_fit = args.step_jitter is None
         if args.hop_start_busy_ms is None:
             args.hop_start_busy_ms = fit_hop_start(real)
+        if args.corun_factor is None:
+            args.corun_factor = fit_corun(Path(args.validate).with_name(TRACE_DIR), gpu, cpu)
         if stack_fit:
             args.stack_fixed_cores, args.stack_ms_per_token = stack_fit["fixed_cores"], stack_fit["s_per_token"] * 1e3
             if stack_fit["pool_own_cores"]:
@@ -559,7 +589,7 @@ def main() -> None:
         out = {**compare(real, sim), "sim_wall_s": round(time.time() - t0, 2), "profile": cpu.name,
                "real_report": args.validate,
                "request_path_ms": args.request_path_ms, "hop_start_busy_ms": args.hop_start_busy_ms,
-               "step_jitter": args.step_jitter, "seeds": args.seeds,
+               "step_jitter": args.step_jitter, "seeds": args.seeds, "corun_factor": args.corun_factor,
                "stack": {"fixed_cores": round(args.stack_fixed_cores, 3), "ms_per_token": round(args.stack_ms_per_token, 3),
                          "fitted_on_runs": stack_fit["runs"] if stack_fit else 0,
                          "pool_own_cores": args.pool_own_cores, "pool_ms_per_token": args.pool_ms_per_token,

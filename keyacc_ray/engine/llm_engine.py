@@ -294,6 +294,12 @@ class LLMEngine:
         """A scheduled step, recorded where KEYACC_STEP_TRACE_DIR asks for it (step_trace.py)."""
         return self._step(sched) if self._step_trace is None else self._step_trace.step(sched, self._step)
 
+    def label_step_trace(self, pool: str) -> None:
+        """Name the pool this engine serves in its step trace's records, where one is kept (a
+        trace's reader tells the pools' engines apart by it: scripts/simulate.py's co-run fit)."""
+        if self._step_trace is not None:
+            self._step_trace.pool = pool
+
     def _step(self, sched) -> list[RequestOutput]:
         if self.tiers is not None and self.tiers.moves:  # blocks to and from the lower tiers
             self.kv_store.run(self.tiers.take_moves())

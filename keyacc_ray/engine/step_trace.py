@@ -31,6 +31,7 @@ class StepTrace:
     def __init__(self, out_dir: str):
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         self.path = Path(out_dir) / f"steps-{os.getpid()}.jsonl"
+        self.pool: str | None = None  # the pool the engine serves ("gpu", "cpu"), where its replica said
 
     @classmethod
     def from_env(cls) -> StepTrace | None:
@@ -50,5 +51,5 @@ class StepTrace:
         with open(self.path, "a") as f:
             f.write(json.dumps({"t": round(time.time(), 4), "rows": rows, "prompt_tokens": prompt, "kv_tokens": kv,
                                 "attn_pairs": pairs, "imports": imports, "wall_s": round(wall, 6),
-                                "cpu_s": round(cpu, 6)}) + "\n")
+                                "cpu_s": round(cpu, 6), **({"pool": self.pool} if self.pool else {})}) + "\n")
         return out

@@ -124,6 +124,7 @@ class EnginePool:
                         self.deployment)
         else:
             self.engine = LLMEngine(cfg)
+            self.engine.label_step_trace(self.pool)
             rate = self.engine.measure_prefill_rate()  # (the policies' input before the first prompt)
             log.info("keyacc %s: prefill rate at start %.0f tokens/s", self.deployment, rate)
         self.emulated = self.pool == "gpu" and self.engine.runner.device.type != "cuda"

@@ -33,6 +33,7 @@ class SimEngine:
         self.own_cores = own_cores  # the replica's other threads' share of the engine's core (PoolSpec.own_cores)
         self.stack_share = 0.0  # the serving stack's share of that core now (its server sets it before a step)
         self.move_cores = 0.0  # its own threads' extra share for the requests moving now (PoolSpec.own_s_per_move)
+        self.corun = 1.0  # its steps' cost beside the other pool's engine (PoolSpec.corun_factor), set likewise
         per_seq = min(num_blocks, -(-max_model_len // block_size))
         self.blocks = BlockManager(num_blocks, block_size, 0, per_seq)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_waiting, max_prefill_tokens, lazy=lazy,
@@ -103,6 +104,7 @@ class SimEngine:
         out.seconds = self.steptime.seconds(out.prefill_tokens, out.decode_rows, kv, attn)
         self.prefill_rate.observe(out.prefill_tokens, out.seconds)
         out.seconds += len(out.produced) * self.per_token_s
+        out.seconds *= self.corun
         # what the engine thread gets of its core: less the replica's own threads and the stack's
         # share, each in cores as the real run's accounting measures them (so they add: a stack
         # share of 0.26 beside own threads of 0.07 leaves 0.67 of the core, not 0.74 x 0.93)

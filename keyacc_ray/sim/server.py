@@ -58,6 +58,12 @@ class PoolSpec:
     # KV's export or import on the replica's Serve side, the object store, the KV directory), at
     # the rate of the last MOVE_WINDOW_S (scripts/simulate.py's fit_stack: ~3 ms a move here)
     own_s_per_move: float = 0.0
+    # a step takes this many times the profile's time while the other pool's engine works too (the
+    # two engines and the stack then share the box: caches, the memory bus, the stack's processes
+    # taking slices of the engine's core); the profile is measured with nothing beside it.
+    # scripts/simulate.py fits it from the real run's step trace (
+    # keyacc_ray/sim/corun.py; 1.06 for this box's CPU pool in one run)
+    corun_factor: float = 1.0
     under_way: int = 0  # EngineConfig.max_num_seqs_under_way (0: off, its default)
 
 
@@ -302,6 +308,8 @@ class SimServer:
         if e.busy:
             return
         e.stack_share = self._stack_share(e)
+        factor = (self.spec.gpu if e.pool == "gpu" else self.spec.cpu).corun_factor
+        e.corun = factor if factor != 1.0 and self._other_pool_works(e) else 1.0
         per_move = (self.spec.gpu if e.pool == "gpu" else self.spec.cpu).own_s_per_move
         if per_move:
             self._forget_moves()
@@ -316,6 +324,10 @@ class SimServer:
             if self._sigma:
                 r.seconds *= self._rng.lognormvariate(-self._sigma ** 2 / 2, self._sigma)
             self.at(self.now + r.seconds, self._step_done, e, r)
+
+    def _other_pool_works(self, e: SimEngine) -> bool:
+        return any(o.pool != e.pool and (o.busy or o.scheduler.num_running or o.scheduler.num_waiting)
+                   for o in self.hops.values())
 
     def _forget_moves(self) -> None:
         """Moves older than MOVE_WINDOW_S leave the window (at each move too: a spec without a

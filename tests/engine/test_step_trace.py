@@ -14,11 +14,13 @@ from tests.conftest import ROOT
 def test_every_step_is_recorded_with_what_it_held(qwen3_path, tmp_path, monkeypatch):
     monkeypatch.setenv(ENV, str(tmp_path / "trace"))
     eng = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=4, dtype="float32"))
+    eng.label_step_trace("gpu")  # (a pool replica names its pool: the co-run fit tells the engines apart by it)
     prompts = [[5 + i for i in range(12)], [7 + i for i in range(20)]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     out = eng.generate(prompts, params)
     assert [len(o) for o in out] == [6, 6]
     b = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=4, dtype="float32"))  # the same process: one file
+    b.label_step_trace("cpu")
     eng.add_request("m", prompts[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     eng.step()
     b.import_request(eng.export_request("m"), "m")
@@ -33,6 +35,7 @@ def test_every_step_is_recorded_with_what_it_held(qwen3_path, tmp_path, monkeypa
     assert sum(s["imports"] for s in steps) == 1
     imported = next(s for s in steps if s["imports"])
     assert imported["kv_tokens"] >= 12 and imported["prompt_tokens"] == 0  # it decodes on the KV it brought
+    assert imported["pool"] == "cpu" and steps[0]["pool"] == "gpu"
     assert all(s["wall_s"] >= 0 and s["cpu_s"] >= 0 and s["attn_pairs"] >= s["prompt_tokens"] for s in steps)
 
     spec = importlib.util.spec_from_file_location("step_trace_report", ROOT / "scripts" / "step_trace_report.py")
@@ -52,4 +55,5 @@ def test_no_trace_without_the_variable(qwen3_path, tmp_path, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     eng = LLMEngine(EngineConfig(model=qwen3_path, max_num_seqs=2, dtype="float32"))
     assert eng._step_trace is None
+    eng.label_step_trace("cpu")  # nothing to name
     eng.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))

@@ -330,6 +330,45 @@ def test_requests_moving_between_the_pools_take_from_the_replicas_cores():
     assert served("gpu_only", 0.02)[1] == served("gpu_only", 0.0)[1]
 
 
+def test_the_corun_factor_lengthens_a_pools_steps_only_while_the_other_pool_works():
+    """PoolSpec.corun_factor: a CPU step beside a working GPU engine takes that many times the
+    profile's time; with the GPU pool idle (every request pinned to the CPU pool) not at all."""
+    def served(policy, factor, route=None):
+        sp = ServerSpec(PoolSpec(GPU, max_num_seqs=4, num_blocks=96),
+                        PoolSpec(CPU, max_num_seqs=16, num_blocks=512, corun_factor=factor))
+        srv = SimServer(sp, policy, {"trigger_window_s": 0.05, "return_window_s": 0.3} if policy != "gpu_only" else {})
+        srv.run_closed(12, 6.0, lambda i: SimRequest(f"r{i}", 48, 64, 64, route=route))
+        cpu = srv.hops["cpu_decode/0"]
+        return cpu.busy_s / cpu.tokens_generated, srv  # (the CPU engine's seconds a token)
+    (plain, srv), (slower, _) = served("full_offload", 1.0), served("full_offload", 1.2)
+    assert srv.hops["cpu_decode/0"].tokens_generated > 0 and srv.hops["gpu_decode"].tokens_generated > 0
+    assert 1.1 * plain < slower <= 1.2 * plain + 1e-9  # (its steps beside the GPU's, most of them)
+    assert served("gpu_only", 1.2, route="cpu")[0] == served("gpu_only", 1.0, route="cpu")[0]  # the CPU pool alone
+
+
+def test_the_corun_factor_is_read_from_a_step_trace_row_count_by_row_count():
+    """keyacc_ray/sim/corun.py: steps whose midpoint lies in the other engine's busy spans against
+    steps alone, compared at the same decode rows (so the profile's error by rows cancels)."""
+    from keyacc_ray.sim.corun import busy_spans, corun_factor
+
+    flat = StepTime("flat", 0.010, 0.0, 0.0, 0.0)  # 10 ms a step, whatever the rows
+    other = [{"t": 10.0 + 0.01 * k, "wall_s": 0.01} for k in range(500)]  # busy over [10, 15]
+    assert busy_spans(other) == [(pytest.approx(9.99), pytest.approx(14.99))]
+
+    def step(t, rows, cpu):
+        return {"t": t, "wall_s": 0.01, "cpu_s": cpu, "rows": rows, "prompt_tokens": 0, "kv_tokens": 0,
+                "attn_pairs": 0}
+    # alone (before 10 s and after 15 s): 4 rows at 12 ms, 16 rows at 20 ms (the profile's error);
+    # beside the other engine the same rows at 1.1x that
+    mine = [step(1 + 0.01 * k, 4 if k % 2 else 16, 0.012 if k % 2 else 0.020) for k in range(400)]
+    mine += [step(10.5 + 0.01 * k, 4 if k % 4 else 16, 0.0132 if k % 4 else 0.022) for k in range(400)]
+    mine += [step(20 + 0.01 * k, 16, 0.020) for k in range(50)]
+    got = corun_factor(mine, other, flat)
+    assert got["factor"] == pytest.approx(1.1) and got["beside"] == 400 and got["alone"] == 450
+    # a row count seen only one way is left out; none seen both ways: no factor
+    assert corun_factor(mine[400:800], other, flat)["factor"] is None
+
+
 def test_the_stacks_request_path_adds_to_each_request_and_spaces_a_clients_requests():
     """ServerSpec.request_path_s: half before the router sees a request, half on each token's way
     back; a closed-loop client's next request starts when its last token is in."""
@@ -443,3 +482,26 @@ def test_a_comparison_reads_the_gpu_pools_profile_fitted_beside_the_run(sim_mod,
     (tmp_path / sim_mod.GPU_PROFILE).write_text(json.dumps(StepTime("core0", 0.02, 0.0, 0.0, 0.0).to_dict()))
     got = sim_mod.gpu_profile_beside(str(report))
     assert got.seconds(0, 4, 0) == pytest.approx(0.02)
+
+
+def test_a_comparison_fits_each_pools_corun_factor_from_the_trace_beside_the_run(sim_mod, tmp_path):
+    """--validate traces the real run's steps (`steps/` beside its report, each record naming its
+    pool); the comparison fits each pool's corun_factor from them. No trace, or records without
+    their pool (older traces): none."""
+    flat = StepTime("flat", 0.010, 0.0, 0.0, 0.0)
+    trace = tmp_path / sim_mod.TRACE_DIR
+    assert sim_mod.fit_corun(trace, flat, flat) == {}
+
+    def step(t, cpu, pool):
+        return json.dumps({"t": t, "wall_s": 0.01, "cpu_s": cpu, "rows": 8, "prompt_tokens": 0, "kv_tokens": 0,
+                           "attn_pairs": 0, "pool": pool})
+    # the GPU engine alone over [0, 5] and beside the CPU engine over [5, 10] (1.2x); the CPU engine
+    # only beside it, so nothing to compare it with
+    gpu = [step(0.01 * k, 0.010 if k < 500 else 0.012, "gpu") for k in range(1, 1000)]
+    cpu = [step(5.0 + 0.01 * k, 0.010, "cpu") for k in range(1, 500)]
+    trace.mkdir()
+    (trace / "steps-1.jsonl").write_text("\n".join(gpu) + "\n")
+    (trace / "steps-2.jsonl").write_text("\n".join(cpu) + "\n")
+    assert sim_mod.fit_corun(trace, flat, flat) == {"gpu": pytest.approx(1.2, abs=0.01)}
+    (trace / "steps-2.jsonl").write_text("\n".join(c.replace(', "pool": "cpu"', "") for c in cpu) + "\n")
+    assert sim_mod.fit_corun(trace, flat, flat) == {}
