@@ -135,9 +135,10 @@ def gpu_profile_beside(report: str) -> StepTime | None:
 def fit_corun(trace_dir: Path, gpu: StepTime, cpu: StepTime) -> dict[str, float]:
     """Each pool's `corun_factor` from the real run's step trace beside its report (`--validate`
     runs the bench with --trace-steps): how much more of its thread's CPU each engine's step took
-    while the other pool's engine worked than while it worked alone, row count by row count
-    (keyacc_ray/sim/corun.py). Only traces whose records name their pool; a
-    pool with no row count stepped enough both ways keeps 1.0 (nothing where there is no trace)."""
+    while the other pool's engine worked than while it worked alone, compared among steps of the
+    same rows, with prompt tokens or without (keyacc_ray/sim/corun.py). Only traces whose records
+    name their pool; a pool with no kind of step seen enough both ways keeps 1.0 (nothing where
+    there is no trace)."""
     steps: dict[str, list[dict]] = {}
     for path in sorted(trace_dir.glob("steps-*.jsonl")) if trace_dir.is_dir() else []:
         for line in path.read_text().splitlines():

@@ -24,27 +24,28 @@ def corun_factor(mine: list[dict], other: list[dict], model: StepTime, min_steps
     its rows and tokens, while the other pool's engine works (the two engines and the serving
     stack then share the box's cores: caches, the memory bus, the stack's processes taking slices
     of the engine's core) than while it works alone. A step counts as beside the other engine
-    where its midpoint falls in one of that engine's busy spans. Compared row count by row count
-    (steps with the same decode rows, prompt tokens or not; at least `min_steps` on each side),
-    so that where the profile reads some row counts slow or fast it does not weigh in: the mean
-    over the steps beside the other engine of their row count's cpu_vs_model beside over alone.
+    where its midpoint falls in one of that engine's busy spans. Compared kind by kind (steps with
+    the same decode rows, with prompt tokens or without; at least `min_steps` on each side), so
+    that where the profile reads some row counts, or prompts, slow or fast, and one side has more
+    of them, it does not weigh in: the mean over the steps beside the other engine of their kind's
+    cpu_vs_model beside over alone.
     `factor` None where no row count has enough steps on both sides."""
     spans = busy_spans(other)
     starts = [a for a, _ in spans]
-    by_rows: dict[tuple[int, bool], list[float]] = {}  # (rows, beside) -> [cpu, model, steps]
+    by_kind: dict[tuple[int, bool, bool], list[float]] = {}  # (rows, prompt, beside) -> [cpu, model, steps]
     for s in mine:
         mid = s["t"] - s["wall_s"] / 2
         i = bisect.bisect_right(starts, mid) - 1
-        side = by_rows.setdefault((s["rows"], i >= 0 and mid <= spans[i][1]), [0.0, 0.0, 0])
+        side = by_kind.setdefault((s["rows"], s["prompt_tokens"] > 0, i >= 0 and mid <= spans[i][1]), [0.0, 0.0, 0])
         side[0] += s["cpu_s"]
         side[1] += model.seconds(s["prompt_tokens"], s["rows"], s["kv_tokens"], s["attn_pairs"])
         side[2] += 1
     num = den = 0.0
-    for (rows, beside), (c, m, n) in by_rows.items():
-        alone = by_rows.get((rows, False))
+    for (rows, prompt, beside), (c, m, n) in by_kind.items():
+        alone = by_kind.get((rows, prompt, False))
         if beside and n >= min_steps and alone and alone[2] >= min_steps and m and alone[1] and alone[0]:
             num += n * (c / m) / (alone[0] / alone[1])
             den += n
-    steps = {b: sum(v[2] for (_, bb), v in by_rows.items() if bb == b) for b in (True, False)}
+    steps = {b: sum(v[2] for (_, _, bb), v in by_kind.items() if bb == b) for b in (True, False)}
     return {"factor": round(num / den, 3) if den else None, "beside": steps[True], "alone": steps[False],
             "compared": int(den)}

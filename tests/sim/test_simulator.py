@@ -346,7 +346,7 @@ def test_the_corun_factor_lengthens_a_pools_steps_only_while_the_other_pool_work
     assert served("gpu_only", 1.2, route="cpu")[0] == served("gpu_only", 1.0, route="cpu")[0]  # the CPU pool alone
 
 
-def test_the_corun_factor_is_read_from_a_step_trace_row_count_by_row_count():
+def test_the_corun_factor_is_read_from_a_step_trace_kind_by_kind():
     """keyacc_ray/sim/corun.py: steps whose midpoint lies in the other engine's busy spans against
     steps alone, compared at the same decode rows (so the profile's error by rows cancels)."""
     from keyacc_ray.sim.corun import busy_spans, corun_factor
