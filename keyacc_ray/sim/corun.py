@@ -19,17 +19,19 @@ def busy_spans(steps: list[dict], gap_s: float = 0.2) -> list[tuple[float, float
     return [(a, b) for a, b in spans]
 
 
-def corun_factor(mine: list[dict], other: list[dict], model: StepTime, min_steps: int = 10) -> dict:
+def corun_factor(mine: list[dict], other: list[dict], model: StepTime, min_steps: int = 50) -> dict:
     """How much more of its thread's CPU an engine's step takes, against what the profile says for
     its rows and tokens, while the other pool's engine works (the two engines and the serving
     stack then share the box's cores: caches, the memory bus, the stack's processes taking slices
     of the engine's core) than while it works alone. A step counts as beside the other engine
     where its midpoint falls in one of that engine's busy spans. Compared kind by kind (steps with
-    the same decode rows, with prompt tokens or without; at least `min_steps` on each side), so
-    that where the profile reads some row counts, or prompts, slow or fast, and one side has more
-    of them, it does not weigh in: the mean over the steps beside the other engine of their kind's
-    cpu_vs_model beside over alone.
-    `factor` None where no row count has enough steps on both sides."""
+    the same decode rows, with prompt tokens or without), so that where the profile reads some row
+    counts, or prompts, slow or fast, and one side has more of them, it does not weigh in: the mean
+    over the steps beside the other engine of their kind's cpu_vs_model beside over alone. Only
+    kinds with at least `min_steps` steps on each side: a kind seen alone only in a cell's last
+    seconds, as its requests drain, is no sample of it (at 10, such kinds drew the CPU pool's
+    factor to 1.000-1.011 in runs M and N, where 30, 50 or 100 give 1.034-1.043:
+    docs/benchmarks.md). `factor` None where no kind has enough steps on both sides."""
     spans = busy_spans(other)
     starts = [a for a, _ in spans]
     by_kind: dict[tuple[int, bool, bool], list[float]] = {}  # (rows, prompt, beside) -> [cpu, model, steps]
