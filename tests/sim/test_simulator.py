@@ -365,6 +365,11 @@ def test_the_corun_factor_is_read_from_a_step_trace_kind_by_kind():
     mine += [step(20 + 0.01 * k, 16, 0.020) for k in range(50)]
     got = corun_factor(mine, other, flat)
     assert got["factor"] == pytest.approx(1.1) and got["beside"] == 400 and got["alone"] == 450
+    # a kind seen alone only a few times (a cell's drain) is no sample of it: left out
+    sparse = mine + [step(30 + 0.01 * k, 8, 0.030) for k in range(20)] + [step(12 + 0.001 * k, 8, 0.010)
+                                                                        for k in range(100)]
+    assert corun_factor(sparse, other, flat)["factor"] == pytest.approx(1.1)
+    assert corun_factor(sparse, other, flat, min_steps=10)["factor"] < 1.0
     # a row count seen only one way is left out; none seen both ways: no factor
     assert corun_factor(mine[400:800], other, flat)["factor"] is None
 
