@@ -61,8 +61,8 @@ class PoolSpec:
     # a step takes this many times the profile's time while the other pool's engine works too (the
     # two engines and the stack then share the box: caches, the memory bus, the stack's processes
     # taking slices of the engine's core); the profile is measured with nothing beside it.
-    # scripts/simulate.py fits it from the real run's step trace (
-    # keyacc_ray/sim/corun.py; 1.06 for this box's CPU pool in one run)
+    # scripts/simulate.py --validate fits it from the real run's step trace (keyacc_ray/sim/corun.py;
+    # on this box 1.05-1.06 for the emulated GPU pool, 0.97-1.04 for the CPU pool)
     corun_factor: float = 1.0
     under_way: int = 0  # EngineConfig.max_num_seqs_under_way (0: off, its default)
 
