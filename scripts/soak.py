@@ -147,14 +147,15 @@ async def good(client, rng, checks, stats, stream: bool, tiers: bool = False):
                         tally(stats["server_gaps_by_10s"], window(stats, b))
                         tally(stats["server_gaps_where"], w)
                 if worst[0] > 2.0:  # where the longest stalls happened: the request's path
-                    # (each segment with when its replica took it and when its first token reached the
-                    # ingress, ms from the request's start there; the gap's start is ms from sending it;
+                    # (each segment with when the ingress sent its hop (`sent>`), when its replica took
+                    # it and when its first token reached the ingress, ms from the request's start there; the gap's start is ms from sending it;
                     # its longest wait between tokens at the ingress and when it began, and in its
                     # replica: between the engine's steps that made them (after how many tokens of the
                     # hop), and for the replica's event loop)
                     segs = [f"{g.get('pool')}/{g.get('phase')}:{g.get('tokens')}"
                             + "".join(f",{k}" for k in ("kv", "failed", "withdrawn") if g.get(k))
-                            + (f"@{g['start_ms']:.0f}/{g.get('first_token_ms', -1):.0f}ms" if "start_ms" in g else "")
+                            + (f"@{g['sent_ms']:.0f}>" if "sent_ms" in g else "@" if "start_ms" in g else "")
+                            + (f"{g['start_ms']:.0f}/{g.get('first_token_ms', -1):.0f}ms" if "start_ms" in g else "")
                             + (f" gap {g['ingress_gap_ms']:.0f}ms@{g['ingress_gap_at_ms']:.0f}" if "ingress_gap_ms" in g
                                else "")
                             + (f" made {g['made_gap_ms']:.0f}ms@{g['made_gap_after']} lag {g['loop_lag_ms']:.0f}ms"

@@ -314,8 +314,10 @@ class RequestDriver:
                                 decided = it.ticket
                         elif isinstance(it, SegmentStart):
                             new_segment = trace.start(it)
-                            if new_segment:  # when its replica took it, as the ingress saw that
+                            if new_segment:  # when its replica took it, as the ingress saw that; and when
+                                # this hop was sent (after the last one ended and the router chose it)
                                 trace.segments[-1]["start_ms"] = round((time.monotonic() - began) * 1e3, 2)
+                                trace.segments[-1]["sent_ms"] = round((started - began) * 1e3, 2)
                                 last_token_at = None
                             if new_segment and handoff is not None and it.kv == "received":
                                 # the hand-off that brought it: its KV bytes, and from the end of the

@@ -702,6 +702,9 @@ def test_vllm_metrics_and_the_dashboard(app_url, client):
     # when each hop's replica took it and when its first token reached the ingress, from the
     # request's start there: in that order, hop after hop
     assert 0 <= first["start_ms"] <= first["first_token_ms"] <= moved["start_ms"] <= moved["first_token_ms"]
+    # and when the ingress sent each hop: before its replica took it, the next after the last's token
+    assert 0 <= first["sent_ms"] <= first["start_ms"]
+    assert first["first_token_ms"] <= moved["sent_ms"] <= moved["start_ms"]
     # where each hop's tokens waited: in its engine, for its replica's event loop, at the ingress
     for seg in (first, moved):
         assert seg["made_gap_ms"] >= 0 and seg["loop_lag_ms"] >= 0 and 0 <= seg["made_gap_after"] <= seg["tokens"]
