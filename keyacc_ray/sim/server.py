@@ -308,12 +308,11 @@ class SimServer:
         if e.busy:
             return
         e.stack_share = self._stack_share(e)
-        factor = (self.spec.gpu if e.pool == "gpu" else self.spec.cpu).corun_factor
-        e.corun = factor if factor != 1.0 and self._other_pool_works(e) else 1.0
-        per_move = (self.spec.gpu if e.pool == "gpu" else self.spec.cpu).own_s_per_move
-        if per_move:
+        pool = self.spec.gpu if e.pool == "gpu" else self.spec.cpu
+        e.corun = pool.corun_factor if pool.corun_factor != 1.0 and self._other_pool_works(e) else 1.0
+        if pool.own_s_per_move:
             self._forget_moves()
-            e.move_cores = per_move * len(self._recent_moves) / MOVE_WINDOW_S
+            e.move_cores = pool.own_s_per_move * len(self._recent_moves) / MOVE_WINDOW_S
         r = e.step()
         if r is None:
             return
