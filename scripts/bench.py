@@ -146,7 +146,7 @@ def parser() -> argparse.ArgumentParser:
                     help="the emulated GPU pool's KV allocation (EngineConfig.kv_allocation)")
     ap.add_argument("--timeline-policy", default="auto",
                     help="the policy whose run at the top level is recorded as the timeline plot (none: no "
-                         "timeline; its /metrics scrape every 0.5 s costs the box ~0.035 cores)")
+                         "timeline; its /metrics scrape every 0.5 s takes CPU from the cell it samples)")
     ap.add_argument("--order", choices=["policy", "level"], default="policy",
                     help="policy: each policy through every level in turn; level: every policy at each level, "
                          "rotated, before the next level (the cells a figure compares run minutes closer)")

@@ -87,7 +87,7 @@ ENGINES = ("gpu_decode", "gpu_prefill", "cpu_decode")
 # that to 0.05-0.10 (docs/benchmarks.md, Simulator). Level by level (`--order level`): the cells
 # harvest compares (each policy's top level, gpu_only's, the CPU pool alone) within ~3 minutes of each
 # other instead of ~8, on a VM whose speed drifts 10-25% over minutes; and no timeline, whose
-# /metrics scrape every 0.5 s took ~2% from the one cell it sampled (auto's top level) and which the
+# /metrics scrape every 0.5 s takes CPU from the one cell it samples (auto's top level) and which the
 # simulator does not model
 VALIDATE_BENCH_ARGS = ["--levels", "2", "8", "24", "40", "--duration", "20", "--prompt-spread", "0.5",
                        "--output-spread", "0.5", "--low-load-rounds", "0", "--requests", "--order", "level",
