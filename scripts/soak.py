@@ -151,15 +151,21 @@ async def good(client, rng, checks, stats, stream: bool, tiers: bool = False):
                     # it and when its first token reached the ingress, ms from the request's start there; the gap's start is ms from sending it;
                     # its longest wait between tokens at the ingress and when it began, and in its
                     # replica: between the engine's steps that made them (after how many tokens of the
-                    # hop), and for the replica's event loop)
+                    # hop), and for the replica's event loop; the token that ended the ingress's gap: its
+                    # batch's way from the pool to the ingress's reader + from there to the driver, or
+                    # "own call" (not multiplexed); how long its token stream held batches back for acks)
                     segs = [f"{g.get('pool')}/{g.get('phase')}:{g.get('tokens')}"
                             + "".join(f",{k}" for k in ("kv", "failed", "withdrawn") if g.get(k))
                             + (f"@{g['sent_ms']:.0f}>" if "sent_ms" in g else "@" if "start_ms" in g else "")
                             + (f"{g['start_ms']:.0f}/{g.get('first_token_ms', -1):.0f}ms" if "start_ms" in g else "")
                             + (f" gap {g['ingress_gap_ms']:.0f}ms@{g['ingress_gap_at_ms']:.0f}" if "ingress_gap_ms" in g
                                else "")
+                            + (f" (came {g['gap_transport_ms']:.0f}+{g['gap_local_ms']:.0f}ms)"
+                               if g.get("gap_transport_ms") is not None else " (own call)" if "gap_transport_ms" in g
+                               else "")
                             + (f" made {g['made_gap_ms']:.0f}ms@{g['made_gap_after']} lag {g['loop_lag_ms']:.0f}ms"
                                if "made_gap_ms" in g else "")
+                            + (f" held {g['mux_wait_ms']:.0f}ms" if g.get("mux_wait_ms") else "")
                             for g in (trace or {}).get("segments", [])]
                     stats["worst_gaps"].append((round(worst[0], 2), worst[1], segs, rid,  # (rid: its X-Request-Id)
                                                 round(worst[2] * 1e3)))

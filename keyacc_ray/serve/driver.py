@@ -342,7 +342,8 @@ class RequestDriver:
                                     # its first token here: TTFT at the ingress for the first segment
                                     trace.segments[-1]["first_token_ms"] = round((now - began) * 1e3, 2)
                                 elif last_token_at is not None:  # the longest wait between its tokens here
-                                    trace.token_gap(now - last_token_at, last_token_at - began)
+                                    trace.token_gap(now - last_token_at, last_token_at - began,
+                                                    hop.inbox if hop is not None else None)
                                 last_token_at = now
                                 trace.add_tokens(len(it.token_ids))
                                 generated.extend(it.token_ids)

@@ -47,10 +47,13 @@ class HopTimings:
     `made_gap_ms`: the longest time between two of its tokens leaving the engine's steps (a slow
     step, a wait for a place or for blocks); `made_gap_after`: how many tokens the hop had made
     before it; `loop_lag_ms`: the longest time a step's tokens waited for the replica's event loop
-    after the engine thread handed them over."""
+    after the engine thread handed them over; `mux_wait_ms`: how long its multiplexed token stream
+    held batches back while the hop ran, waiting for the ingress replica to say it read the ones before
+    (serve/mux.py's flow control; 0 on a hop not multiplexed)."""
     made_gap_ms: float
     made_gap_after: int
     loop_lag_ms: float
+    mux_wait_ms: float = 0.0
 
 
 @dataclass
@@ -155,12 +158,22 @@ class Trace:
             if t.made_gap_ms > seg.get("made_gap_ms", -1.0):
                 seg["made_gap_ms"], seg["made_gap_after"] = t.made_gap_ms, t.made_gap_after
             seg["loop_lag_ms"] = max(seg.get("loop_lag_ms", 0.0), t.loop_lag_ms)
+            if t.mux_wait_ms:
+                seg["mux_wait_ms"] = max(seg.get("mux_wait_ms", 0.0), t.mux_wait_ms)
 
-    def token_gap(self, gap_s: float, at_s: float) -> None:
-        """The ingress saw no token of the segment for `gap_s`, from `at_s` after the request's start."""
+    def token_gap(self, gap_s: float, at_s: float, inbox=None) -> None:
+        """The ingress saw no token of the segment for `gap_s`, from `at_s` after the request's start.
+        `inbox`: the hop's (serve/mux.py's Inbox): for a token that came on a multiplexed stream,
+        how long its batch took from the pool's send to this ingress replica's reader (the
+        transport, and the reader's turn in this replica's event loop: `gap_transport_ms`) and from
+        the reader to the driver (`gap_local_ms`); None for a token that came on the hop's own call."""
         seg = self.segments[-1] if self.segments else None
         if seg is not None and gap_s * 1e3 > seg.get("ingress_gap_ms", 0.0):
             seg["ingress_gap_ms"], seg["ingress_gap_at_ms"] = round(gap_s * 1e3, 2), round(at_s * 1e3, 2)
+            if inbox is not None:
+                came = inbox.came()
+                seg["gap_transport_ms"], seg["gap_local_ms"] = ((round(came[0] * 1e3, 2), round(came[1] * 1e3, 2))
+                                                                if came else (None, None))
 
     def to_dict(self) -> dict:
         return {"segments": self.segments, "moves": max(0, len(self.segments) - 1)}

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
 from keyacc_ray.serve.aio import wait_at_most
-from keyacc_ray.serve.messages import REPLICA_GONE_ERRORS, ReplicaGoneError, SegmentStart, TokenChunk, merge_chunks
+from keyacc_ray.serve.messages import (REPLICA_GONE_ERRORS, HopTimings, ReplicaGoneError, SegmentStart, TokenChunk,
+                                       merge_chunks)
 
 log = logging.getLogger("ray.serve")
 IDLE_CLOSE_S = 5.0  # a pool closes a subscription that carried no hop for this long
@@ -43,7 +44,10 @@ IDLE_CLOSE_S = 5.0  # a pool closes a subscription that carried no hop for this 
 # overloaded ingress reads a stream's messages slowly (one per few turns of its event loop) while a
 # transport buffer hides it from the pool: without this, a stream fell 35 s behind in the soak.
 WINDOW = 16
-ACK_WAIT_S = 1.0  # no ack for this long (lost): send anyway
+# No ack for this long (lost, or queued behind hops for a place at a full replica): send the next batch
+# anyway (everything gathered meanwhile). At 1 s, streams stalled ~1 s a batch in the 2x kill soak while
+# acks waited; a slow reader still gets at most one batch per ACK_WAIT_S past the window.
+ACK_WAIT_S = 0.25
 # A stream whose batches still arrive this late (an ingress replica too loaded to read it at the
 # pace of its tokens): the ingress asks the pool to close it, reads what is left, and sends its
 # hops there on calls of their own (each coalesced by its own reader's pace) for COOLDOWN_S.
@@ -113,6 +117,7 @@ class Channel:
         self.sent = 0  # batches yielded
         self.acked = 0  # batches the ingress replica said it read
         self._acked = asyncio.Event()
+        self.waited_s = 0.0  # time batches were held back for acks, in all (HopTimings.mux_wait_ms)
 
     def ack(self, batches: int) -> None:
         if batches > self.acked:
@@ -164,17 +169,21 @@ class Channel:
 
     async def _wait_ack(self, loop) -> None:
         """Until the ingress replica has read enough (or ACK_WAIT_S passed, or it closed)."""
-        deadline = time.monotonic() + ACK_WAIT_S
-        while self.sent - self.acked >= WINDOW and not self.closed:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self._acked.clear()
-            timer = loop.call_later(left, self._acked.set)
-            try:
-                await self._acked.wait()
-            finally:
-                timer.cancel()
+        began = time.monotonic()
+        deadline = began + ACK_WAIT_S
+        try:
+            while self.sent - self.acked >= WINDOW and not self.closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._acked.clear()
+                timer = loop.call_later(left, self._acked.set)
+                try:
+                    await self._acked.wait()
+                finally:
+                    timer.cancel()
+        finally:
+            self.waited_s += time.monotonic() - began
 
 
 class HopSender:
@@ -205,18 +214,23 @@ class HopSender:
 async def mux_hop(items: AsyncIterator[list], sender: HopSender | None) -> AsyncIterator[list]:
     """A pool hop's item lists as its own call yields them: unchanged without a sender; with
     one, each run of token chunks goes to the channel (while it is open) and everything else
-    comes out here as `MuxRun`s, then `MuxEnd`."""
+    comes out here as `MuxRun`s, then `MuxEnd`. The hop's HopTimings say how long the channel held
+    batches back for acks while the hop ran."""
     if sender is None:
         async for batch in items:
             yield batch
         return
     channel = sender.channel
     channel.active += 1
+    waited = channel.waited_s
     try:
         async for batch in items:
             out = []
             for is_tokens, run in _runs(batch):
                 if not (is_tokens and sender.send(run)):
+                    for it in run:
+                        if type(it) is HopTimings:
+                            it.mux_wait_ms = round((channel.waited_s - waited) * 1e3, 2)
                     out.append(sender.wrap(run))
             if out:
                 yield out
@@ -284,6 +298,17 @@ class Inbox:
         self.muxed = False
         self.source: tuple[str, str] | None = None  # (hop, replica) whose subscription carries it
         self.source_open: Callable[[], bool] | None = None  # that subscription is still open
+        # the last token run that came on the subscription: when the pool sent its batch, when this
+        # replica's reader took it (wall clock, time.time()); None after tokens on the hop's own call
+        self.came_at: tuple[float, float] | None = None
+
+    def came(self) -> tuple[float, float] | None:
+        """For the tokens read last: (their batch's way from the pool's send to the reader, and
+        from the reader to now), seconds; None if they came on the hop's own call."""
+        if self.came_at is None:
+            return None
+        sent, read = self.came_at
+        return read - sent, time.time() - read
 
     def run(self, seq: int, items: list) -> None:
         if seq < self._next:
@@ -376,6 +401,8 @@ class MuxHop:
                 for it in items:
                     if type(it) is MuxRun:
                         inbox.muxed = True
+                        if it.items and type(it.items[0]) is TokenChunk:  # (the subscription closed)
+                            inbox.came_at = None
                         if inbox.source is None:  # (its HopAccepted may come in a run of its own first)
                             start = next((x for x in it.items if type(x) is SegmentStart), None)
                             if start is not None:
@@ -462,7 +489,8 @@ class MuxClient:
                 self.batches += 1
                 inboxes = self._inboxes
                 sent, n, batch = pickle.loads(data)  # from our own pool replica (subscription())
-                lag = time.time() - sent
+                read = time.time()
+                lag = read - sent
                 if lag > MAX_LAG_S and not closing and self.ack is not None:
                     closing = True
                     self.lagging += 1
@@ -473,6 +501,7 @@ class MuxClient:
                 for key, seq, chunks in batch:
                     inbox = inboxes.get(key)
                     if inbox is not None:
+                        inbox.came_at = (sent, read)
                         inbox.run(seq, chunks)
                 if n - acked >= WINDOW // 2 and self.ack is not None and k not in self._acking and not closing:
                     acked = n

@@ -5,6 +5,8 @@ names. Thin shells over Ray Serve's RequestRouter API (alpha in Ray 2.60); set p
 deployment by `serve/app.py` (`prefix_affinity` in a pool's config, `stream_mux`)."""
 from __future__ import annotations
 
+import itertools
+
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve._private.request_router.request_router import LocalityMixin, MultiplexMixin, RequestRouter
 
@@ -35,7 +37,28 @@ def _prompt(pending_request) -> list[int] | None:
     return args[0].prompt_token_ids
 
 
-class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+# how far into the queue of calls waiting for a replica a subscription or an ack is looked for
+CONTROL_SCAN = 256
+
+
+class ControlFirst:
+    """A subscription or its ack (serve/mux.py) is routed before the hops queued ahead of it: Serve
+    routes a deployment's calls in the order they came (`_get_next_pending_request_to_route`), and at
+    twice the capacity an ack waited behind the queued hops for a place at its replica, ~1 s, while
+    the replica held that stream's tokens back for it (flow control): the 2x soak's stalls. The
+    override of a private method of Ray 2.60's RequestRouter (tests/serve/test_mux.py
+    checks it is there); without it, the queue's order as before."""
+
+    def _get_next_pending_request_to_route(self):
+        queue = self._pending_requests_to_route
+        for i, pr in enumerate(itertools.islice(queue, CONTROL_SCAN)):
+            if not pr.future.done() and is_subscribe(getattr(pr, "args", None) or ()):
+                del queue[i]
+                return pr
+        return super()._get_next_pending_request_to_route()
+
+
+class PrefixAffinityRouter(ControlFirst, LocalityMixin, MultiplexMixin, RequestRouter):
     """Not FIFO (as Ray Serve LLM's prefix router): the replica chosen for a request serves that
     request, so that an affine choice is not handed to whichever request waits longest."""
 
@@ -74,7 +97,7 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self.affinity.forget(replica_id.unique_id)
 
 
-class MuxRouter(PowerOfTwoChoicesRequestRouter):
+class MuxRouter(ControlFirst, PowerOfTwoChoicesRequestRouter):
     """Serve's default (power of two choices, FIFO), but a subscription goes to its replica."""
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):

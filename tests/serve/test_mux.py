@@ -375,6 +375,34 @@ def test_the_request_router_sends_a_subscription_to_the_replica_it_names():
     assert _target(reps, Pending(("a request",))) is None and _target(reps, None) is None
 
 
+@pytest.mark.parametrize("cls", ["MuxRouter", "PrefixAffinityRouter"])
+def test_a_subscription_or_an_ack_is_routed_before_the_hops_queued_ahead_of_it(cls):
+    """ControlFirst over Ray's own RequestRouter: the next call to route is the first subscription
+    or ack waiting (not one already done), else the oldest call as Serve picks it."""
+    pytest.importorskip("ray.serve")
+    import collections
+
+    from ray.serve._private.request_router.request_router import RequestRouter
+
+    from keyacc_ray.serve import request_router
+    from keyacc_ray.serve.mux import MuxAck
+
+    assert hasattr(RequestRouter, "_get_next_pending_request_to_route")  # (Ray's private method it overrides)
+
+    class Pending:
+        def __init__(self, arg, done=False):
+            self.args = (arg,)
+            self.future = type("F", (), {"done": lambda self: done})()
+
+    r = object.__new__(getattr(request_router, cls))
+    hops = [Pending(f"hop {i}") for i in range(3)]
+    done_ack, ack, sub = Pending(MuxAck("i", "a", 16), done=True), Pending(MuxAck("i", "a", 32)), Pending(
+        Subscribe("i", "b"))
+    r._pending_requests_to_route = collections.deque([hops[0], done_ack, hops[1], ack, sub, hops[2]])
+    order = [r._get_next_pending_request_to_route() for _ in range(5)]
+    assert order == [ack, sub, hops[0], hops[1], hops[2]] and r._get_next_pending_request_to_route() is None
+
+
 def test_mux_client_does_not_ask_a_refusing_replica_again_at_once():
     async def go():
         calls = []
@@ -401,9 +429,12 @@ def test_a_token_chunk_pickles_as_its_fields():
     assert len(pickle.dumps(c)) < len(pickle.dumps(dataclasses.asdict(c)))
 
 
-def test_a_pool_sends_at_most_a_window_of_unread_batches_and_gathers_tokens_meanwhile():
+def test_a_pool_sends_at_most_a_window_of_unread_batches_and_gathers_tokens_meanwhile(monkeypatch):
     """Flow control: an ingress replica that reads slowly gets fewer, bigger batches (as a slow
-    reader of one stream per hop got bigger chunks), not an ever longer backlog."""
+    reader of one stream per hop got bigger chunks), not an ever longer backlog; with no ack for
+    ACK_WAIT_S, the next batch goes anyway."""
+    monkeypatch.setattr(mux_mod, "ACK_WAIT_S", 30.0)  # (a slow machine's loop: no batch by timeout here)
+
     async def go():
         ch = Channel(0.0)
         got = []
@@ -421,6 +452,14 @@ def test_a_pool_sends_at_most_a_window_of_unread_batches_and_gathers_tokens_mean
         await asyncio.sleep(0.01)
         assert len(got) == mux_mod.WINDOW + 1 and len(got[-1]) == mux_mod.WINDOW * 2
         assert [seq for b in got for _, seq, _ in b] == list(range(mux_mod.WINDOW * 3))
+        mux_mod.ACK_WAIT_S = 0.05  # the window is full again: no ack, and the next batch goes after this
+        for i in range(mux_mod.WINDOW):
+            ch.put(1, 100 + i, [_tok(i)])
+            await asyncio.sleep(0.002)
+        n = len(got)
+        ch.put(1, 200, [_tok(0)])
+        await asyncio.sleep(0.3)
+        assert len(got) == n + 1 and got[-1][-1][1] == 200
         ch.close()
         await asyncio.wait_for(task, 2)
 
@@ -526,3 +565,79 @@ def test_a_hop_knows_its_token_stream_whether_its_acceptance_comes_alone_or_with
         client.close()
 
     asyncio.run(go())
+
+
+def test_a_hops_timings_say_how_long_its_token_stream_held_batches_back_for_acks(monkeypatch):
+    """mux_hop fills in HopTimings.mux_wait_ms: what the channel waited for acks while the hop
+    ran (not before it); the channel counts its waits (Channel.waited_s)."""
+    from keyacc_ray.serve.messages import HopTimings
+
+    monkeypatch.setattr(mux_mod, "ACK_WAIT_S", 30.0)
+
+    async def go():
+        ch = Channel(0.0)
+        ch.waited_s = 2.0  # held back before this hop began: not this hop's
+
+        async def hop():
+            yield [SegmentStart("cpu", "decode", "r", "D")]
+            yield [_tok(1)]
+            ch.waited_s += 0.25  # (as _wait_ack adds)
+            yield [_tok(2), HopTimings(5.0, 1, 2.0)]
+
+        out = [i for items in [x async for x in mux_hop(hop(), HopSender(ch, 1))] for i in items]
+        (t,) = [i for run in out if hasattr(run, "items") for i in run.items if isinstance(i, HopTimings)]
+        assert t.mux_wait_ms == 250.0
+
+        waiting = Channel(0.0)  # and the channel's own count: a window unread, then an ack 50 ms later
+        got = []
+
+        async def reader():
+            async for batch in waiting.batches():
+                got.append(batch)
+
+        task = asyncio.ensure_future(reader())
+        for i in range(mux_mod.WINDOW + 1):
+            waiting.put(1, i, [_tok(i)])
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)
+        waiting.ack(mux_mod.WINDOW)
+        await asyncio.sleep(0.01)
+        waiting.close()
+        await asyncio.wait_for(task, 2)
+        assert len(got) == mux_mod.WINDOW + 1 and 0.04 <= waiting.waited_s < 0.5
+
+    asyncio.run(go())
+
+
+def test_the_trace_says_how_the_token_that_ended_a_gap_came(muxed):
+    """Trace.token_gap with the hop's inbox: a token that came on the token stream has its batch's
+    way from the pool's send to the ingress's reader and from there to the driver; one that came on
+    the hop's own call (the first hop on a replica is not multiplexed) says so (None)."""
+    driver, router, pools = make()
+
+    async def go():
+        await collect_cold(driver, request(6, route="cpu", rid="a"))  # (subscribes for the next)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return await collect(driver, request(6, route="cpu", rid="b"))
+
+    tokens, errors, trace = asyncio.run(go())
+    (seg,) = trace["segments"]
+    assert "ingress_gap_ms" in seg and driver.mux.batches > 0
+    assert 0 <= seg["gap_transport_ms"] < 1000 and 0 <= seg["gap_local_ms"] < 1000
+
+    inbox = Inbox()
+    assert inbox.came() is None  # nothing on the token stream yet: the hop's own call
+    inbox.came_at = (time.time() - 0.3, time.time() - 0.1)
+    way, here = inbox.came()
+    assert 0.19 < way < 0.21 and 0.09 < here < 0.5
+
+    from keyacc_ray.serve.messages import SegmentStart as Start, Trace
+    tr = Trace()
+    tr.start(Start("gpu", "decode", "g", "GpuDecode"))
+    tr.token_gap(0.5, 1.0, Inbox())  # the worst gap's token came on the hop's own call
+    assert tr.segments[0]["gap_transport_ms"] is None and tr.segments[0]["gap_local_ms"] is None
+    tr.token_gap(0.1, 2.0, inbox)  # not the worst: nothing changes
+    assert tr.segments[0]["gap_transport_ms"] is None
+    tr.token_gap(0.9, 3.0, inbox)
+    assert 190 < tr.segments[0]["gap_transport_ms"] < 210
