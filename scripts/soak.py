@@ -16,7 +16,8 @@ spacings of the server's token there, the spread of two correct computations mea
 `completed_near_tie`, kept in `near_tie_examples` with the gap.
 With --tiers: prompts share a few long heads (prefix caching), the emulated GPU pool's block
 pool holds a fraction of them, host and disk KV tiers under every pool; it also reports the
-longest gap inside a stream and, once idle, any replica whose KV blocks are not all free again.
+longest gap inside a stream (`worst_gaps`: the 8 longest over 1 s, each with its path) and, once idle,
+any replica whose KV blocks are not all free again.
 Gaps over 2 s are counted per 10 s of the run (`gaps_over_2s_by_10s`) and by where on the path
 (`gaps_over_2s_where`: inside a pool's segment, or moving from one pool to the next), and without
 the part of each that this client's own loop was late (`stream_gaps_over_2s_less_client_lag`),
@@ -146,18 +147,22 @@ async def good(client, rng, checks, stats, stream: bool, tiers: bool = False):
                         stats["stream_gaps_over_2s_less_client_lag"] += 1
                         tally(stats["server_gaps_by_10s"], window(stats, b))
                         tally(stats["server_gaps_where"], w)
-                if worst[0] > 2.0:  # where the longest stalls happened: the request's path
-                    # (each segment with when the ingress sent its hop (`sent>`), when its replica took
-                    # it and when its first token reached the ingress, ms from the request's start there; the gap's start is ms from sending it;
-                    # its longest wait between tokens at the ingress and when it began, and in its
-                    # replica: between the engine's steps that made them (after how many tokens of the
-                    # hop), and for the replica's event loop; the token that ended the ingress's gap: its
-                    # batch's way from the pool to the ingress's reader + from there to the driver, or
-                    # "own call" (not multiplexed); how long its token stream held batches back for acks)
+                if worst[0] > 1.0:  # where the longest stalls happened (over 1 s): the request's path
+                    # (each segment with when the ingress sent its hop (`sent>`), when its replica took it
+                    # and when its first token reached the ingress, ms from the request's start there;
+                    # after a hand-off, when the ingress had it (`handed`: handed..sent is the router's
+                    # answer); its longest wait between tokens at the ingress and when it began; the token
+                    # that ended that wait: its batch's way from the pool to the ingress's reader + from
+                    # there to the driver, or "own call" (not multiplexed); in its replica: the longest
+                    # wait between the engine's steps that made its tokens (after how many tokens of the
+                    # hop), for the replica's event loop, and how long its token stream held batches back
+                    # for acks. The gap's own start, after the list, is ms from sending the request.)
                     segs = [f"{g.get('pool')}/{g.get('phase')}:{g.get('tokens')}"
                             + "".join(f",{k}" for k in ("kv", "failed", "withdrawn") if g.get(k))
                             + (f"@{g['sent_ms']:.0f}>" if "sent_ms" in g else "@" if "start_ms" in g else "")
                             + (f"{g['start_ms']:.0f}/{g.get('first_token_ms', -1):.0f}ms" if "start_ms" in g else "")
+                            + (f" (handed {g['start_ms'] - g['handoff_ms']:.0f})"
+                               if "handoff_ms" in g and "start_ms" in g else "")
                             + (f" gap {g['ingress_gap_ms']:.0f}ms@{g['ingress_gap_at_ms']:.0f}" if "ingress_gap_ms" in g
                                else "")
                             + (f" (came {g['gap_transport_ms']:.0f}+{g['gap_local_ms']:.0f}ms)"
