@@ -148,10 +148,10 @@ async def good(client, rng, checks, stats, stream: bool, tiers: bool = False):
                         tally(stats["server_gaps_by_10s"], window(stats, b))
                         tally(stats["server_gaps_where"], w)
                 if worst[0] > 1.0:  # where the longest stalls happened (over 1 s): the request's path
-                    # (each segment with when the ingress sent its hop (`sent>`), when its replica took it
-                    # and when its first token reached the ingress, ms from the request's start there;
-                    # after a hand-off, when the ingress had it (`handed`: handed..sent is the router's
-                    # answer); its longest wait between tokens at the ingress and when it began; the token
+                    # (each segment with when the hop before it ended at the ingress (`ended..`: from there
+                    # to `sent`, the router's answer), when the ingress sent its hop (`sent>`), when its
+                    # replica took it and when its first token reached the ingress, ms from the request's
+                    # start there; its longest wait between tokens at the ingress and when it began; the token
                     # that ended that wait: its batch's way from the pool to the ingress's reader + from
                     # there to the driver, or "own call" (not multiplexed); in its replica: the longest
                     # wait between the engine's steps that made its tokens (after how many tokens of the
@@ -159,10 +159,9 @@ async def good(client, rng, checks, stats, stream: bool, tiers: bool = False):
                     # for acks. The gap's own start, after the list, is ms from sending the request.)
                     segs = [f"{g.get('pool')}/{g.get('phase')}:{g.get('tokens')}"
                             + "".join(f",{k}" for k in ("kv", "failed", "withdrawn") if g.get(k))
-                            + (f"@{g['sent_ms']:.0f}>" if "sent_ms" in g else "@" if "start_ms" in g else "")
+                            + "@" + (f"{g['prev_end_ms']:.0f}.." if "prev_end_ms" in g else "")
+                            + (f"{g['sent_ms']:.0f}>" if "sent_ms" in g else "")
                             + (f"{g['start_ms']:.0f}/{g.get('first_token_ms', -1):.0f}ms" if "start_ms" in g else "")
-                            + (f" (handed {g['start_ms'] - g['handoff_ms']:.0f})"
-                               if "handoff_ms" in g and "start_ms" in g else "")
                             + (f" gap {g['ingress_gap_ms']:.0f}ms@{g['ingress_gap_at_ms']:.0f}" if "ingress_gap_ms" in g
                                else "")
                             + (f" (came {g['gap_transport_ms']:.0f}+{g['gap_local_ms']:.0f}ms)"

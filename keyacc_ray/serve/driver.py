@@ -255,6 +255,7 @@ class RequestDriver:
         trace = Trace()
         handoff: Handoff | None = None
         handed_at = 0.0
+        ended_at: float | None = None  # when the last hop ended here (its hand-off, failure, stall or refusal)
         last_token_at: float | None = None  # when the current segment's last token reached the ingress
         generated: list[int] = []  # every token streamed to the client so far
         emitted_chars = 0
@@ -318,6 +319,8 @@ class RequestDriver:
                                 # this hop was sent (after the last one ended and the router chose it)
                                 trace.segments[-1]["start_ms"] = round((time.monotonic() - began) * 1e3, 2)
                                 trace.segments[-1]["sent_ms"] = round((started - began) * 1e3, 2)
+                                if ended_at is not None:  # (sent less this: the router's answer)
+                                    trace.segments[-1]["prev_end_ms"] = round((ended_at - began) * 1e3, 2)
                                 last_token_at = None
                             if new_segment and handoff is not None and it.kv == "received":
                                 # the hand-off that brought it: its KV bytes, and from the end of the
@@ -399,7 +402,8 @@ class RequestDriver:
                 # between): the request is complete, nothing to go on with (a recovery from every
                 # token it may make was refused as "no tokens left": the 2x kill soak's cut streams)
                 outcome = "done"
-            end = HopEnd(outcome, time.monotonic() - started, len(generated), handoff is not None, err_name,
+            ended_at = time.monotonic()
+            end = HopEnd(outcome, ended_at - started, len(generated), handoff is not None, err_name,
                          finished=finish_reason in ("stop", "length"),
                          replica=trace.segments[-1]["replica"] if segment_started and outcome == "failed" else "")
             if outcome == "done":

@@ -705,6 +705,8 @@ def test_vllm_metrics_and_the_dashboard(app_url, client):
     # and when the ingress sent each hop: before its replica took it, the next after the last's token
     assert 0 <= first["sent_ms"] <= first["start_ms"]
     assert first["first_token_ms"] <= moved["sent_ms"] <= moved["start_ms"]
+    # and when the hop before it ended at the ingress (its hand-off), before the router's answer sent it
+    assert "prev_end_ms" not in first and first["first_token_ms"] <= moved["prev_end_ms"] <= moved["sent_ms"]
     # where each hop's tokens waited: in its engine, for its replica's event loop, at the ingress
     for seg in (first, moved):
         assert seg["made_gap_ms"] >= 0 and seg["loop_lag_ms"] >= 0 and 0 <= seg["made_gap_after"] <= seg["tokens"]

@@ -2067,3 +2067,23 @@ def test_a_burst_past_the_cpu_pools_queue_bound_queues_on_the_gpu_instead_of_bei
     # then the GPU's queue again, not a CPU queue past its bound
     assert routes == ["gpu"] * 9 + ["cpu"] * 7 + ["gpu"] * 4, routes
     assert r.policy.counters["queue_bound_to_gpu"] == 4
+
+
+@pytest.mark.parametrize("fault", [False, True])
+def test_each_segment_after_the_first_says_when_the_hop_before_it_ended(fault):
+    """prev_end_ms: when the hop before a segment ended at the ingress (a hand-off, or a failure),
+    so that prev_end_ms..sent_ms is the router's answer; in order with the other timings."""
+    driver, router, pools = make()
+    if fault:
+        pools["gpu_decode"].fail_after = 2
+    tokens, errors, trace = asyncio.run(collect(driver, request(10, route="stage" if not fault else None,
+                                                                migrate_back_after=3 if not fault else None)))
+    segs = trace["segments"]
+    assert tokens == [100 + i for i in range(10)] and not errors and len(segs) >= 3
+    assert "prev_end_ms" not in segs[0] and all("prev_end_ms" in s for s in segs[1:])
+    for a, b in zip(segs, segs[1:]):
+        assert a["first_token_ms"] <= b["prev_end_ms"] <= b["sent_ms"] <= b["start_ms"] <= b["first_token_ms"]
+    if fault:  # the GPU decode hop failed after its 2 tokens, and went on on the CPU pool
+        assert segs[1]["failed"] and segs[1]["tokens"] == 2 and segs[2]["pool"] == "cpu"
+    else:  # prefill on the GPU, 3 tokens on the CPU, back to the GPU
+        assert [s["pool"] for s in segs] == ["gpu", "cpu", "gpu"]
