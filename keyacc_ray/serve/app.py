@@ -367,15 +367,14 @@ def build_app(args: dict | None = None):
         opts = {**(replicas or {"num_replicas": p.replicas}), "max_ongoing_requests": ongoing,
                 "max_queued_requests": p.max_queued_requests, "health_check_period_s": 5, **logs("internal")}
         affinity = p.prefix_affinity and p.enable_prefix_caching and not replicas and p.replicas > 1
-        if affinity or cfg.stream_mux:
-            from ray.serve.config import RequestRouterConfig
+        from ray.serve.config import RequestRouterConfig  # (streams under way first, in both)
 
-            from keyacc_ray.serve.request_router import CLASS_PATH, MUX_CLASS_PATH
+        from keyacc_ray.serve.request_router import CLASS_PATH, MUX_CLASS_PATH
 
-            opts["request_router_config"] = RequestRouterConfig(
-                request_router_class=CLASS_PATH, request_router_kwargs={
-                    "block_size": p.kv_block_size, "imbalance": p.prefix_affinity_imbalance}) if affinity else \
-                RequestRouterConfig(request_router_class=MUX_CLASS_PATH)
+        opts["request_router_config"] = RequestRouterConfig(
+            request_router_class=CLASS_PATH, request_router_kwargs={
+                "block_size": p.kv_block_size, "imbalance": p.prefix_affinity_imbalance}) if affinity else \
+            RequestRouterConfig(request_router_class=MUX_CLASS_PATH)
         resources = dict(p.resources)
         if numa_node is not None and f"keyacc_numa_{numa_node}" in cluster:
             # a bundle that takes this NUMA node's cores (resources from scripts/start_node.py)

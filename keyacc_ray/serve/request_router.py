@@ -1,8 +1,9 @@
 """The pools' Serve request routers: power of two choices, with prefix affinity
 (`serve/prefix_affinity.py`) for prompts and hand-offs where a pool has several replicas, and in both a
 subscription to a replica's multiplexed token stream (`serve/mux.py`) sent to the replica it
-names. Thin shells over Ray Serve's RequestRouter API (alpha in Ray 2.60); set per pool
-deployment by `serve/app.py` (`prefix_affinity` in a pool's config, `stream_mux`)."""
+names, and the calls waiting for a full replica taken in `priority` order (token streams' control,
+then streams under way, then new requests). Thin shells over Ray Serve's RequestRouter API (alpha
+in Ray 2.60); set for every pool deployment by `serve/app.py` (`prefix_affinity` in a pool's config)."""
 from __future__ import annotations
 
 import itertools
@@ -37,28 +38,53 @@ def _prompt(pending_request) -> list[int] | None:
     return args[0].prompt_token_ids
 
 
-# how far into the queue of calls waiting for a replica a subscription or an ack is looked for
-CONTROL_SCAN = 256
+# how far into the queue of calls waiting for a replica a call that goes first is looked for
+PRIORITY_SCAN = 256
 
 
-class ControlFirst:
-    """A subscription or its ack (serve/mux.py) is routed before the hops queued ahead of it: Serve
-    routes a deployment's calls in the order they came (`_get_next_pending_request_to_route`), and at
-    twice the capacity an ack waited behind the queued hops for a place at its replica, ~1 s, while
-    the replica held that stream's tokens back for it (flow control): the 2x soak's stalls. The
-    override of a private method of Ray 2.60's RequestRouter (tests/serve/test_mux.py
-    checks it is there); without it, the queue's order as before."""
+def priority(pending_request) -> int:
+    """0: a token stream's subscription or ack (serve/mux.py); 1: a hop of a stream under way (it
+    comes with a hand-off: a move, a failover; its client has tokens and waits between two); 2:
+    anything else (a request's first hop)."""
+    args = getattr(pending_request, "args", None) or ()
+    if is_subscribe(args):
+        return 0
+    if len(args) > 1 and isinstance(args[0], GenerateRequest) and args[1] is not None:
+        return 1
+    return 2
+
+
+class UnderWayFirst:
+    """Calls queued for a full replica are routed in `priority` order, and in the order they came
+    within one: Serve routes a deployment's calls in the order they came
+    (`_get_next_pending_request_to_route`), and at twice the capacity with GPU kills (1) an ack
+    waited ~1 s behind queued hops for a place at its replica while the replica held that stream's
+    tokens back for it (flow control), and (2) streams failed over or handed off to the CPU pool
+    waited ~2 s behind new requests for a place there: the 2x soak's stalls. The engine already
+    schedules streams under way before fresh prompts (engine/scheduler.py); this is the same
+    order one queue earlier. The override of a private method of Ray 2.60's RequestRouter
+    (tests/serve/test_mux.py checks it is there); without it, the queue's order as before."""
 
     def _get_next_pending_request_to_route(self):
         queue = self._pending_requests_to_route
-        for i, pr in enumerate(itertools.islice(queue, CONTROL_SCAN)):
-            if not pr.future.done() and is_subscribe(getattr(pr, "args", None) or ()):
-                del queue[i]
-                return pr
+        first = None
+        for i, pr in enumerate(itertools.islice(queue, PRIORITY_SCAN)):
+            if pr.future.done():
+                continue
+            rank = priority(pr)
+            if rank == 0:
+                first = i
+                break
+            if rank == 1 and first is None:
+                first = i
+        if first is not None:
+            pr = queue[first]
+            del queue[first]
+            return pr
         return super()._get_next_pending_request_to_route()
 
 
-class PrefixAffinityRouter(ControlFirst, LocalityMixin, MultiplexMixin, RequestRouter):
+class PrefixAffinityRouter(UnderWayFirst, LocalityMixin, MultiplexMixin, RequestRouter):
     """Not FIFO (as Ray Serve LLM's prefix router): the replica chosen for a request serves that
     request, so that an affine choice is not handed to whichever request waits longest."""
 
@@ -97,8 +123,9 @@ class PrefixAffinityRouter(ControlFirst, LocalityMixin, MultiplexMixin, RequestR
         self.affinity.forget(replica_id.unique_id)
 
 
-class MuxRouter(ControlFirst, PowerOfTwoChoicesRequestRouter):
-    """Serve's default (power of two choices, FIFO), but a subscription goes to its replica."""
+class MuxRouter(UnderWayFirst, PowerOfTwoChoicesRequestRouter):
+    """Serve's default (power of two choices), but in `priority` order, and a subscription goes to
+    its replica. Every pool's router where prefix affinity is off."""
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         target = _target(candidate_replicas, pending_request)

@@ -376,31 +376,39 @@ def test_the_request_router_sends_a_subscription_to_the_replica_it_names():
 
 
 @pytest.mark.parametrize("cls", ["MuxRouter", "PrefixAffinityRouter"])
-def test_a_subscription_or_an_ack_is_routed_before_the_hops_queued_ahead_of_it(cls):
-    """ControlFirst over Ray's own RequestRouter: the next call to route is the first subscription
-    or ack waiting (not one already done), else the oldest call as Serve picks it."""
+def test_calls_queued_for_a_full_replica_go_control_first_then_streams_under_way_then_new_requests(cls):
+    """UnderWayFirst over Ray's own RequestRouter: the next call to route is the first subscription
+    or ack waiting (not one already done), else the first hop that comes with a hand-off (a stream
+    under way), else the oldest call as Serve picks it."""
     pytest.importorskip("ray.serve")
     import collections
 
     from ray.serve._private.request_router.request_router import RequestRouter
 
     from keyacc_ray.serve import request_router
+    from keyacc_ray.serve.messages import GenerateRequest, Handoff
     from keyacc_ray.serve.mux import MuxAck
 
     assert hasattr(RequestRouter, "_get_next_pending_request_to_route")  # (Ray's private method it overrides)
 
     class Pending:
-        def __init__(self, arg, done=False):
-            self.args = (arg,)
+        def __init__(self, *args, done=False):
+            self.args = args
             self.future = type("F", (), {"done": lambda self: done})()
 
+    def hop(i, moved=False):
+        req = GenerateRequest(f"r{i}", [1, 2, 3], {"max_tokens": 4})
+        return Pending(req, Handoff(req.request_id, None, [], [1, 2, 3, 9], 3, {}, None, 0) if moved else None, None)
+
     r = object.__new__(getattr(request_router, cls))
-    hops = [Pending(f"hop {i}") for i in range(3)]
+    new = [hop(i) for i in range(3)]
+    moved, moved_done = hop(7, moved=True), Pending(*hop(8, moved=True).args, done=True)
     done_ack, ack, sub = Pending(MuxAck("i", "a", 16), done=True), Pending(MuxAck("i", "a", 32)), Pending(
         Subscribe("i", "b"))
-    r._pending_requests_to_route = collections.deque([hops[0], done_ack, hops[1], ack, sub, hops[2]])
-    order = [r._get_next_pending_request_to_route() for _ in range(5)]
-    assert order == [ack, sub, hops[0], hops[1], hops[2]] and r._get_next_pending_request_to_route() is None
+    r._pending_requests_to_route = collections.deque([new[0], moved_done, done_ack, new[1], moved, ack, sub, new[2]])
+    order = [r._get_next_pending_request_to_route() for _ in range(6)]
+    assert order == [ack, sub, moved, new[0], new[1], new[2]] and r._get_next_pending_request_to_route() is None
+    assert [request_router.priority(x) for x in (sub, ack, moved, new[0], Pending())] == [0, 0, 1, 2, 2]
 
 
 def test_mux_client_does_not_ask_a_refusing_replica_again_at_once():
