@@ -48,10 +48,14 @@ WINDOW = 16
 # anyway (everything gathered meanwhile). At 1 s, streams stalled ~1 s a batch in the 2x kill soak while
 # acks waited; a slow reader still gets at most one batch per ACK_WAIT_S past the window.
 ACK_WAIT_S = 0.25
-# A stream whose batches still arrive this late (an ingress replica too loaded to read it at the
-# pace of its tokens): the ingress asks the pool to close it, reads what is left, and sends its
-# hops there on calls of their own (each coalesced by its own reader's pace) for COOLDOWN_S.
-MAX_LAG_S = 1.0
+# A stream whose batches still arrive this late, window and all (an ingress replica too loaded to read
+# it at the pace of its tokens): the ingress asks the pool to close it, reads what is left, and sends
+# its hops there on calls of their own (each coalesced by its own reader's pace) for COOLDOWN_S. A
+# last resort: a whole ingress short of CPU reads its own calls no faster, and pays more per token on
+# them (one message per hop, not per step): at 1 s, the 2x soak's CPU kills closed the streams as the
+# restarted replica took its queue, and the GPU pool's streams then stalled 2-2.6 s on their own calls
+# (7 gaps over 2 s in one run; 0 in the next run with it off).
+MAX_LAG_S = 10.0
 COOLDOWN_S = 30.0
 # A hop whose call ended waits this long for its last runs, then fails; while the token stream that
 # carries them is still open, up to LATE_LIMIT_S: they are late (an ingress replica too loaded to read
