@@ -476,15 +476,16 @@ def test_a_pool_sends_at_most_a_window_of_unread_batches_and_gathers_tokens_mean
 
 def test_the_ingress_acks_what_it_read(muxed):
     driver, router, pools = make()
+    n = mux_mod.WINDOW * 2 + 8  # (tokens: more batches than a window)
 
     async def go():
-        tokens, errors, trace = await collect(driver, request(40, route="cpu"))
+        tokens, errors, trace = await collect(driver, request(n, route="cpu"))
         await asyncio.sleep(0.01)
         (ch,) = pools["cpu_decode/0"].channels.values()
         return tokens, ch.sent, ch.acked
 
     tokens, sent, acked = asyncio.run(go())
-    assert tokens == [100 + i for i in range(40)]
+    assert tokens == [100 + i for i in range(n)]
     assert sent >= mux_mod.WINDOW and sent - mux_mod.WINDOW < acked <= sent
 
 
