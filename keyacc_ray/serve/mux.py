@@ -42,11 +42,11 @@ IDLE_CLOSE_S = 5.0  # a pool closes a subscription that carried no hop for this 
 # Flow control: at most WINDOW batches on their way to an ingress replica that has not said it read
 # them (`MuxAck`, every WINDOW // 2); meanwhile the pool's tokens gather into the next batch. An
 # overloaded ingress reads a stream's messages slowly (one per few turns of its event loop) while a
-# transport buffer hides it from the pool: without this, a stream fell 35 s behind in the soak. 64: an
-# ack is a Serve call that may wait for a place at a full replica (it goes first, but a place frees only
-# when a hop there ends): with 16 (80 ms of batches at the 5 ms interval) the 2x kill soak's streams
-# were held up to 2.2 s in all while the ingress read them in time.
-WINDOW = 64
+# transport buffer hides it from the pool: without this, a stream fell 35 s behind in the soak. (64
+# was tried, for acks that wait for a place at a full replica: at 2x with GPU kills an ingress short of
+# CPU then fell 3-4 s behind its streams, 18 gaps over 2 s in one run; the window clocks the pool to
+# the reader.)
+WINDOW = 16
 # No ack for this long (lost, or queued behind hops for a place at a full replica): send the next batch
 # anyway (everything gathered meanwhile). At 1 s, streams stalled ~1 s a batch in the 2x kill soak while
 # acks waited; a slow reader still gets at most one batch per ACK_WAIT_S past the window.
