@@ -505,10 +505,11 @@ class MuxClient:
                     log.warning("token stream from %s %s: a batch %.2f s late; closing it, hops there on "
                                 "calls of their own for %.0f s", k[0], k[1], lag, COOLDOWN_S)
                     self._send_ack(k, n, close=True)
+                came = (sent, read)
                 for key, seq, chunks in batch:
                     inbox = inboxes.get(key)
                     if inbox is not None:
-                        inbox.came_at = (sent, read)
+                        inbox.came_at = came
                         inbox.run(seq, chunks)
                 if n - acked >= WINDOW // 2 and self.ack is not None and k not in self._acking and not closing:
                     acked = n
